@@ -1,0 +1,68 @@
+"""``mlxd`` command line: ``serve`` (the daemon) and ``bench`` (load generator)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+from daemon import blas
+from daemon.settings import SettingsError, load_settings
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="mlxd", description="MLX serving daemon")
+    sub = parser.add_subparsers(dest="command", required=True)
+    serve = sub.add_parser("serve", help="serve a model over HTTP (OpenAI API)")
+    serve.add_argument("model", nargs="?", help="mlx-lm model dir or .gguf file (default: SmolLM2)")
+    serve.add_argument("--host")
+    serve.add_argument("--port", type=int)
+    serve.add_argument("--config", type=Path, help="TOML file overriding config/default.toml")
+    bench = sub.add_parser("bench", help="benchmark a running server or the in-process engine")
+    bench.add_argument("args", nargs=argparse.REMAINDER)
+    return parser
+
+
+def _overrides(args: argparse.Namespace) -> dict:
+    server = {k: v for k, v in (("host", args.host), ("port", args.port)) if v is not None}
+    model = {"path": args.model} if args.model else {}
+    return {"server": server, "model": model}
+
+
+def serve(args: argparse.Namespace) -> int:
+    try:
+        settings = load_settings(args.config, _overrides(args))
+    except SettingsError as exc:
+        print(f"mlxd: bad config: {exc}", file=sys.stderr)
+        return 2
+    logging.basicConfig(
+        level=settings.logging.level,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    logging.getLogger("mlxd").info(blas.status())
+    import trio
+
+    from daemon.supervisor import serve as serve_forever
+
+    try:
+        trio.run(serve_forever, settings)
+    except (FileNotFoundError, ValueError) as exc:
+        logging.getLogger("mlxd").error("start-up failed: %s", exc)
+        return 1
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    if args.command == "serve":
+        blas.reexec_with_openblas()
+        return serve(args)
+    from scripts.bench import main as bench_main
+
+    blas.reexec_with_openblas()
+    return bench_main(args.args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,158 @@
+"""The supervisor: every actor, every channel and its buffer, started in order.
+
+    HTTP ──Admit/Release──▶ admission ──▶ tokenizer ──Submit──▶ engine ──EngineStep──▶ streamer
+      ▲         (max_waiting)         (1)           (max_running)    (engine_outbox)      │
+      └──────────────────────────── mailboxes (merge, never block) ◀─────────────────────┘
+    HTTP ──Abort (session close)──▶ engine
+
+The HTTP server starts first (``/health`` answers 503 while the model loads);
+the engine starts next, and ``nursery.start`` returns once the model is loaded;
+then the streamer, tokenizer and admission controller. SIGTERM/SIGINT switch to
+draining: new requests get 503, in-flight ones get ``drain_timeout_s`` to end.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+from dataclasses import dataclass
+from pathlib import Path
+
+import trio
+from hypercorn.config import Config as HypercornConfig
+from hypercorn.trio import serve as hypercorn_serve
+
+from actors import admission, streamer, tokenizer
+from actors.admission import AdmissionPolicy
+from actors.engine import actor as engine
+from actors.engine.actor import RunnerFactory
+from actors.mailbox import Mailboxes
+from actors.streamer import StreamState
+from actors.tokenizer import PromptBuilder
+from daemon.app import create_app
+from daemon.pipeline import Pipeline, ServerState
+from daemon.settings import Settings
+from protocol.messages import AdmissionInbox, AdmittedRequest, EngineInbox, EngineStep
+
+log = logging.getLogger("mlxd")
+
+
+def mlx_runner_factory(settings: Settings) -> RunnerFactory:
+    """Loads the real model; runs on the generation thread (imports MLX there)."""
+
+    def factory():
+        from actors.engine.runner import load_runner
+
+        m = settings.model
+        return load_runner(
+            m.path,
+            Path(m.cache_dir).expanduser(),
+            dequantize_on_cpu=m.dequantize_on_cpu,
+            max_batch=settings.engine.max_batch,
+        )
+
+    return factory
+
+
+@dataclass
+class Graph:
+    """The channels between the actors, opened before any actor runs."""
+
+    pipeline: Pipeline
+    admission_rx: trio.MemoryReceiveChannel[AdmissionInbox]
+    tokenize: tuple[
+        trio.MemorySendChannel[AdmittedRequest], trio.MemoryReceiveChannel[AdmittedRequest]
+    ]
+    engine: tuple[trio.MemorySendChannel[EngineInbox], trio.MemoryReceiveChannel[EngineInbox]]
+    steps: tuple[trio.MemorySendChannel[EngineStep], trio.MemoryReceiveChannel[EngineStep]]
+
+
+def open_graph(s: Settings) -> Graph:
+    # Handlers block briefly here when a burst arrives; admission answers at once.
+    admission_tx, admission_rx = trio.open_memory_channel[AdmissionInbox](s.admission.max_waiting)
+    engine = trio.open_memory_channel[EngineInbox](s.admission.max_running)
+    pipeline = Pipeline(admission=admission_tx, engine=engine[0].clone(), mailboxes=Mailboxes())
+    return Graph(
+        pipeline=pipeline,
+        admission_rx=admission_rx,
+        # Admission waits for the tokenizer, which starts a task per request at once.
+        tokenize=trio.open_memory_channel[AdmittedRequest](1),
+        # Submits and aborts; the engine drains it every step.
+        engine=engine,
+        # A few steps of slack between the engine thread and the streamer.
+        steps=trio.open_memory_channel[EngineStep](s.streaming.engine_outbox),
+    )
+
+
+async def run_actors(
+    graph: Graph,
+    settings: Settings,
+    factory: RunnerFactory,
+    *,
+    task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Start the actors in dependency order; ``started`` once the model is loaded."""
+    s, pipeline, mailboxes = settings, graph.pipeline, graph.pipeline.mailboxes
+    async with trio.open_nursery() as nursery:
+        info = await nursery.start(engine.run, graph.engine[1], graph.steps[0], factory, s.engine)
+        pipeline.info = info
+        await nursery.start(streamer.run, graph.steps[1], StreamState(info.tokenizer, mailboxes))
+        builder = PromptBuilder(
+            info.tokenizer,
+            info.context_length,
+            default_max_tokens=s.engine.default_max_tokens,
+            max_prompt_tokens=s.engine.max_prompt_tokens,
+            vocab_size=info.vocab_size,
+        )
+        await nursery.start(
+            tokenizer.run,
+            graph.tokenize[1],
+            graph.engine[0],
+            mailboxes,
+            builder,
+            s.tokenizer.workers,
+        )
+        policy = AdmissionPolicy(s.admission.max_running, s.admission.max_waiting)
+        await nursery.start(
+            admission.run,
+            graph.admission_rx,
+            graph.tokenize[0],
+            mailboxes,
+            policy,
+            s.admission.retry_after_s,
+        )
+        pipeline.state = ServerState.READY
+        log.info(
+            "ready: serving %s (backend %s, context %d)",
+            info.model_id,
+            info.backend,
+            info.context_length,
+        )
+        task_status.started()
+
+
+async def drain(pipeline: Pipeline, deadline_s: float) -> None:
+    """Stop admitting; give in-flight requests up to ``deadline_s`` to finish."""
+    pipeline.state = ServerState.DRAINING
+    log.info("draining %d in-flight requests (up to %.0fs)", len(pipeline.mailboxes), deadline_s)
+    with trio.move_on_after(deadline_s):
+        await pipeline.mailboxes.wait_empty()
+    log.info("drained; %d requests cut off", len(pipeline.mailboxes))
+
+
+async def serve(settings: Settings, factory: RunnerFactory | None = None) -> None:
+    """Serve HTTP until SIGTERM/SIGINT, then drain and return."""
+    config = HypercornConfig()
+    config.bind = [f"{settings.server.host}:{settings.server.port}"]
+    config.accesslog = None
+    graph = open_graph(settings)
+    async with trio.open_nursery() as nursery:
+        with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+            await nursery.start(hypercorn_serve, create_app(graph.pipeline, settings), config)
+            log.info("listening on http://%s (loading the model)", config.bind[0])
+            nursery.start_soon(run_actors, graph, settings, factory or mlx_runner_factory(settings))
+            async for signum in signals:
+                log.info("received %s", signal.Signals(signum).name)
+                break
+            await drain(graph.pipeline, settings.server.drain_timeout_s)
+            nursery.cancel_scope.cancel()

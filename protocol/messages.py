@@ -1,0 +1,171 @@
+"""Internal messages passed between mlxd's actors.
+
+Types are named by pipeline stage: an HTTP handler builds a ``ChatRequest``
+(or ``CompletionRequest``), the tokenizer turns it into a ``TokenizedRequest``,
+the generation actor emits one ``EngineStep`` per decode step, and the
+detokenizer turns that into ``TextDelta`` / ``Finished`` / ``Failed`` events in
+each request's mailbox. Nothing here imports trio or mlx.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import msgspec
+
+FinishReason = Literal["stop", "length", "error", "abort"]
+
+
+class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
+    """Per-request sampling and stopping options, already validated.
+
+    ``max_tokens`` is None when the client named none; the tokenizer resolves it
+    against the context window, so the engine always sees a number.
+    """
+
+    max_tokens: int | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] = {}
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+class Message(msgspec.Struct, frozen=True, kw_only=True):
+    """One chat message after wire decoding; ``content`` is text or a list of parts."""
+
+    role: str
+    content: str | list[dict] | None = None
+    name: str | None = None
+
+
+class ChatRequest(msgspec.Struct, frozen=True, kw_only=True):
+    """A chat conversation to render with the model's chat template."""
+
+    request_id: str
+    messages: tuple[Message, ...]
+    sampling: SamplingParams
+    arrival: float = 0.0
+
+
+class CompletionRequest(msgspec.Struct, frozen=True, kw_only=True):
+    """A raw prompt (text, or token ids) for the completions endpoint."""
+
+    request_id: str
+    prompt: str | tuple[int, ...]
+    sampling: SamplingParams
+    arrival: float = 0.0
+
+
+AdmittedRequest = ChatRequest | CompletionRequest
+
+
+class TokenizedRequest(msgspec.Struct, frozen=True, kw_only=True):
+    """A request ready for the generation actor."""
+
+    request_id: str
+    prompt_tokens: tuple[int, ...]
+    sampling: SamplingParams
+
+
+# ---- admission inbox ----------------------------------------------------------------
+
+
+class Admit(msgspec.Struct, frozen=True, kw_only=True):
+    """Ask the admission controller to run a request (or queue or reject it)."""
+
+    request: AdmittedRequest
+
+
+class Release(msgspec.Struct, frozen=True, kw_only=True):
+    """The request's handler is done with it: free its slot (or its queue place)."""
+
+    request_id: str
+
+
+AdmissionInbox = Admit | Release
+
+
+# ---- generation actor inbox ---------------------------------------------------------
+
+
+class Submit(msgspec.Struct, frozen=True, kw_only=True):
+    """Start generating for a tokenized request."""
+
+    request: TokenizedRequest
+
+
+class Abort(msgspec.Struct, frozen=True, kw_only=True):
+    """Stop generating for a request (client gone, stop string matched, deadline)."""
+
+    request_id: str
+
+
+EngineInbox = Submit | Abort
+
+
+# ---- generation actor outbox --------------------------------------------------------
+
+
+class Started(msgspec.Struct, frozen=True, kw_only=True):
+    """The engine accepted a request and is prefilling it."""
+
+    request_id: str
+    prompt_tokens: int
+
+
+class TokenStep(msgspec.Struct, frozen=True, kw_only=True):
+    """New tokens of one request in one step; ``finish_reason`` set on its last."""
+
+    request_id: str
+    tokens: tuple[int, ...]
+    finish_reason: FinishReason | None = None
+
+
+class Failed(msgspec.Struct, frozen=True, kw_only=True):
+    """A per-request failure: reaches only that request's client."""
+
+    request_id: str
+    status: int
+    message: str
+    kind: str = "server_error"
+    param: str | None = None
+    retry_after: float | None = None
+
+
+class EngineStep(msgspec.Struct, frozen=True, kw_only=True):
+    """Everything one engine step produced, for every running request."""
+
+    started: tuple[Started, ...] = ()
+    tokens: tuple[TokenStep, ...] = ()
+    failed: tuple[Failed, ...] = ()
+
+
+# ---- mailbox events (detokenizer → HTTP handler) ------------------------------------
+
+
+class TextDelta(msgspec.Struct, frozen=True, kw_only=True):
+    """Text produced since the last delta (always whole UTF-8 characters)."""
+
+    text: str
+    tokens: int
+
+
+class Finished(msgspec.Struct, frozen=True, kw_only=True):
+    """The request ended normally."""
+
+    finish_reason: FinishReason
+    prompt_tokens: int
+    completion_tokens: int
+
+
+MailboxEvent = Started | TextDelta | Finished | Failed
