@@ -274,7 +274,7 @@ async def _collect(first: list[MailboxEvent], rest: AsyncIterator[list[MailboxEv
 async def _respond(
     pipeline: Pipeline, req, stream: bool, include_usage: bool, shape: _Shape
 ) -> Response:
-    session: Session = await pipeline.submit(req, req.sampling.stop)
+    session: Session = await pipeline.submit(req)
     events = session.events()
     try:
         first = await anext(events)  # waits through queueing and tokenization

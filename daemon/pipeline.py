@@ -81,7 +81,8 @@ class Pipeline:
     state: ServerState = ServerState.LOADING
     info: ModelInfo | None = None
 
-    async def submit(self, request: AdmittedRequest, stop: tuple[str, ...]) -> Session:
+    async def submit(self, request: AdmittedRequest) -> Session:
+        stop = request.sampling.stop
         session = Session(self, self.mailboxes.register(request.request_id, stop))
         try:
             await self.admission.send(Admit(request=request))

@@ -1,0 +1,113 @@
+"""Scripted fakes for everything above the MLX runner: a char tokenizer and a runner."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from actors.engine.types import Decoded, ModelInfo
+from protocol.messages import TokenizedRequest
+
+EOS = 0
+
+
+class CharTokenizer:
+    """One token per character (id = code point); id 0 is EOS."""
+
+    eos_token_ids = {EOS}
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return [ord(c) for c in text]
+
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:
+        return "".join(chr(i) for i in ids if i != EOS)
+
+    def apply_chat_template(self, messages, add_generation_prompt=True, tokenize=False):
+        for m in messages:
+            if m["role"] not in ("system", "user", "assistant"):
+                raise ValueError(f"role {m['role']} not supported by this template")
+        text = "".join(f"<{m['role']}>{m['content']}" for m in messages)
+        return text + ("<assistant>" if add_generation_prompt else "")
+
+
+def reply_for(prompt: tuple[int, ...]) -> str:
+    """The fake model's answer: the last user turn, upper-cased, then EOS."""
+    text = "".join(chr(t) for t in prompt)
+    last = text.rsplit("<user>", 1)[-1].removesuffix("<assistant>")
+    return last.upper()
+
+
+@dataclass
+class _Seq:
+    request: TokenizedRequest
+    reply: list[int]
+    emitted: int = 0
+    prefilled: int = 0
+
+
+@dataclass
+class FakeRunner:
+    """Implements the runner protocol; ``FAIL`` in a prompt makes its prefill raise."""
+
+    step_delay: float = 0.002
+    prefilling: dict[str, _Seq] = field(default_factory=dict)
+    running: dict[str, _Seq] = field(default_factory=dict)
+    removed: list[str] = field(default_factory=list)
+    decode_steps: int = 0
+    batch_sizes: list[int] = field(default_factory=list)
+
+    @property
+    def decoding(self) -> int:
+        return len(self.running)
+
+    def start(self, request: TokenizedRequest) -> None:
+        reply = [ord(c) for c in reply_for(request.prompt_tokens)] + [EOS]
+        self.prefilling[request.request_id] = _Seq(request, reply)
+
+    def prefill(self, request_id: str, budget: int) -> int:
+        seq = self.prefilling[request_id]
+        if "FAIL" in "".join(chr(t) for t in seq.request.prompt_tokens):
+            raise RuntimeError("scripted prefill failure")
+        todo = len(seq.request.prompt_tokens) - 1
+        seq.prefilled = min(todo, seq.prefilled + budget)
+        if seq.prefilled == todo:
+            self.running[request_id] = self.prefilling.pop(request_id)
+            return 0
+        return todo - seq.prefilled
+
+    def decode(self) -> list[Decoded]:
+        time.sleep(self.step_delay)
+        self.decode_steps += 1
+        self.batch_sizes.append(len(self.running))
+        out = []
+        for rid, seq in list(self.running.items()):
+            token = seq.reply[min(seq.emitted, len(seq.reply) - 1)]
+            seq.emitted += 1
+            reason = "stop" if token == EOS else None
+            if reason is None and seq.emitted >= seq.request.sampling.max_tokens:
+                reason = "length"
+            out.append(Decoded(rid, token, reason))
+            if reason:
+                del self.running[rid]
+        return out
+
+    def remove(self, request_id: str) -> None:
+        self.removed.append(request_id)
+        self.prefilling.pop(request_id, None)
+        self.running.pop(request_id, None)
+
+
+def fake_factory(runner: FakeRunner, context_length: int = 4096):
+    def factory():
+        info = ModelInfo(
+            model_id="fake-model",
+            model_dir=Path("."),
+            context_length=context_length,
+            vocab_size=0x110000,
+            tokenizer=CharTokenizer(),
+            backend="fake",
+        )
+        return runner, info
+
+    return factory

@@ -1,0 +1,188 @@
+"""The whole actor graph over a scripted fake runner: order, aborts, backpressure, drain."""
+
+from __future__ import annotations
+
+import msgspec
+import trio
+
+from daemon.settings import load_settings
+from daemon.supervisor import drain
+from protocol.messages import Failed, Finished, Started, TextDelta
+from tests.conftest import chat, running_graph
+
+
+async def collect(session):
+    events = []
+    async for batch in session.events():
+        events.extend(batch)
+    return events
+
+
+def text_of(events):
+    return "".join(e.text for e in events if isinstance(e, TextDelta))
+
+
+def settings_with(**sections):
+    base = msgspec.to_builtins(load_settings())
+    for section, values in sections.items():
+        base[section].update(values)
+    return msgspec.convert(base, type=type(load_settings()))
+
+
+async def test_streaming_order_started_text_finished():
+    async with running_graph() as (pipeline, runner):
+        session = await pipeline.submit(chat("a", "hello"))
+        events = await collect(session)
+    assert isinstance(events[0], Started)
+    assert isinstance(events[-1], Finished)
+    assert all(isinstance(e, TextDelta) for e in events[1:-1])
+    assert text_of(events) == "HELLO"
+    assert events[-1].finish_reason == "stop"
+    assert events[-1].completion_tokens == 5  # EOS is not counted as output text
+
+
+async def test_max_tokens_gives_length():
+    async with running_graph() as (pipeline, runner):
+        events = await collect(await pipeline.submit(chat("a", "hello", max_tokens=3)))
+    assert text_of(events) == "HEL"
+    assert events[-1].finish_reason == "length"
+
+
+async def test_stop_string_ends_request_and_aborts_engine():
+    async with running_graph() as (pipeline, runner):
+        req = chat("a", "abcdefghij" * 20, stop=["DEF"])
+        events = await collect(await pipeline.submit(req))
+        with trio.fail_after(2):
+            while "a" not in runner.removed:
+                await trio.sleep(0.005)
+    assert text_of(events) == "ABC"
+    assert events[-1].finish_reason == "stop"
+
+
+async def test_disconnect_aborts_in_engine_within_a_step():
+    async with running_graph(runner=None) as (pipeline, runner):
+        runner.step_delay = 0.01
+        session = await pipeline.submit(chat("long", "x" * 3000))
+        with trio.move_on_after(10) as scope:
+            async for batch in session.events():
+                if any(isinstance(e, TextDelta) for e in batch):
+                    scope.cancel()  # the client hangs up mid-stream
+                    await trio.lowlevel.checkpoint()
+        steps_at_hangup = runner.decode_steps
+        with trio.fail_after(2):
+            while "long" not in runner.removed:
+                await trio.sleep(0.001)
+        assert runner.decode_steps - steps_at_hangup <= 1
+        assert "long" not in runner.running
+
+
+async def test_slow_reader_does_not_stall_others():
+    async with running_graph() as (pipeline, runner):
+        slow = await pipeline.submit(chat("slow", "s" * 400))
+        fast = await pipeline.submit(chat("fast", "quick"))
+        with trio.fail_after(5):
+            fast_events = await collect(fast)  # completes while nobody reads "slow"
+        assert text_of(fast_events) == "QUICK"
+        with trio.fail_after(5):
+            while "slow" in runner.running:
+                await trio.sleep(0.01)
+        slow_events = await collect(slow)  # merged deltas, nothing lost
+        assert text_of(slow_events) == "S" * 400
+        assert sum(isinstance(e, TextDelta) for e in slow_events) <= 3
+
+
+async def test_concurrent_requests_share_decode_steps():
+    async with running_graph() as (pipeline, runner):
+        async with trio.open_nursery() as nursery:
+            for i in range(8):
+                nursery.start_soon(collect, await pipeline.submit(chat(f"r{i}", "y" * 50)))
+    assert max(runner.batch_sizes) == 8
+
+
+async def test_queue_full_rejects_with_429():
+    settings = settings_with(admission={"max_running": 1, "max_waiting": 0})
+    async with running_graph(settings) as (pipeline, runner):
+        runner.step_delay = 0.01
+        first = await pipeline.submit(chat("first", "z" * 100))
+        second = await pipeline.submit(chat("second", "hi"))
+        rejected = await collect(second)
+        assert isinstance(rejected[-1], Failed)
+        assert rejected[-1].status == 429
+        assert rejected[-1].retry_after
+        await first.close()
+
+
+async def test_queued_request_runs_when_slot_frees():
+    settings = settings_with(admission={"max_running": 1, "max_waiting": 4})
+    async with running_graph(settings) as (pipeline, runner):
+        first = await pipeline.submit(chat("first", "abc"))
+        second = await pipeline.submit(chat("second", "def"))
+        assert text_of(await collect(first)) == "ABC"
+        assert text_of(await collect(second)) == "DEF"
+
+
+async def test_prefill_failure_fails_only_that_request():
+    async with running_graph() as (pipeline, runner):
+        sessions = [await pipeline.submit(chat(f"ok{i}", f"fine {i}")) for i in range(3)]
+        bad = await pipeline.submit(chat("bad", "please FAIL"))
+        sessions.append(await pipeline.submit(chat("ok3", "after")))
+        results = [await collect(s) for s in sessions]
+        failure = await collect(bad)
+    assert [text_of(r) for r in results] == ["FINE 0", "FINE 1", "FINE 2", "AFTER"]
+    assert isinstance(failure[-1], Failed)
+    assert failure[-1].status == 500
+    assert "prefill" in failure[-1].message
+
+
+async def test_template_error_is_a_400_for_that_request():
+    from protocol.messages import ChatRequest, Message, SamplingParams
+
+    async with running_graph() as (pipeline, runner):
+        req = ChatRequest(
+            request_id="t",
+            messages=(Message(role="user", content="q"), Message(role="wizard", content="x")),
+            sampling=SamplingParams(),
+        )
+        events = await collect(await pipeline.submit(req))
+    assert isinstance(events[-1], Failed)
+    assert events[-1].status == 400
+    assert "template" in events[-1].message
+
+
+async def test_prompt_longer_than_context_is_a_400():
+    async with running_graph(context_length=64) as (pipeline, runner):
+        too_long = await collect(await pipeline.submit(chat("long", "w" * 100)))
+        too_much = await collect(await pipeline.submit(chat("much", "w", max_tokens=100)))
+        defaulted = await collect(await pipeline.submit(chat("fits", "w" * 10)))
+    assert too_long[-1].status == 400 and "limit" in too_long[-1].message
+    assert too_much[-1].status == 400 and too_much[-1].param == "max_tokens"
+    assert isinstance(defaulted[-1], Finished)
+
+
+async def test_shutdown_drains_in_flight_requests():
+    async with running_graph() as (pipeline, runner):
+        runner.step_delay = 0.005
+        session = await pipeline.submit(chat("inflight", "d" * 100))
+        result = []
+
+        async def consume():
+            result.extend(await collect(session))
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(consume)
+            await trio.sleep(0.02)
+            with trio.fail_after(5):
+                await drain(pipeline, deadline_s=5)
+        assert pipeline.state.value == "draining"
+    assert text_of(result) == "D" * 100
+    assert result[-1].finish_reason == "stop"
+
+
+async def test_drain_deadline_cuts_off_stragglers():
+    async with running_graph() as (pipeline, runner):
+        runner.step_delay = 0.01
+        session = await pipeline.submit(chat("straggler", "e" * 3000))
+        with trio.fail_after(3):
+            await drain(pipeline, deadline_s=0.2)
+        assert len(pipeline.mailboxes) == 1
+        await session.close()
