@@ -19,8 +19,7 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--host")
     serve.add_argument("--port", type=int)
     serve.add_argument("--config", type=Path, help="TOML file overriding config/default.toml")
-    bench = sub.add_parser("bench", help="benchmark a running server or the in-process engine")
-    bench.add_argument("args", nargs=argparse.REMAINDER)
+    sub.add_parser("bench", help="benchmark a server or the in-process engine (see --help)")
     return parser
 
 
@@ -54,14 +53,13 @@ def serve(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
-    if args.command == "serve":
-        blas.reexec_with_openblas()
-        return serve(args)
-    from scripts.bench import main as bench_main
-
+    argv = sys.argv[1:] if argv is None else argv
     blas.reexec_with_openblas()
-    return bench_main(args.args)
+    if argv[:1] == ["bench"]:  # bench owns its flags
+        from scripts.bench import main as bench_main
+
+        return bench_main(argv[1:])
+    return serve(_parser().parse_args(argv))
 
 
 if __name__ == "__main__":

@@ -5,7 +5,10 @@ from __future__ import annotations
 from contextlib import asynccontextmanager
 
 import trio
+from hypercorn.config import Config
+from hypercorn.trio import serve
 
+from daemon.app import create_app
 from daemon.settings import load_settings
 from daemon.supervisor import open_graph, run_actors
 from protocol.messages import ChatRequest, Message, SamplingParams
@@ -13,24 +16,39 @@ from tests.fakes import FakeRunner, fake_factory
 
 
 @asynccontextmanager
-async def running_graph(settings=None, runner=None, context_length=4096):
-    """Run the actors over a fake runner; on exit, assert nothing is left behind."""
+async def running_graph(settings=None, runner=None, context_length=4096, factory=None):
+    """Run the actors (a fake runner unless a factory is given); on exit assert all is idle."""
     settings = settings or load_settings()
-    runner = runner or FakeRunner()
+    made: list = []
+    if factory is None:
+        runner = runner or FakeRunner()
+        factory = fake_factory(runner, context_length)
+
+    def recording_factory():
+        runner_and_info = factory()
+        made.append(runner_and_info[0])
+        return runner_and_info
+
     graph = open_graph(settings)
     async with trio.open_nursery() as nursery:
-        await nursery.start(run_actors, graph, settings, fake_factory(runner, context_length))
+        await nursery.start(run_actors, graph, settings, recording_factory)
         try:
-            yield graph.pipeline, runner
-            await assert_idle(graph.pipeline, runner)
+            yield graph.pipeline, made[0]
+            await assert_idle(graph.pipeline, made[0])
         finally:
             nursery.cancel_scope.cancel()
 
 
+def _busy(runner) -> bool:
+    if hasattr(runner, "running"):  # the fake
+        return bool(runner.running or runner.prefilling)
+    return bool(runner.decoding or runner.prefilling_count or runner.cache_bytes)
+
+
 async def assert_idle(pipeline, runner, timeout=5.0):
-    """After requests finish: no mailbox open, nothing prefilling or decoding."""
+    """After requests finish: no mailbox open, nothing prefilling or decoding, no KV held."""
     with trio.fail_after(timeout):
-        while len(pipeline.mailboxes) or runner.running or runner.prefilling:
+        while len(pipeline.mailboxes) or _busy(runner):
             await trio.sleep(0.01)
 
 
@@ -39,3 +57,17 @@ def chat(rid, text, max_tokens=None, stop=(), temperature=0.0):
     return ChatRequest(
         request_id=rid, messages=(Message(role="user", content=text),), sampling=sampling
     )
+
+
+@asynccontextmanager
+async def real_server(settings=None, factory=None):
+    """The app behind hypercorn on a free loopback port, for real-socket behaviour."""
+    settings = settings or load_settings()
+    graph = running_graph(settings, factory=factory)
+    async with graph as (pipeline, runner), trio.open_nursery() as nursery:
+        config = Config()
+        config.bind = ["127.0.0.1:0"]
+        binds = await nursery.start(serve, create_app(pipeline, settings), config)
+        # hypercorn reports the bound address; tests talk to it over loopback
+        yield binds[0].replace("0.0.0.0", "127.0.0.1"), pipeline, runner
+        nursery.cancel_scope.cancel()

@@ -9,13 +9,11 @@ import httpx
 import msgspec
 import pytest
 import trio
-from hypercorn.config import Config
-from hypercorn.trio import serve
 
 from daemon.app import create_app
 from daemon.pipeline import ServerState
 from daemon.settings import load_settings
-from tests.conftest import running_graph
+from tests.conftest import real_server, running_graph
 
 CHAT = "/v1/chat/completions"
 
@@ -66,7 +64,9 @@ def sse_events(raw: bytes):
 
 async def test_chat_streaming_framing():
     async with client() as (c, _, _):
-        r = await c.post(CHAT, json=user("hey", stream=True, stream_options={"include_usage": True}))
+        r = await c.post(
+            CHAT, json=user("hey", stream=True, stream_options={"include_usage": True})
+        )
         assert r.headers["content-type"].startswith("text/event-stream")
         frames = sse_events(await r.get_data())
     assert frames[-1] == "[DONE]"
@@ -95,7 +95,9 @@ async def test_completions_streaming_and_not():
 async def test_stop_as_string_and_list():
     async with client() as (c, _, _):
         a = json.loads(await (await c.post(CHAT, json=user("one two", stop="TWO"))).get_data())
-        b = json.loads(await (await c.post(CHAT, json=user("one two", stop=["E T", "X"]))).get_data())
+        b = json.loads(
+            await (await c.post(CHAT, json=user("one two", stop=["E T", "X"]))).get_data()
+        )
     assert a["choices"][0]["message"]["content"] == "ONE "
     assert b["choices"][0]["message"]["content"] == "ON"
 
@@ -208,18 +210,6 @@ async def test_prefill_error_is_500_for_that_request_only():
         err = await error_of(bad, 500)
     assert "prefill" in err["message"]
     assert good.status_code == 200
-
-
-@asynccontextmanager
-async def real_server(settings=None):
-    """The app behind hypercorn on a free loopback port, for real-socket behaviour."""
-    settings = settings or load_settings()
-    async with running_graph(settings) as (pipeline, runner), trio.open_nursery() as nursery:
-        config = Config()
-        config.bind = ["127.0.0.1:0"]
-        binds = await nursery.start(serve, create_app(pipeline, settings), config)
-        yield binds[0].replace("0.0.0.0", "127.0.0.1"), pipeline, runner
-        nursery.cancel_scope.cancel()
 
 
 @pytest.mark.parametrize("stream", [True, False])

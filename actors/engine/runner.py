@@ -124,6 +124,16 @@ class MlxRunner:
     def decoding(self) -> int:
         return len(self._rid_to_uid)
 
+    @property
+    def prefilling_count(self) -> int:
+        return len(self._pending)
+
+    @property
+    def cache_bytes(self) -> int:
+        """Bytes of KV state held for requests: 0 when nothing runs."""
+        pending = sum(c.nbytes for p in self._pending.values() for c in p.cache)
+        return pending + self.generator.prompt_cache_nbytes
+
     def start(self, request: TokenizedRequest) -> None:
         self._pending[request.request_id] = _Pending(request, make_prompt_cache(self.model))
 

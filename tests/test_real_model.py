@@ -1,0 +1,134 @@
+"""The real default model (SmolLM2-135M from its GGUF) through the whole actor graph."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import httpx
+import msgspec
+import pytest
+import trio
+
+from daemon.settings import load_settings
+from daemon.supervisor import mlx_runner_factory
+from protocol.messages import CompletionRequest, Failed, Finished, SamplingParams, TextDelta
+from tests.conftest import chat, real_server, running_graph
+
+pytestmark = pytest.mark.mlx
+
+
+@pytest.fixture(scope="session")
+def settings(tmp_path_factory):
+    base = msgspec.to_builtins(load_settings())
+    base["model"]["cache_dir"] = str(tmp_path_factory.mktemp("mlxd-cache"))
+    return msgspec.convert(base, type=type(load_settings()))
+
+
+async def run(pipeline, request):
+    session = await pipeline.submit(request)
+    events = []
+    async for batch in session.events():
+        events.extend(batch)
+    return events
+
+
+def text_of(events):
+    return "".join(e.text for e in events if isinstance(e, TextDelta))
+
+
+def completion(rid, prompt, max_tokens=20):
+    return CompletionRequest(
+        request_id=rid, prompt=prompt, sampling=SamplingParams(max_tokens=max_tokens, temperature=0)
+    )
+
+
+PROMPTS = [
+    "The capital of France is",
+    "Once upon a time, in a land far away, there lived a",
+    "def fibonacci(n):",
+    "1, 2, 3, 4,",
+    "The three primary colors are red, yellow and",
+    "Water boils at a temperature of",
+    "My favourite recipe for a quick weeknight dinner with friends and family starts with",
+    "Q: What is 2 + 2?\nA:",
+]
+
+
+async def test_paris(settings):
+    async with running_graph(settings, factory=mlx_runner_factory(settings)) as (pipeline, runner):
+        events = await run(pipeline, chat("paris", "What is the capital of France?", 30))
+    assert "Paris" in text_of(events)
+    assert isinstance(events[-1], Finished)
+    assert runner.cache_bytes == 0
+
+
+async def test_batched_greedy_equals_alone_and_failure_is_isolated(settings):
+    """8 concurrent requests get the tokens each gets alone; a prefill failure harms no one."""
+    async with running_graph(settings, factory=mlx_runner_factory(settings)) as (pipeline, runner):
+        alone = [
+            text_of(await run(pipeline, completion(f"a{i}", p))) for i, p in enumerate(PROMPTS)
+        ]
+        _break_prefill_on(runner, marker=pipeline.info.tokenizer.encode("zebra")[0])
+        results: dict[str, list] = {}
+
+        async def one(rid, prompt):
+            results[rid] = await run(pipeline, completion(rid, prompt))
+
+        async with trio.open_nursery() as nursery:
+            for i, p in enumerate(PROMPTS):
+                nursery.start_soon(one, f"b{i}", p)
+                if i == 3:
+                    nursery.start_soon(one, "bad", "zebra " * 40 + "stripes")
+                await trio.sleep(0.05 * i)  # join at different steps
+        assert runner.cache_bytes == 0
+    batched = [text_of(results[f"b{i}"]) for i in range(len(PROMPTS))]
+    assert batched == alone
+    assert all(len(t) > 10 for t in alone)
+    assert isinstance(results["bad"][-1], Failed)
+    assert "prefill" in results["bad"][-1].message
+
+
+def _break_prefill_on(runner, marker: int) -> None:
+    """Make the model raise while prefilling any prompt containing ``marker``."""
+    import mlx.core as mx
+
+    model = runner.model
+
+    class Faulty:
+        def __getattr__(self, name):
+            return getattr(model, name)
+
+        def __call__(self, inputs, cache=None):
+            if (inputs == marker).any().item():
+                raise RuntimeError("injected fault")
+            return model(inputs, cache=cache)
+
+    assert isinstance(marker, int)
+    assert mx is not None
+    runner.model = Faulty()
+
+
+async def test_streamed_text_equals_non_streamed(settings):
+    factory = mlx_runner_factory(settings)
+    body = {
+        "messages": [{"role": "user", "content": "Tell me about cats."}],
+        "temperature": 0,
+        "max_tokens": 40,
+    }
+    async with real_server(settings, factory) as (url, _, _):
+        async with httpx.AsyncClient(base_url=url, timeout=120) as http:
+            full = (await http.post("/v1/chat/completions", json=body)).json()
+            raw = (await http.post("/v1/chat/completions", json={**body, "stream": True})).text
+    frames = [f.removeprefix("data: ") for f in raw.split("\n\n") if f]
+    assert frames[-1] == "[DONE]"
+    chunks = [json.loads(f) for f in frames[:-1]]
+    streamed = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks)
+    assert streamed == full["choices"][0]["message"]["content"]
+    assert len(streamed) > 20
+
+
+def test_default_model_is_found():
+    from actors.engine.gguf import default_model_path
+
+    assert Path(default_model_path()).suffix == ".gguf"
