@@ -46,10 +46,21 @@ def serve(args: argparse.Namespace) -> int:
 
     try:
         trio.run(serve_forever, settings)
-    except (FileNotFoundError, ValueError) as exc:
-        logging.getLogger("mlxd").error("start-up failed: %s", exc)
+    except (FileNotFoundError, ValueError, OSError, BaseExceptionGroup) as exc:
+        cause = _startup_cause(exc)
+        if cause is None:
+            raise
+        logging.getLogger("mlxd").error("start-up failed: %s", cause)
         return 1
     return 0
+
+
+def _startup_cause(exc: BaseException) -> BaseException | None:
+    """The model/config/bind error inside trio's exception groups, if that is what it is."""
+    if isinstance(exc, BaseExceptionGroup):
+        causes = [_startup_cause(e) for e in exc.exceptions]
+        return next((c for c in causes if c is not None), None)
+    return exc if isinstance(exc, FileNotFoundError | ValueError | OSError) else None
 
 
 def main(argv: list[str] | None = None) -> int:

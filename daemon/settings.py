@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 import msgspec
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "config" / "default.toml"
+
+
+Port = Annotated[int, msgspec.Meta(ge=0, le=65535)]
+Positive = Annotated[int, msgspec.Meta(ge=1)]
 
 
 class _Section(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -16,8 +20,8 @@ class _Section(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
 class ServerSettings(_Section):
     host: str = "127.0.0.1"
-    port: int = 8000
-    max_body_bytes: int = 4_194_304
+    port: Port = 8000
+    max_body_bytes: Positive = 4_194_304
     drain_timeout_s: float = 30.0
 
 
@@ -30,28 +34,28 @@ class ModelSettings(_Section):
 
 
 class AdmissionSettings(_Section):
-    max_running: int = 32
+    max_running: Positive = 32
     max_waiting: int = 64
     retry_after_s: int = 1
 
 
 class TokenizerSettings(_Section):
-    workers: int = 2
-    max_messages: int = 1000
+    workers: Positive = 2
+    max_messages: Positive = 1000
 
 
 class EngineSettings(_Section):
-    max_batch: int = 32
-    prefill_chunk_tokens: int = 512
-    default_max_tokens: int = 512
-    max_tokens_cap: int = 4096
+    max_batch: Positive = 32
+    prefill_chunk_tokens: Positive = 512
+    default_max_tokens: Positive = 512
+    max_tokens_cap: Positive = 4096
     max_prompt_tokens: int = 0
     max_stop_strings: int = 16
     max_stop_length: int = 256
 
 
 class StreamingSettings(_Section):
-    engine_outbox: int = 4
+    engine_outbox: Positive = 4
 
 
 class LoggingSettings(_Section):
@@ -98,4 +102,6 @@ def load_settings(path: Path | None = None, overrides: dict[str, Any] | None = N
     try:
         return msgspec.convert(raw, type=Settings)
     except msgspec.ValidationError as exc:
-        raise SettingsError(f"{path or DEFAULT_CONFIG}: {exc}") from exc
+        raise SettingsError(
+            f"invalid setting ({path or DEFAULT_CONFIG} + command line): {exc}"
+        ) from exc

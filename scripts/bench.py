@@ -193,12 +193,12 @@ async def _server_level(client, url: str, concurrency: int, max_tokens: int) -> 
 
 
 async def _server_all(
-    url: str, levels: list[int], max_tokens: int, timeout: float
+    url: str, levels: list[int], max_tokens: int, timeout_s: float
 ) -> list[LevelResult]:
     import httpx
 
     limits = httpx.Limits(max_connections=max(levels) + 4, max_keepalive_connections=max(levels))
-    async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
+    async with httpx.AsyncClient(timeout=timeout_s, limits=limits) as client:
         warm = await stream_one(client, url, prompts(1)[0], max_tokens)
         if warm.error:
             raise SystemExit(f"bench: warm-up request to {url} failed: {warm.error}")

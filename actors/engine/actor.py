@@ -3,8 +3,8 @@
 The actor makes a single ``trio.to_thread.run_sync(_engine_loop, ...)`` call for
 its whole life (MLX streams are thread-local; trio's thread cache could hand a
 new thread to each call). The loop blocks on the inbox only when idle; otherwise
-it drains the inbox without blocking, runs one engine step and sends one
-``EngineStep`` downstream. Cancellation is checked every step.
+it runs one engine step, then in a single trip to the trio thread sends that
+``EngineStep`` downstream and drains the inbox without blocking. Cancellation is checked every step.
 """
 
 from __future__ import annotations
@@ -45,32 +45,41 @@ async def _receive(inbox: trio.MemoryReceiveChannel[EngineInbox]) -> EngineInbox
         return None
 
 
+async def _exchange(
+    outbox: trio.MemorySendChannel[EngineStep],
+    step: EngineStep | None,
+    inbox: trio.MemoryReceiveChannel[EngineInbox],
+) -> list[EngineInbox]:
+    """One trip to the trio thread per step: deliver the step, pick up new messages."""
+    if step is not None:
+        await outbox.send(step)
+    return _drain(inbox)
+
+
 def _engine_loop(
     factory: RunnerFactory,
     settings: Any,
     inbox: trio.MemoryReceiveChannel[EngineInbox],
     outbox: trio.MemorySendChannel[EngineStep],
     task_status: trio.TaskStatus[ModelInfo],
-    on_step: Callable[[EngineCore], None],
 ) -> None:
     runner, info = factory()
     core = EngineCore(
         runner, max_batch=settings.max_batch, prefill_chunk_tokens=settings.prefill_chunk_tokens
     )
     trio.from_thread.run_sync(task_status.started, info)
+    step: EngineStep | None = None
     while True:
+        for message in trio.from_thread.run(_exchange, outbox, step, inbox):
+            _handle(core, message)
         if core.idle:
             first = trio.from_thread.run(_receive, inbox)
             if first is None:
                 return  # every sender closed: shutdown
             _handle(core, first)
-        for message in trio.from_thread.run_sync(_drain, inbox):
-            _handle(core, message)
         trio.from_thread.check_cancelled()
-        step = core.step()
-        on_step(core)
-        if step.started or step.tokens or step.failed:
-            trio.from_thread.run(outbox.send, step)
+        result = core.step()
+        step = result if (result.started or result.tokens or result.failed) else None
 
 
 async def run(
@@ -78,12 +87,9 @@ async def run(
     outbox: trio.MemorySendChannel[EngineStep],
     factory: RunnerFactory,
     settings: Any,
-    on_step: Callable[[EngineCore], None] = lambda core: None,
     *,
     task_status: trio.TaskStatus[ModelInfo] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Load the model (``task_status.started(info)`` once ready), then serve forever."""
     async with inbox, outbox:
-        await trio.to_thread.run_sync(
-            _engine_loop, factory, settings, inbox, outbox, task_status, on_step
-        )
+        await trio.to_thread.run_sync(_engine_loop, factory, settings, inbox, outbox, task_status)
