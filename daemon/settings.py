@@ -23,6 +23,7 @@ class ServerSettings(_Section):
     port: Port = 8000
     max_body_bytes: Positive = 4_194_304
     drain_timeout_s: float = 30.0
+    flush_timeout_s: float = 5.0
 
 
 class ModelSettings(_Section):

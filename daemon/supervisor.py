@@ -140,19 +140,49 @@ async def drain(pipeline: Pipeline, deadline_s: float) -> None:
     log.info("drained; %d requests cut off", len(pipeline.mailboxes))
 
 
+async def _serve_http(
+    app,
+    config: HypercornConfig,
+    stop: trio.Event,
+    done: trio.Event,
+    *,
+    task_status=trio.TASK_STATUS_IGNORED,
+) -> None:
+    try:
+        await hypercorn_serve(app, config, shutdown_trigger=stop.wait, task_status=task_status)
+    finally:
+        done.set()
+
+
 async def serve(settings: Settings, factory: RunnerFactory | None = None) -> None:
-    """Serve HTTP until SIGTERM/SIGINT, then drain and return."""
+    """Serve HTTP until SIGTERM/SIGINT, then drain and return.
+
+    Shutdown order: stop admitting (503), wait for in-flight generations (up to
+    ``drain_timeout_s``), let hypercorn finish writing open responses (up to
+    ``flush_timeout_s``), and only then cancel the actors.
+    """
     config = HypercornConfig()
     config.bind = [f"{settings.server.host}:{settings.server.port}"]
     config.accesslog = None
+    config.graceful_timeout = settings.server.flush_timeout_s
     graph = open_graph(settings)
+    stop_http, http_done = trio.Event(), trio.Event()
     async with trio.open_nursery() as nursery:
         with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
-            await nursery.start(hypercorn_serve, create_app(graph.pipeline, settings), config)
+            app = create_app(graph.pipeline, settings)
+            await nursery.start(_serve_http, app, config, stop_http, http_done)
             log.info("listening on http://%s (loading the model)", config.bind[0])
-            nursery.start_soon(run_actors, graph, settings, factory or mlx_runner_factory(settings))
+            actors = trio.CancelScope()
+            nursery.start_soon(_run_in_scope, actors, graph, settings, factory)
             async for signum in signals:
                 log.info("received %s", signal.Signals(signum).name)
                 break
             await drain(graph.pipeline, settings.server.drain_timeout_s)
-            nursery.cancel_scope.cancel()
+            stop_http.set()
+            await http_done.wait()  # hypercorn returns once open responses are written
+        actors.cancel()
+
+
+async def _run_in_scope(scope: trio.CancelScope, graph: Graph, settings: Settings, factory) -> None:
+    with scope:
+        await run_actors(graph, settings, factory or mlx_runner_factory(settings))

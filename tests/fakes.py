@@ -56,6 +56,7 @@ class FakeRunner:
     removed: list[str] = field(default_factory=list)
     decode_steps: int = 0
     batch_sizes: list[int] = field(default_factory=list)
+    prefill_log: list[tuple[str, int]] = field(default_factory=list)  # (request, decode step)
 
     @property
     def decoding(self) -> int:
@@ -67,6 +68,7 @@ class FakeRunner:
 
     def prefill(self, request_id: str, budget: int) -> int:
         seq = self.prefilling[request_id]
+        self.prefill_log.append((request_id, self.decode_steps))
         if "FAIL" in "".join(chr(t) for t in seq.request.prompt_tokens):
             raise RuntimeError("scripted prefill failure")
         todo = len(seq.request.prompt_tokens) - 1

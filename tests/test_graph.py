@@ -186,3 +186,20 @@ async def test_drain_deadline_cuts_off_stragglers():
             await drain(pipeline, deadline_s=0.2)
         assert len(pipeline.mailboxes) == 1
         await session.close()
+
+
+async def test_long_prompt_prefill_is_chunked_between_decode_steps():
+    settings = settings_with(engine={"prefill_chunk_tokens": 100})
+    async with running_graph(settings) as (pipeline, runner):
+        runner.step_delay = 0.001
+        streaming = await pipeline.submit(chat("running", "r" * 300))
+        events = streaming.events()
+        await anext(events)  # it is running
+        long = await pipeline.submit(chat("long", "p" * 1000, max_tokens=1000))
+        long_events = await collect(long)
+        rest = [e async for batch in events for e in batch]
+    chunks = [step for rid, step in runner.prefill_log if rid == "long"]
+    assert len(chunks) >= 10  # 1000+ prompt tokens, 100 per step
+    assert len(set(chunks)) == len(chunks)  # one chunk per decode step: the stream kept flowing
+    assert text_of(long_events) == "P" * 1000
+    assert text_of(rest).endswith("R")

@@ -132,3 +132,37 @@ def test_default_model_is_found():
     from actors.engine.gguf import default_model_path
 
     assert Path(default_model_path()).suffix == ".gguf"
+
+
+async def test_seeded_sampling_is_reproducible_and_undisturbed(settings):
+    """A seeded request samples from its own key: same output alone or among others."""
+
+    def seeded(rid, seed):
+        return CompletionRequest(
+            request_id=rid,
+            prompt="Once upon a time",
+            sampling=SamplingParams(max_tokens=16, temperature=1.0, seed=seed),
+        )
+
+    async with running_graph(settings, factory=mlx_runner_factory(settings)) as (pipeline, _):
+        alone = text_of(await run(pipeline, seeded("alone", 7)))
+        results = {}
+
+        async def one(rid, request):
+            results[rid] = text_of(await run(pipeline, request))
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(one, "noise1", completion("noise1", "Tell me a joke", 16))
+            nursery.start_soon(one, "seeded", seeded("seeded", 7))
+            nursery.start_soon(
+                one,
+                "unseeded",
+                CompletionRequest(
+                    request_id="unseeded",
+                    prompt="Once upon a time",
+                    sampling=SamplingParams(max_tokens=16, temperature=1.0),
+                ),
+            )
+            nursery.start_soon(one, "other", seeded("other", 8))
+    assert results["seeded"] == alone
+    assert results["other"] != alone  # a different seed gives a different sample
