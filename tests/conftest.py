@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from contextlib import asynccontextmanager
 
+import msgspec
 import trio
 from hypercorn.config import Config
 from hypercorn.trio import serve
@@ -11,7 +12,7 @@ from hypercorn.trio import serve
 from daemon.app import create_app
 from daemon.settings import load_settings
 from daemon.supervisor import open_graph, run_actors
-from protocol.messages import ChatRequest, Message, SamplingParams
+from protocol.messages import ChatRequest, Message, SamplingParams, TextDelta
 from tests.fakes import FakeRunner, fake_factory
 
 
@@ -57,6 +58,26 @@ def chat(rid, text, max_tokens=None, stop=(), temperature=0.0):
     return ChatRequest(
         request_id=rid, messages=(Message(role="user", content=text),), sampling=sampling
     )
+
+
+async def collect(session):
+    """Every event of a session, in order, until its final one."""
+    events = []
+    async for batch in session.events():
+        events.extend(batch)
+    return events
+
+
+def text_of(events):
+    return "".join(e.text for e in events if isinstance(e, TextDelta))
+
+
+def settings_with(**sections):
+    """Default settings with some values replaced, e.g. ``engine={"max_batch": 2}``."""
+    base = msgspec.to_builtins(load_settings())
+    for section, values in sections.items():
+        base[section].update(values)
+    return msgspec.convert(base, type=type(load_settings()))
 
 
 @asynccontextmanager

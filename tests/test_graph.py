@@ -2,31 +2,11 @@
 
 from __future__ import annotations
 
-import msgspec
 import trio
 
-from daemon.settings import load_settings
 from daemon.supervisor import drain
 from protocol.messages import Failed, Finished, Started, TextDelta
-from tests.conftest import chat, running_graph
-
-
-async def collect(session):
-    events = []
-    async for batch in session.events():
-        events.extend(batch)
-    return events
-
-
-def text_of(events):
-    return "".join(e.text for e in events if isinstance(e, TextDelta))
-
-
-def settings_with(**sections):
-    base = msgspec.to_builtins(load_settings())
-    for section, values in sections.items():
-        base[section].update(values)
-    return msgspec.convert(base, type=type(load_settings()))
+from tests.conftest import chat, collect, running_graph, settings_with, text_of
 
 
 async def test_streaming_order_started_text_finished():

@@ -6,23 +6,15 @@ import json
 from contextlib import asynccontextmanager
 
 import httpx
-import msgspec
 import pytest
 import trio
 
 from daemon.app import create_app
 from daemon.pipeline import ServerState
 from daemon.settings import load_settings
-from tests.conftest import real_server, running_graph
+from tests.conftest import chat, real_server, running_graph, settings_with
 
 CHAT = "/v1/chat/completions"
-
-
-def settings_with(**sections):
-    base = msgspec.to_builtins(load_settings())
-    for section, values in sections.items():
-        base[section].update(values)
-    return msgspec.convert(base, type=type(load_settings()))
 
 
 @asynccontextmanager
@@ -194,9 +186,7 @@ async def test_queue_full_is_429_with_retry_after():
     settings = settings_with(admission={"max_running": 1, "max_waiting": 0})
     async with client(settings) as (c, pipeline, runner):
         runner.step_delay = 0.01
-        blocker = await pipeline.submit(
-            __import__("tests.conftest", fromlist=["chat"]).chat("b", "q" * 200)
-        )
+        blocker = await pipeline.submit(chat("b", "q" * 200))
         r = await c.post(CHAT, json=user("x"))
         await error_of(r, 429)
         assert r.headers["Retry-After"] == "1"

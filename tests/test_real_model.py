@@ -12,8 +12,8 @@ import trio
 
 from daemon.settings import load_settings
 from daemon.supervisor import mlx_runner_factory
-from protocol.messages import CompletionRequest, Failed, Finished, SamplingParams, TextDelta
-from tests.conftest import chat, real_server, running_graph
+from protocol.messages import CompletionRequest, Failed, Finished, SamplingParams
+from tests.conftest import chat, collect, real_server, running_graph, text_of
 
 pytestmark = pytest.mark.mlx
 
@@ -25,16 +25,8 @@ def settings(tmp_path_factory):
     return msgspec.convert(base, type=type(load_settings()))
 
 
-async def run(pipeline, request):
-    session = await pipeline.submit(request)
-    events = []
-    async for batch in session.events():
-        events.extend(batch)
-    return events
-
-
-def text_of(events):
-    return "".join(e.text for e in events if isinstance(e, TextDelta))
+async def collect_req(pipeline, request):
+    return await collect(await pipeline.submit(request))
 
 
 def completion(rid, prompt, max_tokens=20):
@@ -57,7 +49,7 @@ PROMPTS = [
 
 async def test_paris(settings):
     async with running_graph(settings, factory=mlx_runner_factory(settings)) as (pipeline, runner):
-        events = await run(pipeline, chat("paris", "What is the capital of France?", 30))
+        events = await collect_req(pipeline, chat("paris", "What is the capital of France?", 30))
     assert "Paris" in text_of(events)
     assert isinstance(events[-1], Finished)
     assert runner.cache_bytes == 0
@@ -67,13 +59,14 @@ async def test_batched_greedy_equals_alone_and_failure_is_isolated(settings):
     """8 concurrent requests get the tokens each gets alone; a prefill failure harms no one."""
     async with running_graph(settings, factory=mlx_runner_factory(settings)) as (pipeline, runner):
         alone = [
-            text_of(await run(pipeline, completion(f"a{i}", p))) for i, p in enumerate(PROMPTS)
+            text_of(await collect_req(pipeline, completion(f"a{i}", p)))
+            for i, p in enumerate(PROMPTS)
         ]
         _break_prefill_on(runner, marker=pipeline.info.tokenizer.encode("zebra")[0])
         results: dict[str, list] = {}
 
         async def one(rid, prompt):
-            results[rid] = await run(pipeline, completion(rid, prompt))
+            results[rid] = await collect_req(pipeline, completion(rid, prompt))
 
         async with trio.open_nursery() as nursery:
             for i, p in enumerate(PROMPTS):
@@ -145,11 +138,11 @@ async def test_seeded_sampling_is_reproducible_and_undisturbed(settings):
         )
 
     async with running_graph(settings, factory=mlx_runner_factory(settings)) as (pipeline, _):
-        alone = text_of(await run(pipeline, seeded("alone", 7)))
+        alone = text_of(await collect_req(pipeline, seeded("alone", 7)))
         results = {}
 
         async def one(rid, request):
-            results[rid] = text_of(await run(pipeline, request))
+            results[rid] = text_of(await collect_req(pipeline, request))
 
         async with trio.open_nursery() as nursery:
             nursery.start_soon(one, "noise1", completion("noise1", "Tell me a joke", 16))
