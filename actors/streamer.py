@@ -21,6 +21,7 @@ class _Request:
     detokenizer: IncrementalDetokenizer
     matcher: StopMatcher
     prompt_tokens: int
+    cached_tokens: int = 0
     completion_tokens: int = 0
 
 
@@ -37,7 +38,7 @@ class StreamState:
 
     def on_step(self, step: EngineStep) -> None:
         for started in step.started:
-            self._start(started.request_id, started.prompt_tokens)
+            self._start(started.request_id, started.prompt_tokens, started.cached_tokens)
             self._mailboxes.deliver(started)
         for tokens in step.tokens:
             self._on_tokens(tokens)
@@ -45,12 +46,15 @@ class StreamState:
             self._requests.pop(failed.request_id, None)
             self._mailboxes.deliver(failed)
 
-    def _start(self, request_id: str, prompt_tokens: int) -> None:
+    def _start(self, request_id: str, prompt_tokens: int, cached_tokens: int) -> None:
         box = self._mailboxes.get(request_id)
         if box is None:
             return  # client already gone; the handler has sent the abort
         self._requests[request_id] = _Request(
-            IncrementalDetokenizer(self._tokenizer), StopMatcher(box.stop), prompt_tokens
+            IncrementalDetokenizer(self._tokenizer),
+            StopMatcher(box.stop),
+            prompt_tokens,
+            cached_tokens,
         )
 
     def _deliver(self, request_id: str, event: MailboxEvent) -> None:
@@ -84,6 +88,7 @@ class StreamState:
             finish_reason=reason,
             prompt_tokens=req.prompt_tokens,
             completion_tokens=req.completion_tokens,
+            cached_tokens=req.cached_tokens,
         )
         self._deliver(request_id, finished)
 

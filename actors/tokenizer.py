@@ -24,6 +24,18 @@ from protocol.messages import (
     TokenizedRequest,
 )
 
+# A user turn unlike any real one, to find where the system prompt's rendering ends.
+_PROBE = "\u2063probe\u2063"
+
+
+def _shared_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
 
 class PromptError(ValueError):
     """A request whose prompt cannot be built; becomes an HTTP 400."""
@@ -44,36 +56,64 @@ class PromptBuilder:
         default_max_tokens: int,
         vocab_size: int,
         max_prompt_tokens: int = 0,
+        checkpoints: bool = True,
     ):
         self.tokenizer = tokenizer
+        self.want_checkpoints = checkpoints
         self.default_max_tokens = default_max_tokens
         self.context_length = context_length
         self.max_prompt_tokens = max_prompt_tokens or context_length
         self.vocab_size = vocab_size
 
-    def render_chat(self, request: ChatRequest) -> str:
+    def _render(self, messages: list[dict], generation_prompt: bool) -> list[int]:
+        text = self.tokenizer.apply_chat_template(
+            messages, add_generation_prompt=generation_prompt, tokenize=False
+        )
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def chat_tokens(self, request: ChatRequest) -> tuple[list[int], tuple[int, ...]]:
+        """Token ids of the rendered conversation, and its prefix-cache checkpoints."""
         try:
             messages = normalize_messages(request.messages)
-            return self.tokenizer.apply_chat_template(
-                messages, add_generation_prompt=True, tokenize=False
-            )
+            tokens = self._render(messages, True)
         except NormalizeError as exc:
             raise PromptError(str(exc), "messages") from exc
         except (jinja2.TemplateError, ValueError, TypeError) as exc:
             raise PromptError(f"chat template error: {exc}", "messages") from exc
+        return tokens, self.checkpoints(messages, tokens) if self.want_checkpoints else ()
 
-    def tokens(self, request: AdmittedRequest) -> list[int]:
+    def checkpoints(self, messages: list[dict], tokens: list[int]) -> tuple[int, ...]:
+        """Where the system prompt ends and where the previous turn ends, in ``tokens``.
+
+        The system boundary is where this conversation's rendering stops agreeing
+        with the rendering of the same system prompt and a different user turn, so
+        it holds for any template (ChatML, Llama 3, Gemma, ...) without knowing its markers.
+        """
+        system = [m for m in messages if m["role"] == "system"]
+        marks = set()
+        try:
+            probe = self._render([*system, {"role": "user", "content": _PROBE}], True)
+            marks.add(_shared_prefix(tokens, probe))
+            if len(messages) > 1:
+                previous = self._render(messages[:-1], False)
+                if tokens[: len(previous)] == previous:
+                    marks.add(len(previous))
+        except (jinja2.TemplateError, ValueError, TypeError):
+            pass  # a template that needs a full conversation: no extra snapshots
+        return tuple(sorted(m for m in marks if 0 < m < len(tokens) - 1))
+
+    def tokens(self, request: AdmittedRequest) -> tuple[list[int], tuple[int, ...]]:
         if isinstance(request, ChatRequest):
-            return self.tokenizer.encode(self.render_chat(request), add_special_tokens=False)
+            return self.chat_tokens(request)
         if isinstance(request.prompt, str):
-            return self.tokenizer.encode(request.prompt)
+            return self.tokenizer.encode(request.prompt), ()
         bad = [t for t in request.prompt if not 0 <= t < self.vocab_size]
         if bad:
             raise PromptError(f"token ids out of range [0, {self.vocab_size}): {bad[:5]}", "prompt")
-        return list(request.prompt)
+        return list(request.prompt), ()
 
     def build(self, request: AdmittedRequest) -> TokenizedRequest:
-        tokens = self.tokens(request)
+        tokens, checkpoints = self.tokens(request)
         if not tokens:
             raise PromptError("the prompt is empty", "prompt")
         sampling = request.sampling
@@ -82,6 +122,7 @@ class PromptBuilder:
             request_id=request.request_id,
             prompt_tokens=tuple(tokens),
             sampling=msgspec.structs.replace(sampling, max_tokens=max_tokens),
+            checkpoints=checkpoints,
         )
 
     def _max_tokens(self, prompt: int, asked: int | None) -> int:

@@ -7,6 +7,7 @@ get a real status code; errors after it end the stream with an error event.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -21,6 +22,7 @@ from daemon.settings import Settings
 from protocol import openai as wire
 from protocol.messages import (
     ChatRequest,
+    ClearCache,
     CompletionRequest,
     Failed,
     Finished,
@@ -228,6 +230,7 @@ def _usage(f: Finished) -> wire.Usage:
         prompt_tokens=f.prompt_tokens,
         completion_tokens=f.completion_tokens,
         total_tokens=f.prompt_tokens + f.completion_tokens,
+        prompt_tokens_details=wire.PromptTokensDetails(cached_tokens=f.cached_tokens),
     )
 
 
@@ -346,6 +349,19 @@ def create_app(pipeline: Pipeline, settings: Settings) -> QuartTrio:
     async def models() -> Response:
         model = ready()
         return _json(wire.ModelList(data=[wire.ModelCard(id=model, created=0)]))
+
+    @app.get("/v1/cache")
+    async def cache_stats() -> Response:
+        ready()
+        stats = pipeline.info.cache_stats
+        body = {"enabled": stats is not None, **(dataclasses.asdict(stats) if stats else {})}
+        return Response(msgspec.json.encode(body), content_type="application/json")
+
+    @app.delete("/v1/cache")
+    async def cache_clear() -> Response:
+        ready()
+        await pipeline.engine.send(ClearCache())
+        return Response(msgspec.json.encode({"cleared": True}), content_type="application/json")
 
     @app.get("/health")
     async def health() -> Response:

@@ -55,6 +55,14 @@ class EngineSettings(_Section):
     max_stop_length: int = 256
 
 
+class PrefixCacheSettings(_Section):
+    enabled: bool = True
+    system_prompt: bool = True
+    block_size: Positive = 64
+    max_bytes: int = 0
+    memory_fraction: float = 0.1
+
+
 class StreamingSettings(_Section):
     engine_outbox: Positive = 4
 
@@ -69,6 +77,7 @@ class Settings(_Section):
     admission: AdmissionSettings = msgspec.field(default_factory=AdmissionSettings)
     tokenizer: TokenizerSettings = msgspec.field(default_factory=TokenizerSettings)
     engine: EngineSettings = msgspec.field(default_factory=EngineSettings)
+    prefix_cache: PrefixCacheSettings = msgspec.field(default_factory=PrefixCacheSettings)
     streaming: StreamingSettings = msgspec.field(default_factory=StreamingSettings)
     logging: LoggingSettings = msgspec.field(default_factory=LoggingSettings)
 

@@ -49,6 +49,7 @@ def mlx_runner_factory(settings: Settings) -> RunnerFactory:
             Path(m.cache_dir).expanduser(),
             dequantize_on_cpu=m.dequantize_on_cpu,
             max_batch=settings.engine.max_batch,
+            prefix_cache=settings.prefix_cache,
         )
 
     return factory
@@ -103,6 +104,7 @@ async def run_actors(
             default_max_tokens=s.engine.default_max_tokens,
             max_prompt_tokens=s.engine.max_prompt_tokens,
             vocab_size=info.vocab_size,
+            checkpoints=s.prefix_cache.enabled and s.prefix_cache.system_prompt,
         )
         await nursery.start(
             tokenizer.run,

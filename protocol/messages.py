@@ -75,6 +75,9 @@ class TokenizedRequest(msgspec.Struct, frozen=True, kw_only=True):
     request_id: str
     prompt_tokens: tuple[int, ...]
     sampling: SamplingParams
+    # Prompt positions worth a prefix-cache snapshot (end of the system prompt,
+    # end of the previous turn): hybrid models can only reuse state captured exactly there.
+    checkpoints: tuple[int, ...] = ()
 
 
 # ---- admission inbox ----------------------------------------------------------------
@@ -110,7 +113,11 @@ class Abort(msgspec.Struct, frozen=True, kw_only=True):
     request_id: str
 
 
-EngineInbox = Submit | Abort
+class ClearCache(msgspec.Struct, frozen=True, kw_only=True):
+    """Drop every prefix-cache snapshot (runs on the engine thread, between steps)."""
+
+
+EngineInbox = Submit | Abort | ClearCache
 
 
 # ---- generation actor outbox --------------------------------------------------------
@@ -121,6 +128,7 @@ class Started(msgspec.Struct, frozen=True, kw_only=True):
 
     request_id: str
     prompt_tokens: int
+    cached_tokens: int = 0  # prompt tokens reused from the prefix cache
 
 
 class TokenStep(msgspec.Struct, frozen=True, kw_only=True):
@@ -166,6 +174,7 @@ class Finished(msgspec.Struct, frozen=True, kw_only=True):
     finish_reason: FinishReason
     prompt_tokens: int
     completion_tokens: int
+    cached_tokens: int = 0
 
 
 MailboxEvent = Started | TextDelta | Finished | Failed

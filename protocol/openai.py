@@ -61,10 +61,15 @@ class CompletionRequest(_SamplingFields, kw_only=True):
 # ---- responses ----------------------------------------------------------------------
 
 
+class PromptTokensDetails(msgspec.Struct, kw_only=True):
+    cached_tokens: int = 0
+
+
 class Usage(msgspec.Struct, kw_only=True):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
 
 
 class AssistantMessage(msgspec.Struct, kw_only=True):

@@ -56,15 +56,17 @@ class FakeRunner:
     removed: list[str] = field(default_factory=list)
     decode_steps: int = 0
     batch_sizes: list[int] = field(default_factory=list)
+    cleared: int = 0
     prefill_log: list[tuple[str, int]] = field(default_factory=list)  # (request, decode step)
 
     @property
     def decoding(self) -> int:
         return len(self.running)
 
-    def start(self, request: TokenizedRequest) -> None:
+    def start(self, request: TokenizedRequest) -> int:
         reply = [ord(c) for c in reply_for(request.prompt_tokens)] + [EOS]
         self.prefilling[request.request_id] = _Seq(request, reply)
+        return 0
 
     def prefill(self, request_id: str, budget: int) -> int:
         seq = self.prefilling[request_id]
@@ -93,6 +95,9 @@ class FakeRunner:
             if reason:
                 del self.running[rid]
         return out
+
+    def clear_cache(self) -> None:
+        self.cleared += 1
 
     def remove(self, request_id: str) -> None:
         self.removed.append(request_id)

@@ -16,7 +16,7 @@ import trio
 
 from actors.engine.core import EngineCore
 from actors.engine.types import ModelInfo, Runner
-from protocol.messages import Abort, EngineInbox, EngineStep, Submit
+from protocol.messages import Abort, ClearCache, EngineInbox, EngineStep, Submit
 
 RunnerFactory = Callable[[], tuple[Runner, ModelInfo]]
 
@@ -27,6 +27,8 @@ def _handle(core: EngineCore, message: EngineInbox) -> None:
             core.submit(request)
         case Abort(request_id=request_id):
             core.abort(request_id)
+        case ClearCache():
+            core.runner.clear_cache()
 
 
 def _drain(inbox: trio.MemoryReceiveChannel[EngineInbox]) -> list[EngineInbox]:

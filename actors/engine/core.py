@@ -56,12 +56,13 @@ class EngineCore:
             request = self.waiting.popleft()
             rid = request.request_id
             try:
-                self.runner.start(request)
+                cached = self.runner.start(request)
             except Exception as exc:  # noqa: BLE001 - any runner error fails this request only
                 failed.append(self._failure(rid, "could not start", exc))
                 continue
             self.prefilling[rid] = request
-            started.append(Started(request_id=rid, prompt_tokens=len(request.prompt_tokens)))
+            prompt = len(request.prompt_tokens)
+            started.append(Started(request_id=rid, prompt_tokens=prompt, cached_tokens=cached))
 
     def _prefill(self, failed: list[Failed]) -> None:
         budget = self.prefill_chunk_tokens

@@ -9,7 +9,10 @@ generation actor's thread: MLX streams are thread-local.
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import logging
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -17,7 +20,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.generate import BatchGenerator
-from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
 from mlx_lm.sample_utils import (
     apply_min_p,
     apply_top_k,
@@ -28,6 +31,7 @@ from mlx_lm.sample_utils import (
 from mlx_lm.utils import dequantize_model
 from mlx_lm.utils import load as mlx_lm_load
 
+from actors.engine.prefix_cache import PrefixCache
 from actors.engine.types import Decoded, ModelInfo
 from protocol.messages import SamplingParams, TokenizedRequest
 
@@ -97,17 +101,31 @@ class _Pending:
     request: TokenizedRequest
     cache: list[Any] = field(default_factory=list)
     done: int = 0  # prompt tokens already in the cache
+    checkpoints: list[int] = field(default_factory=list)  # where to snapshot, ascending
 
     @property
     def remaining(self) -> int:
         return len(self.request.prompt_tokens) - 1 - self.done
 
+    def next_stop(self, budget: int) -> int:
+        """Tokens to prefill now: the budget, cut at the next checkpoint."""
+        n = min(budget, self.remaining)
+        ahead = [c - self.done for c in self.checkpoints if c > self.done]
+        return min([n, *ahead])
+
 
 class MlxRunner:
     """Per-request chunked prefill, then continuous batched decode in mlx-lm."""
 
-    def __init__(self, model: nn.Module, stop_tokens: list[int], max_batch: int):
+    def __init__(
+        self,
+        model: nn.Module,
+        stop_tokens: list[int],
+        max_batch: int,
+        prefix_cache: PrefixCache | None = None,
+    ):
         self.model = model
+        self.prefix_cache = prefix_cache
         self._stream = mx.new_stream(mx.default_device())
         self.generator = BatchGenerator(
             model,
@@ -134,19 +152,42 @@ class MlxRunner:
         pending = sum(c.nbytes for p in self._pending.values() for c in p.cache)
         return pending + self.generator.prompt_cache_nbytes
 
-    def start(self, request: TokenizedRequest) -> None:
-        self._pending[request.request_id] = _Pending(request, make_prompt_cache(self.model))
+    def start(self, request: TokenizedRequest) -> int:
+        """Set up the request's cache (from the prefix cache if it can); return tokens reused."""
+        prompt = request.prompt_tokens
+        cache, done = self._cached(prompt)
+        marks = sorted(c for c in request.checkpoints if done < c < len(prompt) - 1)
+        self._pending[request.request_id] = _Pending(request, cache, done, marks)
+        return done
+
+    def _cached(self, prompt: tuple[int, ...]) -> tuple[list[Any], int]:
+        hit = self.prefix_cache.lookup(prompt, len(prompt) - 1) if self.prefix_cache else None
+        if hit is None:
+            return make_prompt_cache(self.model), 0
+        cache = copy.deepcopy(hit.entry.snapshot)  # never share a snapshot with a request
+        trim_prompt_cache(cache, len(hit.entry.tokens) - hit.length)
+        return cache, hit.length
+
+    def _remember(self, tokens: list[int] | tuple[int, ...], cache: list[Any]) -> None:
+        """Offer a snapshot nobody else holds to the prefix cache."""
+        if self.prefix_cache is not None and tokens and tokens not in self.prefix_cache:
+            nbytes = sum(c.nbytes for c in cache)
+            self.prefix_cache.insert(tokens, cache, nbytes, can_trim_prompt_cache(cache))
 
     def prefill(self, request_id: str, budget: int) -> int:
         """Prefill up to ``budget`` prompt tokens; return how many are left (0: decoding)."""
         pending = self._pending[request_id]
-        n = min(budget, pending.remaining)
+        n = pending.next_stop(budget)
         if n > 0:
-            chunk = pending.request.prompt_tokens[pending.done : pending.done + n]
+            prompt = pending.request.prompt_tokens
             with mx.stream(self._stream):
-                self.model(mx.array(chunk)[None], cache=pending.cache)
+                self.model(
+                    mx.array(prompt[pending.done : pending.done + n])[None], cache=pending.cache
+                )
                 mx.eval([c.state for c in pending.cache])
             pending.done += n
+            if pending.done in pending.checkpoints:
+                self._remember(prompt[: pending.done], copy.deepcopy(pending.cache))
         if pending.remaining == 0:
             self._join_batch(self._pending.pop(request_id))
         return pending.remaining
@@ -154,6 +195,7 @@ class MlxRunner:
     def _join_batch(self, pending: _Pending) -> None:
         request = pending.request
         params = request.sampling
+        self._remember(request.prompt_tokens[:-1], copy.deepcopy(pending.cache))
         (uid,) = self.generator.insert(
             [[request.prompt_tokens[-1]]],
             max_tokens=[params.max_tokens],
@@ -175,6 +217,7 @@ class MlxRunner:
             out.append(Decoded(rid, r.token, r.finish_reason))
             if r.finish_reason is not None:
                 del self._uid_to_rid[r.uid], self._rid_to_uid[rid]
+                self._remember(r.all_tokens, r.prompt_cache)  # extracted: a fresh copy
         return out
 
     def remove(self, request_id: str) -> None:
@@ -182,7 +225,12 @@ class MlxRunner:
         uid = self._rid_to_uid.pop(request_id, None)
         if uid is not None:
             del self._uid_to_rid[uid]
-            self.generator.remove([uid])
+            for cache, tokens in self.generator.remove([uid], return_prompt_caches=True).values():
+                self._remember(tokens, copy.deepcopy(cache))
+
+    def clear_cache(self) -> None:
+        if self.prefix_cache is not None:
+            self.prefix_cache.clear()
 
 
 def resolve_model_dir(path: str, cache_dir: Path, progress) -> tuple[str, Path]:
@@ -197,8 +245,28 @@ def resolve_model_dir(path: str, cache_dir: Path, progress) -> tuple[str, Path]:
     return source.name, source
 
 
+def memory_bytes() -> int:
+    """Device memory: unified/GPU memory where MLX reports it, else system RAM."""
+    info = mx.device_info() if hasattr(mx, "device_info") else {}
+    size = info.get("memory_size") or info.get("total_memory")
+    return int(size) if size else os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def make_prefix_cache(settings: Any) -> PrefixCache | None:
+    if not settings.enabled:
+        return None
+    budget = settings.max_bytes or int(memory_bytes() * settings.memory_fraction)
+    log.info("prefix cache: %.0f MiB budget, %d-token blocks", budget / 2**20, settings.block_size)
+    return PrefixCache(block_size=settings.block_size, max_bytes=budget)
+
+
 def load_runner(
-    path: str, cache_dir: Path, *, dequantize_on_cpu: bool, max_batch: int
+    path: str,
+    cache_dir: Path,
+    *,
+    dequantize_on_cpu: bool,
+    max_batch: int,
+    prefix_cache: Any = None,
 ) -> tuple[MlxRunner, ModelInfo]:
     """Load the model for serving; call on the generation thread."""
     model_id, model_dir = resolve_model_dir(path, cache_dir, log.info)
@@ -215,5 +283,7 @@ def load_runner(
         tokenizer=tokenizer,
         backend=backend(),
     )
-    runner = MlxRunner(model, sorted(tokenizer.eos_token_ids), max_batch)
+    cache = make_prefix_cache(prefix_cache) if prefix_cache is not None else None
+    runner = MlxRunner(model, sorted(tokenizer.eos_token_ids), max_batch, cache)
+    info = dataclasses.replace(info, cache_stats=cache.stats if cache else None)
     return runner, info

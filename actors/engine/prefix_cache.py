@@ -1,0 +1,160 @@
+"""Prefix cache: prompt-cache snapshots keyed by token blocks, LRU under a byte budget.
+
+A sync core with no mlx: the runner hands in opaque cache snapshots with their
+size and whether they can be trimmed, and gets back the best snapshot for a new
+prompt plus how many of its tokens it covers.
+
+- Index: the chained hash of each full ``block_size``-token block of an entry's
+  tokens points at the entries that contain that prefix. A lookup walks the new
+  prompt's block hashes to the deepest shared block, then compares tokens
+  exactly past it.
+- Trimmable snapshots (every layer is attention-like) serve any shorter common
+  prefix: the runner trims the copy. Snapshots with SSM / ArraysCache state are
+  valid only at exactly their own length, so they serve a prompt only when the
+  whole entry is a prefix of it; anything else is a miss, never approximated.
+- The runner always copies what it gets, so a snapshot is never shared mutably
+  by running requests, and nothing stays pinned once requests finish.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class Entry:
+    tokens: tuple[int, ...]
+    snapshot: Any
+    nbytes: int
+    trimmable: bool
+
+
+@dataclass(frozen=True)
+class Hit:
+    """Reuse ``entry.snapshot`` for the first ``length`` tokens (trim it if shorter)."""
+
+    entry: Entry
+    length: int
+
+
+@dataclass
+class CacheStats:
+    hits: int = 0
+    misses: int = 0
+    cached_tokens: int = 0  # prompt tokens served from the cache, summed over hits
+    evictions: int = 0
+    entries: int = 0
+    bytes: int = 0
+    max_bytes: int = 0
+
+
+def block_hashes(tokens: Sequence[int], block_size: int) -> list[int]:
+    """Chained hashes of each full block: ``h[i]`` identifies ``tokens[:(i+1)*block_size]``."""
+    out, h = [], 0
+    for start in range(0, len(tokens) - block_size + 1, block_size):
+        h = hash((h, tuple(tokens[start : start + block_size])))
+        out.append(h)
+    return out
+
+
+def _common_prefix(a: Sequence[int], b: Sequence[int], start: int) -> int:
+    n = min(len(a), len(b))
+    i = start
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+@dataclass
+class PrefixCache:
+    """Block-keyed snapshots with LRU eviction under ``max_bytes``."""
+
+    block_size: int
+    max_bytes: int
+    _entries: OrderedDict[tuple[int, ...], Entry] = field(default_factory=OrderedDict)
+    _by_block: dict[int, set[tuple[int, ...]]] = field(default_factory=dict)
+    _short: set[tuple[int, ...]] = field(default_factory=set)  # shorter than one block
+    stats: CacheStats = field(default_factory=CacheStats)
+
+    def __post_init__(self) -> None:
+        self.stats.max_bytes = self.max_bytes
+
+    def __contains__(self, tokens: Sequence[int]) -> bool:
+        return tuple(tokens) in self._entries
+
+    def lookup(self, prompt: Sequence[int], limit: int) -> Hit | None:
+        """The snapshot covering the most of ``prompt[:limit]``; counts a hit or a miss."""
+        best = self._best(prompt, limit)
+        if best is None or best.length == 0:
+            self.stats.misses += 1
+            return None
+        self._entries.move_to_end(best.entry.tokens)
+        self.stats.hits += 1
+        self.stats.cached_tokens += best.length
+        return best
+
+    def _candidates(self, prompt: Sequence[int]) -> set[tuple[int, ...]]:
+        found = set(self._short)
+        for h in block_hashes(prompt, self.block_size):
+            keys = self._by_block.get(h)
+            if not keys:
+                break
+            found |= keys
+        return found
+
+    def _best(self, prompt: Sequence[int], limit: int) -> Hit | None:
+        best: Hit | None = None
+        for key in self._candidates(prompt):
+            entry = self._entries[key]
+            shared = min(_common_prefix(key, prompt, 0), limit)
+            usable = shared if entry.trimmable else (len(key) if shared == len(key) else 0)
+            if usable and (best is None or usable > best.length):
+                best = Hit(entry, usable)
+        return best
+
+    def insert(self, tokens: Sequence[int], snapshot: Any, nbytes: int, trimmable: bool) -> None:
+        """Add a snapshot of the cache after ``tokens``; evict LRU entries over budget."""
+        key = tuple(tokens)
+        if not key or nbytes > self.max_bytes:
+            return
+        if key in self._entries:
+            self._drop(key)
+        self._entries[key] = Entry(key, snapshot, nbytes, trimmable)
+        hashes = block_hashes(key, self.block_size)
+        for h in hashes:
+            self._by_block.setdefault(h, set()).add(key)
+        if not hashes:
+            self._short.add(key)
+        self.stats.bytes += nbytes
+        if trimmable:
+            self._drop_trimmable_prefixes_of(key)
+        while self.stats.bytes > self.max_bytes:
+            self._drop(next(iter(self._entries)))
+            self.stats.evictions += 1
+        self.stats.entries = len(self._entries)
+
+    def _drop_trimmable_prefixes_of(self, key: tuple[int, ...]) -> None:
+        """A trimmable entry serves all its prefixes: shorter trimmable copies only cost bytes."""
+        for other in list(self._candidates(key)):
+            entry = self._entries[other]
+            if other != key and entry.trimmable and key[: len(other)] == other:
+                self._drop(other)
+
+    def _drop(self, key: tuple[int, ...]) -> None:
+        entry = self._entries.pop(key)
+        for h in block_hashes(key, self.block_size):
+            keys = self._by_block.get(h)
+            if keys is not None:
+                keys.discard(key)
+                if not keys:
+                    del self._by_block[h]
+        self._short.discard(key)
+        self.stats.bytes -= entry.nbytes
+        self.stats.entries = len(self._entries)
+
+    def clear(self) -> None:
+        for key in list(self._entries):
+            self._drop(key)
