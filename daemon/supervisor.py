@@ -29,6 +29,7 @@ from actors.engine.actor import RunnerFactory
 from actors.mailbox import Mailboxes
 from actors.streamer import StreamState
 from actors.tokenizer import PromptBuilder
+from actors.vision import ImageLimits
 from daemon.app import create_app
 from daemon.pipeline import Pipeline, ServerState
 from daemon.settings import Settings
@@ -49,6 +50,7 @@ def mlx_runner_factory(settings: Settings) -> RunnerFactory:
             Path(m.cache_dir).expanduser(),
             dequantize_on_cpu=m.dequantize_on_cpu,
             max_batch=settings.engine.max_batch,
+            kind=m.kind,
         )
 
     return factory
@@ -103,6 +105,8 @@ async def run_actors(
             default_max_tokens=s.engine.default_max_tokens,
             max_prompt_tokens=s.engine.max_prompt_tokens,
             vocab_size=info.vocab_size,
+            processor=info.processor,
+            image_limits=ImageLimits.from_settings(s.vision),
         )
         await nursery.start(
             tokenizer.run,
@@ -123,8 +127,9 @@ async def run_actors(
         )
         pipeline.state = ServerState.READY
         log.info(
-            "ready: serving %s (backend %s, context %d)",
+            "ready: serving %s (%s model, backend %s, context %d)",
             info.model_id,
+            info.kind,
             info.backend,
             info.context_length,
         )
