@@ -40,7 +40,7 @@ QWEN3_5 = {
     "rms_norm_eps": 1e-6,
     "vocab_size": VOCAB,
     "max_position_embeddings": 4096,
-    "tie_word_embeddings": True,
+    "tie_word_embeddings": False,
     "rope_parameters": {"type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
 }
 
@@ -135,6 +135,9 @@ _QWEN_VISION = {
 }
 
 
+_SMOLLM_SPECIALS = {"bos_token_id": 1, "eos_token_id": 2}
+
+
 def _qwen_vl_ids(vocab: int) -> dict[str, int]:
     start, end, image, video = range(vocab, vocab + 4)
     return {
@@ -159,7 +162,9 @@ def qwen2_vl_config() -> dict[str, Any]:
         "max_position_embeddings": 4096,
         "rope_theta": 10000.0,
         "rope_scaling": {"type": "mrope", "mrope_section": [2, 3, 3]},
-        "tie_word_embeddings": True,
+        # Untied: with a tied head, random weights just repeat the input token.
+        "tie_word_embeddings": False,
+        **_SMOLLM_SPECIALS,
         **_qwen_vl_ids(VOCAB),
         "vision_config": {**_QWEN_VISION, "model_type": "qwen2_vl", "hidden_size": 64},
     }
@@ -182,6 +187,7 @@ def qwen3_5_vl_config() -> dict[str, Any]:
     return {
         "model_type": "qwen3_5",
         "text_config": text,
+        **_SMOLLM_SPECIALS,
         **ids,
         "vision_config": {
             "model_type": "qwen3_5",
