@@ -109,16 +109,19 @@ def test_processor_template_gets_the_whole_conversation(vlm):
     assert positions == sorted(positions)
 
 
-def test_image_request_alone_equals_mlx_vlm_generation(vlm):
+@pytest.mark.parametrize("with_image", [True, False])
+def test_alone_equals_mlx_vlm_generation(vlm, with_image):
     """Our per-request prefill + batch join gives mlx-vlm's own greedy tokens."""
     import mlx.core as mx
     from mlx_vlm.generate import generate_step
 
     _, runner, _, builder = vlm
-    request = builder.build(chat("one", "What is this?", image(5), max_tokens=8))
+    picture = image(5) if with_image else None
+    request = builder.build(chat("one", "What is this?", picture, max_tokens=8))
     ours = alone(runner, [request])["one"]
-    arrays = {k: mx.array(v) for k, v in request.vision.arrays.items()}
-    pixels = arrays.pop("pixel_values")
+    vision = request.vision.arrays if request.vision else {}
+    arrays = {k: mx.array(v) for k, v in vision.items()}
+    pixels = arrays.pop("pixel_values", None)
     ids = mx.array(request.prompt_tokens)[None]
     steps = generate_step(ids, runner.model, pixels, None, max_tokens=8, temperature=0.0, **arrays)
     reference = [int(token) for token, _ in steps]
