@@ -1,9 +1,11 @@
 """Tokenizer / normalizer actor: admitted requests in, token ids out to the engine.
 
 ``PromptBuilder`` is the sync core: normalize messages, render the chat template,
-tokenize, check the prompt against the context window. It runs in worker threads
-(templates and BPE are CPU work) and never touches MLX. Any failure here is a
-400 for that request alone, delivered to its mailbox.
+tokenize, check the prompt against the context window. For a vision model it also
+decodes and preprocesses the request's images with the model's processor
+(``actors/vision.py``). It runs in worker threads (templates, BPE and image
+preprocessing are CPU work) and hands only numpy arrays to the engine. Any
+failure here is a 400 for that request alone, delivered to its mailbox.
 """
 
 from __future__ import annotations
@@ -16,12 +18,14 @@ import trio
 
 from actors.mailbox import Mailboxes
 from actors.normalize import NormalizeError, normalize_messages
+from actors.vision import ImageLimits, VisionError, VisionProcessor, load_images, split_images
 from protocol.messages import (
     AdmittedRequest,
     ChatRequest,
     Failed,
     Submit,
     TokenizedRequest,
+    VisionInputs,
 )
 
 # A user turn unlike any real one, to find where the system prompt's rendering ends.
@@ -57,9 +61,13 @@ class PromptBuilder:
         vocab_size: int,
         max_prompt_tokens: int = 0,
         checkpoints: bool = True,
+        processor: Any = None,
+        image_limits: ImageLimits | None = None,
     ):
         self.tokenizer = tokenizer
         self.want_checkpoints = checkpoints
+        self.vision = VisionProcessor(processor) if processor is not None else None
+        self.image_limits = image_limits
         self.default_max_tokens = default_max_tokens
         self.context_length = context_length
         self.max_prompt_tokens = max_prompt_tokens or context_length
@@ -112,8 +120,38 @@ class PromptBuilder:
             raise PromptError(f"token ids out of range [0, {self.vocab_size}): {bad[:5]}", "prompt")
         return list(request.prompt), ()
 
-    def build(self, request: AdmittedRequest) -> TokenizedRequest:
+    def vision_chat(self, request: ChatRequest) -> tuple[list[int], VisionInputs | None]:
+        """A vision model's prompt: the whole conversation through its processor."""
+        assert self.vision is not None
+        assert self.image_limits is not None
+        try:
+            messages = normalize_messages(request.messages, text_only=False)
+            messages, sources = split_images(messages)
+            prompt = self.vision.render(messages)
+            if not sources:
+                return self.tokenizer.encode(prompt, add_special_tokens=False), None
+            images = load_images(sources, self.image_limits)
+            tokens, arrays = self.vision.encode(prompt, images)
+        except (NormalizeError, VisionError) as exc:
+            raise PromptError(str(exc), "messages") from exc
+        except (jinja2.TemplateError, ValueError, TypeError) as exc:
+            raise PromptError(
+                f"chat template or image processing error: {exc}", "messages"
+            ) from exc
+        return tokens, VisionInputs(images=len(images), arrays=arrays)
+
+    def encode(
+        self, request: AdmittedRequest
+    ) -> tuple[list[int], tuple[int, ...], VisionInputs | None]:
+        """Prompt tokens, prefix-cache checkpoints and (vision models) image inputs."""
+        if isinstance(request, ChatRequest) and self.vision is not None:
+            tokens, vision = self.vision_chat(request)
+            return tokens, (), vision
         tokens, checkpoints = self.tokens(request)
+        return tokens, checkpoints, None
+
+    def build(self, request: AdmittedRequest) -> TokenizedRequest:
+        tokens, checkpoints, vision = self.encode(request)
         if not tokens:
             raise PromptError("the prompt is empty", "prompt")
         sampling = request.sampling
@@ -123,6 +161,7 @@ class PromptBuilder:
             prompt_tokens=tuple(tokens),
             sampling=msgspec.structs.replace(sampling, max_tokens=max_tokens),
             checkpoints=checkpoints,
+            vision=vision,
         )
 
     def _max_tokens(self, prompt: int, asked: int | None) -> int:

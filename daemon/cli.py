@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -19,6 +20,11 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--host")
     serve.add_argument("--port", type=int)
     serve.add_argument("--config", type=Path, help="TOML file overriding config/default.toml")
+    serve.add_argument(
+        "--kind",
+        choices=("auto", "text", "vision"),
+        help="model kind (default: from the model's config.json; model.kind)",
+    )
     sub.add_parser("bench", help="benchmark a server or the in-process engine (see --help)")
     return parser
 
@@ -26,6 +32,8 @@ def _parser() -> argparse.ArgumentParser:
 def _overrides(args: argparse.Namespace) -> dict:
     server = {k: v for k, v in (("host", args.host), ("port", args.port)) if v is not None}
     model = {"path": args.model} if args.model else {}
+    if args.kind:
+        model["kind"] = args.kind
     return {"server": server, "model": model}
 
 
@@ -65,6 +73,9 @@ def _startup_cause(exc: BaseException) -> BaseException | None:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    # mlxd serves local model directories only: no library may reach for a model hub
+    # (mlx-vlm's processors otherwise try a download for a missing optional file).
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
     blas.reexec_with_openblas()
     if argv[:1] == ["bench"]:  # bench owns its flags
         from scripts.bench import main as bench_main

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import msgspec
 
@@ -32,6 +32,7 @@ class ModelSettings(_Section):
     accept_other_ids: bool = False
     cache_dir: str = "~/.cache/mlxd"
     dequantize_on_cpu: bool = True
+    kind: Literal["auto", "text", "vision"] = "auto"
 
 
 class AdmissionSettings(_Section):
@@ -63,6 +64,14 @@ class PrefixCacheSettings(_Section):
     memory_fraction: float = 0.1
 
 
+class VisionSettings(_Section):
+    max_images: int = 8
+    max_image_bytes: Positive = 8_388_608
+    max_image_pixels: Positive = 16_777_216
+    allow_remote_urls: bool = False
+    remote_timeout_s: float = 10.0
+
+
 class StreamingSettings(_Section):
     engine_outbox: Positive = 4
 
@@ -78,6 +87,7 @@ class Settings(_Section):
     tokenizer: TokenizerSettings = msgspec.field(default_factory=TokenizerSettings)
     engine: EngineSettings = msgspec.field(default_factory=EngineSettings)
     prefix_cache: PrefixCacheSettings = msgspec.field(default_factory=PrefixCacheSettings)
+    vision: VisionSettings = msgspec.field(default_factory=VisionSettings)
     streaming: StreamingSettings = msgspec.field(default_factory=StreamingSettings)
     logging: LoggingSettings = msgspec.field(default_factory=LoggingSettings)
 

@@ -29,6 +29,7 @@ from actors.engine.actor import RunnerFactory
 from actors.mailbox import Mailboxes
 from actors.streamer import StreamState
 from actors.tokenizer import PromptBuilder
+from actors.vision import ImageLimits
 from daemon.app import create_app
 from daemon.pipeline import Pipeline, ServerState
 from daemon.settings import Settings
@@ -50,6 +51,7 @@ def mlx_runner_factory(settings: Settings) -> RunnerFactory:
             dequantize_on_cpu=m.dequantize_on_cpu,
             max_batch=settings.engine.max_batch,
             prefix_cache=settings.prefix_cache,
+            kind=m.kind,
         )
 
     return factory
@@ -105,6 +107,8 @@ async def run_actors(
             max_prompt_tokens=s.engine.max_prompt_tokens,
             vocab_size=info.vocab_size,
             checkpoints=s.prefix_cache.enabled and s.prefix_cache.system_prompt,
+            processor=info.processor,
+            image_limits=ImageLimits.from_settings(s.vision),
         )
         await nursery.start(
             tokenizer.run,
@@ -125,8 +129,9 @@ async def run_actors(
         )
         pipeline.state = ServerState.READY
         log.info(
-            "ready: serving %s (backend %s, context %d)",
+            "ready: serving %s (%s model, backend %s, context %d)",
             info.model_id,
+            info.kind,
             info.backend,
             info.context_length,
         )

@@ -9,7 +9,7 @@ each request's mailbox. Nothing here imports trio or mlx.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 import msgspec
 
@@ -69,8 +69,21 @@ class CompletionRequest(msgspec.Struct, frozen=True, kw_only=True):
 AdmittedRequest = ChatRequest | CompletionRequest
 
 
+class VisionInputs(msgspec.Struct, frozen=True, kw_only=True):
+    """A request's images, decoded and preprocessed by the model's processor.
+
+    ``arrays`` maps the processor's output names (``pixel_values``,
+    ``image_grid_thw``, ...) to numpy arrays. They are typed ``Any`` because
+    they only ever travel in-process between actors, never over the wire; the
+    generation thread turns them into MLX arrays, so no other thread touches MLX.
+    """
+
+    images: int
+    arrays: dict[str, Any]
+
+
 class TokenizedRequest(msgspec.Struct, frozen=True, kw_only=True):
-    """A request ready for the generation actor."""
+    """A request ready for the generation actor; ``vision`` is set when it has images."""
 
     request_id: str
     prompt_tokens: tuple[int, ...]
@@ -78,6 +91,7 @@ class TokenizedRequest(msgspec.Struct, frozen=True, kw_only=True):
     # Prompt positions worth a prefix-cache snapshot (end of the system prompt,
     # end of the previous turn): hybrid models can only reuse state captured exactly there.
     checkpoints: tuple[int, ...] = ()
+    vision: VisionInputs | None = None
 
 
 # ---- admission inbox ----------------------------------------------------------------

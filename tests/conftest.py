@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import os
 from contextlib import asynccontextmanager
 
 import msgspec
+import pytest
 import trio
 from hypercorn.config import Config
 from hypercorn.trio import serve
@@ -14,6 +16,10 @@ from daemon.settings import load_settings
 from daemon.supervisor import open_graph, run_actors
 from protocol.messages import ChatRequest, Message, SamplingParams, TextDelta
 from tests.fakes import FakeRunner, fake_factory
+
+# As `mlxd serve` does: model directories are local; nothing may reach for a hub.
+# (Set before anything imports huggingface_hub, which reads it once.)
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
 @asynccontextmanager
@@ -92,3 +98,36 @@ async def real_server(settings=None, factory=None):
         # hypercorn reports the bound address; tests talk to it over loopback
         yield binds[0].replace("0.0.0.0", "127.0.0.1"), pipeline, runner
         nursery.cancel_scope.cancel()
+
+
+# ---- tiny random-weight models (the `mlx` tier) ------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def smollm_tokenizer(tmp_path_factory):
+    """SmolLM2's tokenizer files, converted from the default GGUF once per session."""
+    from actors.engine.gguf import convert_gguf, default_model_path
+
+    return convert_gguf(default_model_path(), tmp_path_factory.mktemp("gguf"), lambda _: None)
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory, smollm_tokenizer):
+    """``tiny_models(name)``: the directory of a tiny model from ``tests/tiny_models.py``."""
+    from tests import tiny_models as tm
+
+    root = tmp_path_factory.mktemp("tiny-models")
+    builders = {
+        "qwen3_5": lambda out: tm.build_text_model(tm.QWEN3_5, smollm_tokenizer, out),
+        "baichuan_m1": lambda out: tm.build_text_model(tm.BAICHUAN_M1, smollm_tokenizer, out),
+        "qwen2_vl": lambda out: tm.build_vlm(tm.qwen2_vl_config(), smollm_tokenizer, out),
+        "qwen3_5_vl": lambda out: tm.build_vlm(tm.qwen3_5_vl_config(), smollm_tokenizer, out),
+    }
+    built: dict[str, object] = {}
+
+    def get(name: str):
+        if name not in built:
+            built[name] = builders[name](root / name)
+        return built[name]
+
+    return get

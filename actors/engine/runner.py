@@ -1,9 +1,11 @@
-"""The only module that runs MLX model code: mlx-lm behind a small runner protocol.
+"""Runs MLX model code: mlx-lm behind a small runner protocol (``vlm_runner`` adds mlx-vlm).
 
 ``MlxRunner`` prefills each request on its own prompt cache (so a failure is
 that request's alone, and long prompts go a chunk per engine step), then hands
 the cache to mlx-lm's ``BatchGenerator`` with ``insert(..., caches=...)``; every
-``decode()`` is one ``BatchGenerator.next()``. All methods must be called on the
+``decode()`` is one ``BatchGenerator.next()``. Any per-layer mix of cache kinds
+(attention, sliding window, SSM state, cache lists) works: ``caches`` checks at
+start-up that every layer can be batched. All methods must be called on the
 generation actor's thread: MLX streams are thread-local.
 """
 
@@ -11,8 +13,10 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import json
 import logging
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -31,8 +35,9 @@ from mlx_lm.sample_utils import (
 from mlx_lm.utils import dequantize_model
 from mlx_lm.utils import load as mlx_lm_load
 
+from actors.engine.caches import check_batchable, layer_kinds
 from actors.engine.prefix_cache import PrefixCache
-from actors.engine.types import Decoded, ModelInfo
+from actors.engine.types import Decoded, ModelInfo, model_kind
 from protocol.messages import SamplingParams, TokenizedRequest
 
 log = logging.getLogger("mlxd.runner")
@@ -86,21 +91,17 @@ def backend() -> str:
 def load_model(model_dir: Path, *, dequantize_on_cpu: bool) -> tuple[nn.Module, Any, dict]:
     """Load an mlx-lm model directory; on the CPU backend optionally as float32."""
     model, tokenizer, config = mlx_lm_load(str(model_dir), return_config=True)
-    if dequantize_on_cpu and backend() == "cpu" and "quantization" in config:
-        log.info("CPU backend: dequantizing weights to float32 (model.dequantize_on_cpu)")
-        model = dequantize_model(model)
-        model.set_dtype(mx.float32)
-        mx.eval(model.parameters())
-    return model, tokenizer, config
+    return dequantize_for_cpu(model, config, dequantize_on_cpu), tokenizer, config
 
 
 @dataclass
-class _Pending:
+class Pending:
     """A request being prefilled on its own cache."""
 
     request: TokenizedRequest
     cache: list[Any] = field(default_factory=list)
     done: int = 0  # prompt tokens already in the cache
+    inputs: Any = None  # runner-specific prepared inputs (a VLM's prompt embeddings)
     checkpoints: list[int] = field(default_factory=list)  # where to snapshot, ascending
 
     @property
@@ -122,19 +123,26 @@ class MlxRunner:
         model: nn.Module,
         stop_tokens: list[int],
         max_batch: int,
+        *,
+        make_cache: Callable[[], list[Any]] | None = None,
+        decode_model: Callable[..., mx.array] | None = None,
         prefix_cache: PrefixCache | None = None,
     ):
         self.model = model
         self.prefix_cache = prefix_cache
+        self._make_cache = make_cache or (lambda: make_prompt_cache(model))
+        cache = self._make_cache()
+        check_batchable(cache, self._make_cache())
+        log.info("per-layer caches: %s", layer_kinds(cache))
         self._stream = mx.new_stream(mx.default_device())
         self.generator = BatchGenerator(
-            model,
+            decode_model or model,
             stop_tokens=[[t] for t in stop_tokens],
             completion_batch_size=max_batch,
             prefill_batch_size=max_batch,
             stream=self._stream,
         )
-        self._pending: dict[str, _Pending] = {}
+        self._pending: dict[str, Pending] = {}
         self._uid_to_rid: dict[int, str] = {}
         self._rid_to_uid: dict[str, int] = {}
 
@@ -157,13 +165,13 @@ class MlxRunner:
         prompt = request.prompt_tokens
         cache, done = self._cached(prompt)
         marks = sorted(c for c in request.checkpoints if done < c < len(prompt) - 1)
-        self._pending[request.request_id] = _Pending(request, cache, done, marks)
+        self._pending[request.request_id] = Pending(request, cache, done, checkpoints=marks)
         return done
 
     def _cached(self, prompt: tuple[int, ...]) -> tuple[list[Any], int]:
         hit = self.prefix_cache.lookup(prompt, len(prompt) - 1) if self.prefix_cache else None
         if hit is None:
-            return make_prompt_cache(self.model), 0
+            return self._make_cache(), 0
         cache = copy.deepcopy(hit.entry.snapshot)  # never share a snapshot with a request
         trim_prompt_cache(cache, len(hit.entry.tokens) - hit.length)
         return cache, hit.length
@@ -179,27 +187,33 @@ class MlxRunner:
         pending = self._pending[request_id]
         n = pending.next_stop(budget)
         if n > 0:
-            prompt = pending.request.prompt_tokens
             with mx.stream(self._stream):
-                self.model(
-                    mx.array(prompt[pending.done : pending.done + n])[None], cache=pending.cache
-                )
+                self._prefill_chunk(pending, n)
                 mx.eval([c.state for c in pending.cache])
             pending.done += n
             if pending.done in pending.checkpoints:
-                self._remember(prompt[: pending.done], copy.deepcopy(pending.cache))
+                prefix = pending.request.prompt_tokens[: pending.done]
+                self._remember(prefix, copy.deepcopy(pending.cache))
         if pending.remaining == 0:
             self._join_batch(self._pending.pop(request_id))
         return pending.remaining
 
-    def _join_batch(self, pending: _Pending) -> None:
+    def _prefill_chunk(self, pending: Pending, n: int) -> None:
+        chunk = pending.request.prompt_tokens[pending.done : pending.done + n]
+        self.model(mx.array(chunk)[None], cache=pending.cache)
+
+    def _batch_cache(self, pending: Pending) -> list[Any]:
+        """The cache list that joins the batch (a VLM appends per-sequence state)."""
+        return pending.cache
+
+    def _join_batch(self, pending: Pending) -> None:
         request = pending.request
         params = request.sampling
         self._remember(request.prompt_tokens[:-1], copy.deepcopy(pending.cache))
         (uid,) = self.generator.insert(
             [[request.prompt_tokens[-1]]],
             max_tokens=[params.max_tokens],
-            caches=[pending.cache],
+            caches=[self._batch_cache(pending)],
             all_tokens=[list(request.prompt_tokens[:-1])],
             samplers=[make_sampler(params)],
             logits_processors=[make_processors(params)],
@@ -245,6 +259,22 @@ def resolve_model_dir(path: str, cache_dir: Path, progress) -> tuple[str, Path]:
     return source.name, source
 
 
+def config_value(config: dict[str, Any], key: str, default: Any = None) -> Any:
+    """A setting from the model's config, at the top level or in its ``text_config``."""
+    if config.get(key) is not None:
+        return config[key]
+    return config.get("text_config", {}).get(key, default)
+
+
+def dequantize_for_cpu(model: nn.Module, config: dict[str, Any], enabled: bool) -> nn.Module:
+    if enabled and backend() == "cpu" and "quantization" in config:
+        log.info("CPU backend: dequantizing weights to float32 (model.dequantize_on_cpu)")
+        model = dequantize_model(model)
+        model.set_dtype(mx.float32)
+        mx.eval(model.parameters())
+    return model
+
+
 def memory_bytes() -> int:
     """Device memory: unified/GPU memory where MLX reports it, else system RAM."""
     info = mx.device_info() if hasattr(mx, "device_info") else {}
@@ -253,7 +283,7 @@ def memory_bytes() -> int:
 
 
 def make_prefix_cache(settings: Any) -> PrefixCache | None:
-    if not settings.enabled:
+    if settings is None or not settings.enabled:
         return None
     budget = settings.max_bytes or int(memory_bytes() * settings.memory_fraction)
     log.info("prefix cache: %.0f MiB budget, %d-token blocks", budget / 2**20, settings.block_size)
@@ -266,24 +296,32 @@ def load_runner(
     *,
     dequantize_on_cpu: bool,
     max_batch: int,
+    kind: str = "auto",
     prefix_cache: Any = None,
 ) -> tuple[MlxRunner, ModelInfo]:
-    """Load the model for serving; call on the generation thread."""
+    """Load the model for serving; call on the generation thread.
+
+    The kind (text or vision) comes from the model's config unless ``kind`` names it.
+    """
     model_id, model_dir = resolve_model_dir(path, cache_dir, log.info)
-    log.info("loading %s from %s (MLX backend: %s)", model_id, model_dir, backend())
+    config = json.loads((model_dir / "config.json").read_text())
+    kind = model_kind(config, kind)
+    log.info("loading %s model %s from %s (MLX backend: %s)", kind, model_id, model_dir, backend())
+    if kind == "vision":
+        from actors.engine.vlm_runner import load_vlm_runner
+
+        return load_vlm_runner(
+            model_id, model_dir, max_batch=max_batch, dequantize_on_cpu=dequantize_on_cpu
+        )
     model, tokenizer, config = load_model(model_dir, dequantize_on_cpu=dequantize_on_cpu)
-    context = config.get("max_position_embeddings") or config.get("text_config", {}).get(
-        "max_position_embeddings", 4096
-    )
     info = ModelInfo(
         model_id=model_id,
         model_dir=model_dir,
-        context_length=int(context),
-        vocab_size=int(config.get("vocab_size") or len(tokenizer.vocab)),
+        context_length=int(config_value(config, "max_position_embeddings", 4096)),
+        vocab_size=int(config_value(config, "vocab_size") or len(tokenizer.vocab)),
         tokenizer=tokenizer,
         backend=backend(),
     )
-    cache = make_prefix_cache(prefix_cache) if prefix_cache is not None else None
-    runner = MlxRunner(model, sorted(tokenizer.eos_token_ids), max_batch, cache)
-    info = dataclasses.replace(info, cache_stats=cache.stats if cache else None)
-    return runner, info
+    cache = make_prefix_cache(prefix_cache)
+    runner = MlxRunner(model, sorted(tokenizer.eos_token_ids), max_batch, prefix_cache=cache)
+    return runner, dataclasses.replace(info, cache_stats=cache.stats if cache else None)

@@ -41,3 +41,23 @@ class ModelInfo:
     tokenizer: Any  # HF tokenizer (wrapped by mlx-lm); thread-safe for encode/decode
     backend: str
     cache_stats: Any = None  # the prefix cache's live CacheStats, read-only outside the engine
+    kind: str = "text"  # "text" or "vision"
+    # A vision model's processor (chat template, image preprocessing, image-token
+    # expansion); the tokenizer actor's worker threads use it. None for text models.
+    processor: Any = None
+
+
+KINDS = ("auto", "text", "vision")
+
+
+def model_kind(config: dict[str, Any], override: str = "auto") -> str:
+    """ "vision" when the model's config describes a vision tower, else "text".
+
+    Decided from the config, never from the model's name; ``override`` (the
+    ``model.kind`` setting) wins unless it is "auto".
+    """
+    if override not in KINDS:
+        raise ValueError(f"model kind must be one of {KINDS}, not {override!r}")
+    if override != "auto":
+        return override
+    return "vision" if config.get("vision_config") else "text"

@@ -1,0 +1,138 @@
+"""Per-layer caches of any kind in one continuous batch, decided by capability.
+
+Hybrid models mix cache kinds layer by layer: KVCache (attention), RotatingKVCache
+(sliding-window attention), ArraysCache (SSM / GatedDeltaNet state) and CacheList
+(several of those in one layer). mlx-lm's ``BatchGenerator`` batches a request's
+cache by calling each layer's ``merge`` and then ``filter`` / ``extend`` / ``extract``
+on the merged batch cache, so a model can join the batch only if every layer has
+them. This module checks that once at start-up (a QuantizedKVCache or ChunkedKVCache
+layer is refused with a clear message instead of failing mid-batch), and trims a
+cache only when every layer can trim. Nothing here asks "what type is layer 0".
+
+``RowDeltas`` rides along a batch's cache list to carry one small array per
+sequence (the M-RoPE position delta of a vision-language model): merging, filtering,
+extending and extracting it keep it aligned with its sequence's other layers.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Sequence
+from typing import Any
+
+import mlx.core as mx
+
+BATCH_OPS = ("filter", "extend", "extract")
+
+
+class UnbatchableCache(ValueError):
+    """A model whose per-layer caches cannot join a continuous batch."""
+
+
+def layer_kinds(cache: Sequence[Any]) -> str:
+    """``"ArraysCache×2, KVCache×2"``: the cache layout, for logs and errors."""
+    counts = Counter(_name(c) for c in cache)
+    return ", ".join(f"{name}×{n}" for name, n in sorted(counts.items()))
+
+
+def _name(c: Any) -> str:
+    inner = getattr(c, "caches", None)
+    if inner is not None:
+        return f"CacheList({'+'.join(type(x).__name__ for x in inner)})"
+    return type(c).__name__
+
+
+def missing_batch_ops(layer: Any, spare: Any) -> list[str]:
+    """What ``layer`` lacks to be batched; ``spare`` is a second empty cache like it."""
+    if not callable(getattr(layer, "merge", None)):
+        return ["merge"]
+    try:
+        merged = layer.merge([layer, spare])
+    except (AttributeError, TypeError, ValueError, NotImplementedError) as exc:
+        return [f"merge ({exc})"]
+    return [op for op in BATCH_OPS if not callable(getattr(merged, op, None))]
+
+
+def check_batchable(cache: Sequence[Any], spare: Sequence[Any]) -> None:
+    """Raise ``UnbatchableCache`` unless every layer can merge, filter, extend and extract.
+
+    ``cache`` and ``spare`` are two fresh (empty) caches for the same model.
+    """
+    problems = []
+    for i, (layer, other) in enumerate(zip(cache, spare, strict=True)):
+        missing = missing_batch_ops(layer, other)
+        if missing:
+            problems.append(f"layer {i} ({_name(layer)}) lacks {', '.join(missing)}")
+    if problems:
+        raise UnbatchableCache(
+            "this model's cache cannot join a continuous batch: "
+            + "; ".join(problems[:4])
+            + (f" (+{len(problems) - 4} more)" if len(problems) > 4 else "")
+        )
+
+
+def can_trim(cache: Sequence[Any]) -> bool:
+    """True only if every layer can drop its last tokens (SSM state cannot)."""
+    return all(callable(getattr(c, "is_trimmable", None)) and c.is_trimmable() for c in cache)
+
+
+def trim(cache: Sequence[Any], n: int) -> int:
+    """Drop the last ``n`` tokens from every layer; 0 (and nothing changed) if any cannot."""
+    if n <= 0 or not can_trim(cache):
+        return 0
+    return min(c.trim(n) for c in cache)
+
+
+def nbytes(cache: Sequence[Any]) -> int:
+    return sum(c.nbytes for c in cache)
+
+
+class RowDeltas:
+    """One ``[1, 1]`` array per sequence, kept in step with the batch's rows.
+
+    Implements the cache methods ``BatchGenerator`` calls on every entry of a
+    cache list (merge, filter, extend, extract, state, nbytes); it holds no
+    tokens, so it is empty for trimming and never the model's business.
+    """
+
+    def __init__(self, values: mx.array):
+        self.values = values  # [batch, 1]
+
+    @classmethod
+    def merge(cls, rows: Sequence[RowDeltas]) -> RowDeltas:
+        return cls(mx.concatenate([r.values for r in rows], axis=0))
+
+    def filter(self, batch_indices) -> None:
+        self.values = self.values[mx.array(batch_indices)]
+
+    def extend(self, other: RowDeltas) -> None:
+        self.values = mx.concatenate([self.values, other.values], axis=0)
+
+    def extract(self, idx: int) -> RowDeltas:
+        return RowDeltas(self.values[idx : idx + 1])
+
+    def prepare(self, **kwargs) -> None:
+        pass
+
+    def finalize(self) -> None:
+        pass
+
+    @property
+    def state(self) -> mx.array:
+        return self.values
+
+    def is_trimmable(self) -> bool:
+        return True
+
+    def trim(self, n: int) -> int:
+        return n
+
+    def empty(self) -> bool:
+        return False
+
+    def size(self) -> int:
+        return 0
+
+    @property
+    def nbytes(self) -> int:
+        return self.values.nbytes

@@ -1,0 +1,67 @@
+"""Drive the real engine core step by step, so requests join and leave at exact steps."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from pathlib import Path
+
+from actors.engine.core import EngineCore
+from protocol.messages import Failed, SamplingParams, TokenizedRequest
+
+
+def load(model_dir: Path, max_batch: int = 8, kind: str = "auto"):
+    from actors.engine.runner import load_runner
+
+    return load_runner(
+        str(model_dir), model_dir, dequantize_on_cpu=True, max_batch=max_batch, kind=kind
+    )
+
+
+def request(rid: str, tokens, max_tokens: int = 10, vision=None) -> TokenizedRequest:
+    return TokenizedRequest(
+        request_id=rid,
+        prompt_tokens=tuple(tokens),
+        sampling=SamplingParams(max_tokens=max_tokens, temperature=0.0),
+        vision=vision,
+    )
+
+
+def drive(
+    runner,
+    schedule: dict[int, list[TokenizedRequest]],
+    aborts: dict[int, list[str]] | None = None,
+    *,
+    max_batch: int = 8,
+    prefill_chunk_tokens: int = 16,
+) -> tuple[dict[str, list[int]], dict[str, Failed]]:
+    """Submit ``schedule[step]`` before engine step ``step``; run until idle.
+
+    Returns every request's generated tokens and the failures.
+    """
+    core = EngineCore(runner, max_batch=max_batch, prefill_chunk_tokens=prefill_chunk_tokens)
+    tokens: dict[str, list[int]] = defaultdict(list)
+    failed: dict[str, Failed] = {}
+    last = max(schedule)
+    step = 0
+    while step <= last or not core.idle:
+        for r in schedule.get(step, []):
+            core.submit(r)
+        for rid in (aborts or {}).get(step, []):
+            core.abort(rid)
+        result = core.step()
+        for t in result.tokens:
+            tokens[t.request_id].extend(t.tokens)
+        for f in result.failed:
+            failed[f.request_id] = f
+        step += 1
+    return dict(tokens), failed
+
+
+def alone(runner, requests: list[TokenizedRequest], **kwargs) -> dict[str, list[int]]:
+    """Each request's tokens when it runs by itself."""
+    out: dict[str, list[int]] = {}
+    for r in requests:
+        tokens, failed = drive(runner, {0: [r]}, **kwargs)
+        assert not failed, failed
+        out[r.request_id] = tokens[r.request_id]
+    return out

@@ -1,0 +1,242 @@
+"""Tiny random-weight models for the ``mlx`` test tier, built offline from config dicts.
+
+Each builder writes a model directory (``config.json``, ``model.safetensors`` and the
+tokenizer files) that mlxd loads exactly as it loads a real checkpoint. The tokenizer
+is SmolLM2's (converted from the default GGUF), so prompts tokenize like real text; the
+configs use its vocabulary size and tiny hidden sizes so every test stays fast.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+VOCAB = 49152  # SmolLM2's vocabulary
+_TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "chat_template.jinja",
+    "generation_config.json",
+)
+
+# mlx-lm hybrids: GatedDeltaNet (ArraysCache) layers interleaved with full attention.
+QWEN3_5 = {
+    "model_type": "qwen3_5",
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "linear_num_value_heads": 4,
+    "linear_num_key_heads": 2,
+    "linear_key_head_dim": 16,
+    "linear_value_head_dim": 16,
+    "linear_conv_kernel_dim": 4,
+    "full_attention_interval": 2,
+    "rms_norm_eps": 1e-6,
+    "vocab_size": VOCAB,
+    "max_position_embeddings": 4096,
+    "tie_word_embeddings": False,
+    "rope_parameters": {"type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
+}
+
+# Baichuan-M1: every layer is a CacheList(ArraysCache conv state, KV cache); the
+# sliding-window layers use a RotatingKVCache (window 8, shorter than the prompts).
+BAICHUAN_M1 = {
+    "model_type": "baichuan_m1",
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "rope_theta": 10000.0,
+    "sliding_window": 8,
+    "sliding_window_layers": [1, 3],
+    "conv_window": 2,
+    "rms_norm_eps": 1e-6,
+    "vocab_size": VOCAB,
+    "max_position_embeddings": 4096,
+    "tie_word_embeddings": False,
+}
+
+
+def copy_tokenizer(tokenizer_dir: Path, out: Path) -> None:
+    for name in _TOKENIZER_FILES:
+        if (tokenizer_dir / name).exists():
+            shutil.copy(tokenizer_dir / name, out / name)
+
+
+def build_text_model(config: dict[str, Any], tokenizer_dir: Path, out: Path, seed: int = 0) -> Path:
+    """An mlx-lm model directory with random weights for ``config``."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+
+    module = importlib.import_module(f"mlx_lm.models.{config['model_type']}")
+    mx.random.seed(seed)
+    model = module.Model(module.ModelArgs.from_dict(dict(config)))
+    mx.eval(model.parameters())
+    out.mkdir(parents=True, exist_ok=True)
+    mx.save_safetensors(str(out / "model.safetensors"), dict(tree_flatten(model.parameters())))
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    copy_tokenizer(tokenizer_dir, out)
+    return out
+
+
+# ---- vision-language models (mlx-vlm) --------------------------------------------------
+
+VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
+
+# Qwen2-VL's chat template, cut down: images become <|vision_start|><|image_pad|><|vision_end|>.
+QWEN_VL_TEMPLATE = (
+    "{% for message in messages %}"
+    "{% if loop.first and message['role'] != 'system' %}"
+    "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n{% endif %}"
+    "<|im_start|>{{ message['role'] }}\n"
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for part in message['content'] %}"
+    "{% if part['type'] == 'image' %}<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}<|im_end|>\n"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+# Qwen2-VL's image processor, sized so a small image becomes a handful of tokens.
+QWEN_VL_PREPROCESSOR = {
+    "image_processor_type": "Qwen2VLImageProcessor",
+    "processor_class": "Qwen2VLProcessor",
+    "patch_size": 14,
+    "temporal_patch_size": 2,
+    "merge_size": 2,
+    "min_pixels": 56 * 56,
+    "max_pixels": 112 * 112,
+    "image_mean": [0.48145466, 0.4578275, 0.40821073],
+    "image_std": [0.26862954, 0.26130258, 0.27577711],
+    "do_rescale": True,
+    "rescale_factor": 1 / 255,
+    "do_normalize": True,
+    "do_convert_rgb": True,
+}
+
+_QWEN_VISION = {
+    "depth": 2,
+    "embed_dim": 32,
+    "num_heads": 2,
+    "mlp_ratio": 2,
+    "in_channels": 3,
+    "patch_size": 14,
+    "spatial_patch_size": 14,
+    "spatial_merge_size": 2,
+    "temporal_patch_size": 2,
+}
+
+
+_SMOLLM_SPECIALS = {"bos_token_id": 1, "eos_token_id": 2}
+
+
+def _qwen_vl_ids(vocab: int) -> dict[str, int]:
+    start, end, image, video = range(vocab, vocab + 4)
+    return {
+        "vision_start_token_id": start,
+        "vision_end_token_id": end,
+        "image_token_id": image,
+        "video_token_id": video,
+    }
+
+
+def qwen2_vl_config() -> dict[str, Any]:
+    """Qwen2-VL: plain attention with M-RoPE (positions after an image depend on its grid)."""
+    return {
+        "model_type": "qwen2_vl",
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "rms_norm_eps": 1e-6,
+        "vocab_size": VOCAB + len(VISION_TOKENS),
+        "max_position_embeddings": 4096,
+        "rope_theta": 10000.0,
+        "rope_scaling": {"type": "mrope", "mrope_section": [2, 3, 3]},
+        # Untied: with a tied head, random weights just repeat the input token.
+        "tie_word_embeddings": False,
+        **_SMOLLM_SPECIALS,
+        **_qwen_vl_ids(VOCAB),
+        "vision_config": {**_QWEN_VISION, "model_type": "qwen2_vl", "hidden_size": 64},
+    }
+
+
+def qwen3_5_vl_config() -> dict[str, Any]:
+    """Qwen3.5 VLM: a hybrid (GatedDeltaNet + attention) language model behind a vision tower."""
+    ids = _qwen_vl_ids(VOCAB)
+    text = {
+        **{k: v for k, v in QWEN3_5.items() if k != "rope_parameters"},
+        "vocab_size": VOCAB + len(VISION_TOKENS),
+        "rope_parameters": {
+            "type": "default",
+            "rope_theta": 10000.0,
+            "partial_rotary_factor": 0.5,
+            "mrope_section": [2, 1, 1],
+            "mrope_interleaved": True,
+        },
+    }
+    return {
+        "model_type": "qwen3_5",
+        "text_config": text,
+        **_SMOLLM_SPECIALS,
+        **ids,
+        "vision_config": {
+            "model_type": "qwen3_5",
+            "depth": 2,
+            "hidden_size": 32,
+            "intermediate_size": 64,
+            "num_heads": 2,
+            "out_hidden_size": 64,
+            "in_channels": 3,
+            "patch_size": 14,
+            "spatial_merge_size": 2,
+            "temporal_patch_size": 2,
+            "num_position_embeddings": 64,
+            "deepstack_visual_indexes": [],
+        },
+    }
+
+
+def _vlm_tokenizer(tokenizer_dir: Path, out: Path) -> None:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+    tokenizer.add_special_tokens({"additional_special_tokens": list(VISION_TOKENS)})
+    tokenizer.chat_template = QWEN_VL_TEMPLATE
+    tokenizer.save_pretrained(str(out))
+    (out / "chat_template.jinja").write_text(QWEN_VL_TEMPLATE)
+    shutil.copy(tokenizer_dir / "generation_config.json", out / "generation_config.json")
+
+
+def build_vlm(config: dict[str, Any], tokenizer_dir: Path, out: Path, seed: int = 0) -> Path:
+    """An mlx-vlm model directory with random weights, tokenizer and image processor."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+    from mlx_vlm.utils import get_model_and_args, update_module_configs
+
+    out.mkdir(parents=True, exist_ok=True)
+    raw = json.loads(json.dumps(config))
+    module, _ = get_model_and_args(raw)
+    raw.setdefault("text_config", {})
+    model_config = module.ModelConfig.from_dict(raw)
+    model_config = update_module_configs(model_config, module, raw, ["text", "vision"])
+    mx.random.seed(seed)
+    model = module.Model(model_config)
+    mx.eval(model.parameters())
+    mx.save_safetensors(str(out / "model.safetensors"), dict(tree_flatten(model.parameters())))
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    _vlm_tokenizer(tokenizer_dir, out)
+    pre = json.dumps(QWEN_VL_PREPROCESSOR, indent=2)
+    (out / "preprocessor_config.json").write_text(pre)
+    (out / "video_preprocessor_config.json").write_text(pre)
+    (out / "processor_config.json").write_text(json.dumps({"processor_class": "Qwen2VLProcessor"}))
+    return out
