@@ -1,4 +1,5 @@
-"""``mlxd`` command line: ``serve`` (the daemon) and ``bench`` (load generator)."""
+"""``mlxd`` command line: ``serve`` (the daemon), ``bench`` (load generator),
+``launchd`` / ``systemd`` (run as a service, see ``daemon/service.py``)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import logging
 import sys
 from pathlib import Path
 
-from daemon import blas
+from daemon import blas, service
 from daemon.settings import SettingsError, load_settings
 
 
@@ -20,6 +21,7 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--port", type=int)
     serve.add_argument("--config", type=Path, help="TOML file overriding config/default.toml")
     sub.add_parser("bench", help="benchmark a server or the in-process engine (see --help)")
+    service.add_parsers(sub)
     return parser
 
 
@@ -63,14 +65,28 @@ def _startup_cause(exc: BaseException) -> BaseException | None:
     return exc if isinstance(exc, FileNotFoundError | ValueError | OSError) else None
 
 
+def bench(argv: list[str]) -> int:
+    from scripts.bench import main as bench_main
+
+    return bench_main(argv)
+
+
+COMMANDS = {
+    "serve": serve,
+    "launchd": service.launchd_command,
+    "systemd": service.systemd_command,
+}
+_RUNS_MLX = ("serve", "bench")
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    blas.reexec_with_openblas()
+    if argv[:1] and argv[0] in _RUNS_MLX:
+        blas.reexec_with_openblas()
     if argv[:1] == ["bench"]:  # bench owns its flags
-        from scripts.bench import main as bench_main
-
-        return bench_main(argv[1:])
-    return serve(_parser().parse_args(argv))
+        return bench(argv[1:])
+    args = _parser().parse_args(argv)
+    return COMMANDS[args.command](args)
 
 
 if __name__ == "__main__":

@@ -17,13 +17,16 @@ from tests.fakes import FakeRunner, fake_factory
 
 
 @asynccontextmanager
-async def running_graph(settings=None, runner=None, context_length=4096, factory=None):
-    """Run the actors (a fake runner unless a factory is given); on exit assert all is idle."""
+async def running_graph(settings=None, runner=None, context_length=4096, factory=None, memory=None):
+    """Run the actors (a fake runner unless a factory is given); on exit assert all is idle.
+
+    ``memory``: the fake model's ``MemoryModel`` (``tests.fakes.fake_memory``); none: no gate.
+    """
     settings = settings or load_settings()
     made: list = []
     if factory is None:
         runner = runner or FakeRunner()
-        factory = fake_factory(runner, context_length)
+        factory = fake_factory(runner, context_length, memory)
 
     def recording_factory():
         runner_and_info = factory()
@@ -47,10 +50,18 @@ def _busy(runner) -> bool:
 
 
 async def assert_idle(pipeline, runner, timeout=5.0):
-    """After requests finish: no mailbox open, nothing prefilling or decoding, no KV held."""
+    """After requests finish: no mailbox or session open, nothing prefilling or decoding,
+    no KV held or reserved, the engine's published snapshot idle too."""
     with trio.fail_after(timeout):
-        while len(pipeline.mailboxes) or _busy(runner):
+        while (
+            len(pipeline.mailboxes) or pipeline.sessions or _busy(runner) or _engine_busy(pipeline)
+        ):
             await trio.sleep(0.01)
+
+
+def _engine_busy(pipeline) -> bool:
+    s = pipeline.engine_stats
+    return bool(s.waiting or s.prefilling or s.decoding or s.kv_reserved)
 
 
 def chat(rid, text, max_tokens=None, stop=(), temperature=0.0):
@@ -81,13 +92,14 @@ def settings_with(**sections):
 
 
 @asynccontextmanager
-async def real_server(settings=None, factory=None):
+async def real_server(settings=None, factory=None, runner=None, memory=None):
     """The app behind hypercorn on a free loopback port, for real-socket behaviour."""
     settings = settings or load_settings()
-    graph = running_graph(settings, factory=factory)
+    graph = running_graph(settings, runner=runner, factory=factory, memory=memory)
     async with graph as (pipeline, runner), trio.open_nursery() as nursery:
         config = Config()
         config.bind = ["127.0.0.1:0"]
+        config.backlog = settings.server.backlog
         binds = await nursery.start(serve, create_app(pipeline, settings), config)
         # hypercorn reports the bound address; tests talk to it over loopback
         yield binds[0].replace("0.0.0.0", "127.0.0.1"), pipeline, runner

@@ -10,12 +10,14 @@ generation actor's thread: MLX streams are thread-local.
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx.utils import tree_flatten
 from mlx_lm.generate import BatchGenerator
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.sample_utils import (
@@ -28,6 +30,7 @@ from mlx_lm.sample_utils import (
 from mlx_lm.utils import dequantize_model
 from mlx_lm.utils import load as mlx_lm_load
 
+from actors.engine.memory import AttentionLayer, Layer, MemoryModel, StateLayer, kv_budget
 from actors.engine.types import Decoded, ModelInfo
 from protocol.messages import SamplingParams, TokenizedRequest
 
@@ -108,17 +111,22 @@ class MlxRunner:
 
     def __init__(self, model: nn.Module, stop_tokens: list[int], max_batch: int):
         self.model = model
+        self._stop_tokens = [[t] for t in stop_tokens]
+        self._max_batch = max_batch
         self._stream = mx.new_stream(mx.default_device())
-        self.generator = BatchGenerator(
-            model,
-            stop_tokens=[[t] for t in stop_tokens],
-            completion_batch_size=max_batch,
-            prefill_batch_size=max_batch,
-            stream=self._stream,
-        )
+        self.generator = self._new_generator()
         self._pending: dict[str, _Pending] = {}
         self._uid_to_rid: dict[int, str] = {}
         self._rid_to_uid: dict[str, int] = {}
+
+    def _new_generator(self) -> BatchGenerator:
+        return BatchGenerator(
+            self.model,
+            stop_tokens=self._stop_tokens,
+            completion_batch_size=self._max_batch,
+            prefill_batch_size=self._max_batch,
+            stream=self._stream,
+        )
 
     @property
     def decoding(self) -> int:
@@ -184,6 +192,80 @@ class MlxRunner:
             del self._uid_to_rid[uid]
             self.generator.remove([uid])
 
+    def reset(self) -> None:
+        """After a failed decode step: a fresh batch (the old one may be half-updated)."""
+        self.generator.close()
+        self.generator = self._new_generator()
+        self._uid_to_rid.clear()
+        self._rid_to_uid.clear()
+        mx.clear_cache()
+
+    def memory_stats(self) -> tuple[int, int]:
+        return mx.get_active_memory(), mx.get_peak_memory()
+
+    def probe_layers(self) -> tuple[Layer, ...]:
+        """Measure each layer's cache on a one-token forward pass: per-token KV or fixed state."""
+        cache = make_prompt_cache(self.model)
+        with mx.stream(self._stream):
+            self.model(mx.array([[0]]), cache=cache)
+            mx.eval([c.state for c in cache])
+        layers = tuple(_layer_of(c) for c in _leaf_caches(cache))
+        del cache
+        mx.clear_cache()
+        return layers
+
+
+def _leaf_caches(caches) -> list[Any]:
+    out = []
+    for c in caches:
+        out.extend(_leaf_caches(c.caches) if hasattr(c, "caches") else [c])
+    return out
+
+
+def _layer_of(cache: Any) -> Layer:
+    """A cache with keys grows per token (its third axis is the allocated length)."""
+    keys = getattr(cache, "keys", None)
+    if keys is None:
+        return StateLayer(state_bytes=int(cache.nbytes))
+    arrays = [a for _, a in tree_flatten((cache.keys, cache.values))]
+    per_token = sum(a.nbytes // a.shape[2] for a in arrays)
+    return AttentionLayer(bytes_per_token=int(per_token), window=getattr(cache, "max_size", None))
+
+
+def device_memory_bytes() -> int:
+    """Memory MLX may use: Metal's recommended working set, the GPU's memory, or system RAM."""
+    info = mx.device_info()
+    for key in ("max_recommended_working_set_size", "memory_size", "total_memory"):
+        if info.get(key):
+            return int(info[key])
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def memory_model(runner: MlxRunner, settings: Any) -> MemoryModel:
+    """Probe the model's caches, size the request budget, and set MLX's memory limit."""
+    device = device_memory_bytes()
+    weights = mx.get_active_memory()
+    budget = kv_budget(
+        device_bytes=device,
+        weights_bytes=weights,
+        fraction=settings.device_fraction,
+        headroom_bytes=settings.headroom_mb << 20,
+        explicit_bytes=settings.kv_budget_mb << 20,
+    )
+    if settings.set_mlx_limit:
+        mx.set_memory_limit(int(device * settings.device_fraction))
+    model = MemoryModel(layers=runner.probe_layers(), budget_bytes=budget)
+    log.info(
+        "memory: %.0f MiB device, %.0f MiB weights, %.0f MiB for requests "
+        "(%d KV bytes per token, %d bytes of fixed state per request)",
+        device / 2**20,
+        weights / 2**20,
+        budget / 2**20,
+        model.kv_bytes_per_token,
+        model.state_bytes,
+    )
+    return model
+
 
 def resolve_model_dir(path: str, cache_dir: Path, progress) -> tuple[str, Path]:
     """A model directory as given, or a GGUF file converted (and cached) into one."""
@@ -198,15 +280,25 @@ def resolve_model_dir(path: str, cache_dir: Path, progress) -> tuple[str, Path]:
 
 
 def load_runner(
-    path: str, cache_dir: Path, *, dequantize_on_cpu: bool, max_batch: int
+    path: str,
+    cache_dir: Path,
+    *,
+    dequantize_on_cpu: bool,
+    max_batch: int,
+    memory: Any = None,
 ) -> tuple[MlxRunner, ModelInfo]:
-    """Load the model for serving; call on the generation thread."""
+    """Load the model for serving; call on the generation thread.
+
+    ``memory`` (the ``[memory]`` settings) turns on the memory estimate and
+    budget; without it the engine has no memory gate.
+    """
     model_id, model_dir = resolve_model_dir(path, cache_dir, log.info)
     log.info("loading %s from %s (MLX backend: %s)", model_id, model_dir, backend())
     model, tokenizer, config = load_model(model_dir, dequantize_on_cpu=dequantize_on_cpu)
     context = config.get("max_position_embeddings") or config.get("text_config", {}).get(
         "max_position_embeddings", 4096
     )
+    runner = MlxRunner(model, sorted(tokenizer.eos_token_ids), max_batch)
     info = ModelInfo(
         model_id=model_id,
         model_dir=model_dir,
@@ -214,6 +306,6 @@ def load_runner(
         vocab_size=int(config.get("vocab_size") or len(tokenizer.vocab)),
         tokenizer=tokenizer,
         backend=backend(),
+        memory=memory_model(runner, memory) if memory is not None else None,
     )
-    runner = MlxRunner(model, sorted(tokenizer.eos_token_ids), max_batch)
     return runner, info

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
+from actors.engine.memory import MemoryModel
 from protocol.messages import FinishReason, TokenizedRequest
 
 
@@ -25,6 +26,13 @@ class Runner(Protocol):
     def prefill(self, request_id: str, budget: int) -> int: ...
     def decode(self) -> list[Decoded]: ...
     def remove(self, request_id: str) -> None: ...
+    def reset(self) -> None:
+        """Drop the decode batch after a failed step (its requests have been failed)."""
+
+    def memory_stats(self) -> tuple[int, int]:
+        """(active, peak) bytes of device memory, as the backend reports them."""
+        ...
+
     @property
     def decoding(self) -> int: ...
 
@@ -39,3 +47,4 @@ class ModelInfo:
     vocab_size: int
     tokenizer: Any  # HF tokenizer (wrapped by mlx-lm); thread-safe for encode/decode
     backend: str
+    memory: MemoryModel | None = None  # None: no memory gate (estimates unknown)
