@@ -82,6 +82,13 @@ async def _exchange(
     return _drain(inbox)
 
 
+def _ready(
+    task_status: trio.TaskStatus[ModelInfo], info: ModelInfo, publish: Publish, stats: EngineStats
+) -> None:
+    publish(stats)  # the idle snapshot (the memory the model alone takes) before "ready"
+    task_status.started(info)
+
+
 def _make_core(runner: Runner, info: ModelInfo, options: EngineOptions) -> EngineCore:
     return EngineCore(
         runner,
@@ -103,7 +110,7 @@ def _engine_loop(
     runner, info = factory()
     core = _make_core(runner, info, options)
     publish = options.publish or _publish_nothing
-    trio.from_thread.run_sync(task_status.started, info)
+    trio.from_thread.run_sync(_ready, task_status, info, publish, core.stats())
     step: EngineStep | None = None
     while True:
         exchange = (outbox, step, inbox, publish, core.stats())
