@@ -118,3 +118,14 @@ def test_sigterm_drains_in_flight_request_then_exits_zero(tmp_path):
         )
     finally:
         proc.kill()
+
+
+def test_unreadable_api_key_file_exits_nonzero_with_one_clear_line(tmp_path):
+    config = tmp_path / "c.toml"
+    config.write_text(f'[auth]\napi_key_file = "{tmp_path}/missing-keys"\n')
+    proc = mlxd("serve", "--port", str(free_port()), "--config", str(config))
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 1
+    (error,) = [line for line in out.splitlines() if "ERROR" in line]
+    assert "auth.api_key_file: cannot read" in error and "missing-keys" in error
+    assert "Traceback" not in out

@@ -435,3 +435,12 @@ async def test_deadline_mid_stream_ends_with_an_error_event():
     assert error["code"] == "request_timeout" and "request_timeout_s" in error["message"]
     assert blocking.status_code == 504
     assert blocking.json()["error"]["code"] == "request_timeout"
+
+
+def test_priority_field_is_honoured_only_when_enabled():
+    from daemon.app import Validator
+    from protocol import openai as wire
+
+    w = wire.chat_decoder.decode(b'{"messages": [], "priority": -5}')
+    assert Validator(load_settings()).priority(w) == 0
+    assert Validator(settings_with(admission={"priority": True})).priority(w) == -5
