@@ -23,7 +23,7 @@ from werkzeug.exceptions import HTTPException
 from daemon.pipeline import Pipeline, ServerState, Session
 from daemon.security import ApiKeys, Cors
 from daemon.settings import Settings
-from daemon.telemetry import request_log, status
+from daemon.telemetry import request_log, status_snapshot
 from protocol import openai as wire
 from protocol.messages import (
     ChatRequest,
@@ -342,7 +342,6 @@ def create_app(pipeline: Pipeline, settings: Settings) -> QuartTrio:
         MAX_CONTENT_LENGTH=settings.server.max_body_bytes, RESPONSE_TIMEOUT=None, BODY_TIMEOUT=60
     )
     validator = Validator(settings)
-    telemetry = pipeline.telemetry
 
     def ready() -> str:
         if pipeline.state is not ServerState.READY or pipeline.info is None:
@@ -403,14 +402,7 @@ def create_app(pipeline: Pipeline, settings: Settings) -> QuartTrio:
             content_type="application/json",
         )
 
-    @app.get("/metrics")
-    async def metrics() -> Response:
-        return Response(telemetry.exposition(), content_type=CONTENT_TYPE_LATEST)
-
-    @app.get("/v1/status")
-    async def server_status() -> Response:
-        return _json(status(pipeline, settings, trio.current_time()))
-
+    _install_observability(app, pipeline, settings)
     _install_guards(app, settings)
     _install_error_handlers(app, settings, pipeline)
     return app
@@ -426,6 +418,16 @@ def _one_prompt(prompt: str | list[str | int]) -> str | tuple[int, ...]:
     raise ApiError(
         400, "prompt must be a string, a list of token ids or a list of one string", param="prompt"
     )
+
+
+def _install_observability(app: QuartTrio, pipeline: Pipeline, settings: Settings) -> None:
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(pipeline.telemetry.exposition(), content_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/status")
+    async def server_status() -> Response:
+        return _json(status_snapshot(pipeline, settings, trio.current_time()))
 
 
 _OPEN_PATHS = frozenset({"/health"})

@@ -259,7 +259,7 @@ class _LiveCollector(Collector):
 # ---- /v1/status ---------------------------------------------------------------------------
 
 
-def status(pipeline: Pipeline, settings: Settings, now: float) -> wire.Status:
+def status_snapshot(pipeline: Pipeline, settings: Settings, now: float) -> wire.Status:
     """A snapshot of the server for ``/v1/status``; ``now`` on the sessions' (trio) clock."""
     s, t = pipeline.engine_stats, pipeline.telemetry
     running, waiting = [], []

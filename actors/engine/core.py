@@ -151,7 +151,8 @@ class EngineCore:
             )
 
     def _expire_waiting(self, now: float, failed: list[Failed]) -> None:
-        """Requests that waited for memory longer than the queue timeout get a 503."""
+        """Requests that waited for a place in the batch (memory, or ``engine.max_batch``)
+        longer than the queue timeout get a 503."""
         if self.queue_timeout_s <= 0 or not self.waiting:
             return
         cutoff = now - self.queue_timeout_s
@@ -164,7 +165,7 @@ class EngineCore:
                     kind="service_unavailable",
                     code="queue_timeout",
                     message=(
-                        f"waited over {self.queue_timeout_s:g}s for memory to run "
+                        f"waited over {self.queue_timeout_s:g}s for memory or a batch slot "
                         "(admission.queue_timeout_s); retry later"
                     ),
                     retry_after=self.retry_after_s,
