@@ -104,3 +104,10 @@ async def real_server(settings=None, factory=None, runner=None, memory=None):
         # hypercorn reports the bound address; tests talk to it over loopback
         yield binds[0].replace("0.0.0.0", "127.0.0.1"), pipeline, runner
         nursery.cancel_scope.cancel()
+
+
+def metric(text: str, name: str, labels: str = "") -> float:
+    """One sample's value from Prometheus text, e.g. ``metric(t, "x_total", 'a="b"')``."""
+    prefix = f"{name}{{{labels}}} " if labels else f"{name} "
+    (line,) = [ln for ln in text.splitlines() if ln.startswith(prefix)]
+    return float(line.split()[-1])

@@ -14,9 +14,8 @@ import httpx
 import trio
 
 from scripts.bench import percentile
-from tests.conftest import real_server, settings_with
+from tests.conftest import metric, real_server, settings_with
 from tests.fakes import FakeRunner, fake_memory
-from tests.test_http import metric
 
 N = 200
 MAX_TOKENS = 40

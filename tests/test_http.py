@@ -12,7 +12,14 @@ import trio
 from daemon.app import create_app
 from daemon.pipeline import ServerState
 from daemon.settings import load_settings
-from tests.conftest import assert_idle, chat, real_server, running_graph, settings_with
+from tests.conftest import (
+    assert_idle,
+    chat,
+    metric,
+    real_server,
+    running_graph,
+    settings_with,
+)
 
 CHAT = "/v1/chat/completions"
 
@@ -321,12 +328,6 @@ async def test_cors_is_off_by_default_and_on_for_listed_origins():
 
 
 # ---- observability -------------------------------------------------------------------------
-
-
-def metric(text: str, name: str, labels: str = "") -> float:
-    prefix = f"{name}{{{labels}}} " if labels else f"{name} "
-    (line,) = [ln for ln in text.splitlines() if ln.startswith(prefix)]
-    return float(line.split()[-1])
 
 
 async def test_metrics_count_requests_tokens_and_latencies():
