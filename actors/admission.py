@@ -1,14 +1,23 @@
 """Admission controller: a bounded waiting queue in front of a cap on running requests.
 
-``AdmissionPolicy`` is the sync core (FCFS; no trio): ``admit`` says run, queue
-or reject; ``release`` frees a slot and hands back whatever may now run. The
-actor adapts it to channels: admitted requests go to the tokenizer, rejections
-become a 429 ``Failed`` in the request's mailbox.
+``AdmissionPolicy`` is the sync core (no trio; time is passed in): ``admit``
+says run, queue or reject; ``release`` frees a slot and hands back whatever may
+now run (first come, first served, or by the request's ``priority`` when that
+is enabled); ``expire`` drops requests that waited longer than the queue
+timeout. The actor adapts it to channels: admitted requests go to the
+tokenizer, rejections become a 429 ``Failed`` and queue timeouts a 503, both
+with ``Retry-After``, in the request's mailbox.
+
+This stage runs before tokenization, so it knows nothing of a request's size;
+the memory gate is in the engine core (see ``actors/engine/memory.py``).
 """
 
 from __future__ import annotations
 
+import itertools
+import math
 from collections import OrderedDict
+from dataclasses import dataclass
 from enum import Enum
 
 import trio
@@ -23,22 +32,45 @@ class Decision(Enum):
     REJECT = "reject"
 
 
-class AdmissionPolicy:
-    """First come, first served, with ``max_running`` slots and ``max_waiting`` places."""
+@dataclass(frozen=True)
+class _Queued:
+    request: AdmittedRequest
+    since: float
+    seq: int
 
-    def __init__(self, max_running: int, max_waiting: int):
+    @property
+    def order(self) -> tuple[int, int]:
+        return self.request.priority, self.seq
+
+
+class AdmissionPolicy:
+    """``max_running`` slots and ``max_waiting`` places; FCFS unless ``priority`` is on."""
+
+    def __init__(
+        self,
+        max_running: int,
+        max_waiting: int,
+        *,
+        queue_timeout_s: float = 0.0,
+        priority: bool = False,
+    ):
         self.max_running = max_running
         self.max_waiting = max_waiting
+        self.queue_timeout_s = queue_timeout_s
+        self.priority = priority
         self.running: set[str] = set()
-        self.waiting: OrderedDict[str, AdmittedRequest] = OrderedDict()
+        self.waiting: OrderedDict[str, _Queued] = OrderedDict()  # in arrival order
+        self.rejected = self.expired = 0
+        self._seq = itertools.count()
 
-    def admit(self, request: AdmittedRequest) -> Decision:
+    def admit(self, request: AdmittedRequest, now: float = 0.0) -> Decision:
         if len(self.running) < self.max_running and not self.waiting:
             self.running.add(request.request_id)
             return Decision.RUN
         if len(self.waiting) < self.max_waiting:
-            self.waiting[request.request_id] = request
+            self.waiting[request.request_id] = _Queued(request, now, next(self._seq))
             return Decision.QUEUE
+        self.rejected += 1
         return Decision.REJECT
 
     def release(self, request_id: str) -> list[AdmittedRequest]:
@@ -47,10 +79,29 @@ class AdmissionPolicy:
         self.waiting.pop(request_id, None)
         ready = []
         while self.waiting and len(self.running) < self.max_running:
-            _, request = self.waiting.popitem(last=False)
+            request = self.waiting.pop(self._next()).request
             self.running.add(request.request_id)
             ready.append(request)
         return ready
+
+    def _next(self) -> str:
+        if not self.priority:
+            return next(iter(self.waiting))
+        return min(self.waiting.values(), key=lambda q: q.order).request.request_id
+
+    def next_expiry(self) -> float:
+        """When the oldest waiter times out (``inf``: nobody waits, or no timeout)."""
+        if self.queue_timeout_s <= 0 or not self.waiting:
+            return math.inf
+        return next(iter(self.waiting.values())).since + self.queue_timeout_s
+
+    def expire(self, now: float) -> list[str]:
+        """Drop and return the requests that have waited longer than the queue timeout."""
+        gone = []
+        while self.waiting and self.next_expiry() <= now:
+            gone.append(self.waiting.popitem(last=False)[0])
+        self.expired += len(gone)
+        return gone
 
 
 async def run(
@@ -65,17 +116,37 @@ async def run(
     """Run, queue or reject each request; forward runnable ones to the tokenizer."""
     task_status.started()
     async with inbox, outbox:
-        async for message in inbox:
-            match message:
-                case Admit(request=request):
-                    decision = policy.admit(request)
-                    if decision is Decision.RUN:
-                        await outbox.send(request)
-                    elif decision is Decision.REJECT:
-                        mailboxes.deliver(_rejection(request.request_id, policy, retry_after_s))
-                case Release(request_id=request_id):
-                    for ready in policy.release(request_id):
-                        await outbox.send(ready)
+        while True:
+            message: AdmissionInbox | None = None
+            # Only the wait is cut short by a queue timeout, never a send in progress.
+            with trio.move_on_at(policy.next_expiry()):
+                try:
+                    message = await inbox.receive()
+                except trio.EndOfChannel:
+                    return
+            if message is not None:
+                await _handle(message, outbox, mailboxes, policy, retry_after_s)
+            for request_id in policy.expire(trio.current_time()):
+                mailboxes.deliver(_timed_out(request_id, policy, retry_after_s))
+
+
+async def _handle(
+    message: AdmissionInbox,
+    outbox: trio.MemorySendChannel[AdmittedRequest],
+    mailboxes: Mailboxes,
+    policy: AdmissionPolicy,
+    retry_after_s: float,
+) -> None:
+    match message:
+        case Admit(request=request):
+            decision = policy.admit(request, trio.current_time())
+            if decision is Decision.RUN:
+                await outbox.send(request)
+            elif decision is Decision.REJECT:
+                mailboxes.deliver(_rejection(request.request_id, policy, retry_after_s))
+        case Release(request_id=request_id):
+            for ready in policy.release(request_id):
+                await outbox.send(ready)
 
 
 def _rejection(request_id: str, policy: AdmissionPolicy, retry_after_s: float) -> Failed:
@@ -83,9 +154,25 @@ def _rejection(request_id: str, policy: AdmissionPolicy, retry_after_s: float) -
         request_id=request_id,
         status=429,
         kind="rate_limit_exceeded",
+        code="queue_full",
         message=(
             f"server is at capacity ({policy.max_running} running, "
-            f"{policy.max_waiting} waiting); retry later"
+            f"{policy.max_waiting} waiting: admission.max_running, admission.max_waiting); "
+            "retry later"
+        ),
+        retry_after=retry_after_s,
+    )
+
+
+def _timed_out(request_id: str, policy: AdmissionPolicy, retry_after_s: float) -> Failed:
+    return Failed(
+        request_id=request_id,
+        status=503,
+        kind="service_unavailable",
+        code="queue_timeout",
+        message=(
+            f"waited over {policy.queue_timeout_s:g}s in the queue "
+            "(admission.queue_timeout_s); retry later"
         ),
         retry_after=retry_after_s,
     )

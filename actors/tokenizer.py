@@ -1,8 +1,11 @@
 """Tokenizer / normalizer actor: admitted requests in, token ids out to the engine.
 
 ``PromptBuilder`` is the sync core: normalize messages, render the chat template,
-tokenize, check the prompt against the context window. For a vision model it also
-decodes and preprocesses the request's images with the model's processor
+tokenize, check the prompt against the context window and, with the model's
+memory estimate, against the memory budget (the first stage that knows the
+token count: a request that could never fit is refused here with the numbers,
+and a defaulted ``max_tokens`` shrinks to what fits). For a vision model it
+also decodes and preprocesses the request's images with the model's processor
 (``actors/vision.py``). It runs in worker threads (templates, BPE and image
 preprocessing are CPU work) and hands only numpy arrays to the engine. Any
 failure here is a 400 for that request alone, delivered to its mailbox.
@@ -16,6 +19,7 @@ import jinja2
 import msgspec
 import trio
 
+from actors.engine.memory import MemoryModel
 from actors.mailbox import Mailboxes
 from actors.normalize import NormalizeError, normalize_messages
 from actors.vision import ImageLimits, VisionError, VisionProcessor, load_images, split_images
@@ -44,9 +48,10 @@ def _shared_prefix(a: list[int], b: list[int]) -> int:
 class PromptError(ValueError):
     """A request whose prompt cannot be built; becomes an HTTP 400."""
 
-    def __init__(self, message: str, param: str | None = None):
+    def __init__(self, message: str, param: str | None = None, code: str | None = None):
         super().__init__(message)
         self.param = param
+        self.code = code
 
 
 class PromptBuilder:
@@ -63,6 +68,7 @@ class PromptBuilder:
         checkpoints: bool = True,
         processor: Any = None,
         image_limits: ImageLimits | None = None,
+        memory: MemoryModel | None = None,
     ):
         self.tokenizer = tokenizer
         self.want_checkpoints = checkpoints
@@ -72,6 +78,7 @@ class PromptBuilder:
         self.context_length = context_length
         self.max_prompt_tokens = max_prompt_tokens or context_length
         self.vocab_size = vocab_size
+        self.memory = memory
 
     def _render(self, messages: list[dict], generation_prompt: bool) -> list[int]:
         text = self.tokenizer.apply_chat_template(
@@ -156,21 +163,30 @@ class PromptBuilder:
             raise PromptError("the prompt is empty", "prompt")
         sampling = request.sampling
         max_tokens = self._max_tokens(len(tokens), sampling.max_tokens)
+        self._check_memory(len(tokens), max_tokens)
         return TokenizedRequest(
             request_id=request.request_id,
             prompt_tokens=tuple(tokens),
             sampling=msgspec.structs.replace(sampling, max_tokens=max_tokens),
             checkpoints=checkpoints,
             vision=vision,
+            priority=request.priority,
+            deadline=request.deadline,
         )
 
     def _max_tokens(self, prompt: int, asked: int | None) -> int:
-        """The client's max_tokens if it fits the context; a default shrinks to fit."""
+        """The client's max_tokens if it fits the context; a default shrinks to fit (memory too)."""
         if prompt > self.max_prompt_tokens or prompt >= self.context_length:
             limit = min(self.max_prompt_tokens, self.context_length - 1)
-            raise PromptError(f"the prompt has {prompt} tokens; the limit is {limit}", "messages")
+            raise PromptError(
+                f"the prompt has {prompt} tokens; the limit is {limit} "
+                "(engine.max_prompt_tokens, or the model's context)",
+                "messages",
+            )
         if asked is None:
-            return min(self.default_max_tokens, self.context_length - prompt)
+            default = min(self.default_max_tokens, self.context_length - prompt)
+            fits = self.memory.max_tokens_fitting(prompt, default) if self.memory else default
+            return max(fits, 1)  # 1 that does not fit is refused by _check_memory
         max_tokens = asked
         if prompt + max_tokens > self.context_length:
             raise PromptError(
@@ -179,6 +195,14 @@ class PromptBuilder:
                 "max_tokens",
             )
         return max_tokens
+
+    def _check_memory(self, prompt: int, max_tokens: int) -> None:
+        """A request whose estimate exceeds the whole budget could never run: refuse it now."""
+        m = self.memory
+        if m is not None and m.request_bytes(prompt, max_tokens) > m.budget_bytes:
+            raise PromptError(
+                m.too_large_message(prompt, max_tokens), "max_tokens", code="request_too_large"
+            )
 
 
 async def _tokenize_one(
@@ -198,6 +222,7 @@ async def _tokenize_one(
                 kind="invalid_request_error",
                 message=str(exc),
                 param=exc.param,
+                code=exc.code,
             )
         )
         return

@@ -1,8 +1,10 @@
-"""The HTTP surface (quart-trio): OpenAI chat/completions, models and health.
+"""The HTTP surface (quart-trio): OpenAI chat/completions, models, health, metrics, status.
 
 Handlers decode and validate the wire request, hand it to the pipeline and turn
 mailbox events into JSON or Server-Sent Events. Errors before the first token
 get a real status code; errors after it end the stream with an error event.
+Every route but ``/health`` needs an API key when keys are configured; CORS
+headers are added only for configured origins.
 """
 
 from __future__ import annotations
@@ -13,12 +15,16 @@ import uuid
 from collections.abc import AsyncIterator
 
 import msgspec
+import trio
+from prometheus_client import CONTENT_TYPE_LATEST
 from quart import Response, request
 from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException
 
 from daemon.pipeline import Pipeline, ServerState, Session
+from daemon.security import ApiKeys, Cors
 from daemon.settings import Settings
+from daemon.telemetry import request_log, status_snapshot
 from protocol import openai as wire
 from protocol.messages import (
     ChatRequest,
@@ -32,7 +38,12 @@ from protocol.messages import (
     TextDelta,
 )
 
-_OPENAI_TYPES = {400: "invalid_request_error", 404: "not_found_error", 413: "invalid_request_error"}
+_OPENAI_TYPES = {
+    400: "invalid_request_error",
+    401: "invalid_request_error",
+    404: "not_found_error",
+    413: "invalid_request_error",
+}
 
 
 class ApiError(Exception):
@@ -47,27 +58,35 @@ class ApiError(Exception):
         kind: str | None = None,
         code: str | None = None,
         retry_after: float | None = None,
+        headers: dict[str, str] | None = None,
     ):
         super().__init__(message)
         self.status, self.param, self.code, self.retry_after = status, param, code, retry_after
         self.kind = kind or _OPENAI_TYPES.get(status, "server_error")
+        self.headers = headers or {}
+        self.in_session = False  # counted and logged by its session, not the error handler
 
     @classmethod
     def from_failed(cls, failed: Failed) -> ApiError:
-        return cls(
+        error = cls(
             failed.status,
             failed.message,
             param=failed.param,
             kind=failed.kind,
+            code=failed.code,
             retry_after=failed.retry_after,
         )
+        error.in_session = True
+        return error
 
     def body(self) -> bytes:
         err = wire.ErrorBody(message=str(self), type=self.kind, param=self.param, code=self.code)
         return wire.encoder.encode(wire.ErrorResponse(error=err))
 
     def response(self) -> Response:
-        headers = {"Retry-After": str(int(self.retry_after))} if self.retry_after else {}
+        headers = dict(self.headers)
+        if self.retry_after:
+            headers["Retry-After"] = str(int(self.retry_after))
         return Response(
             self.body(), status=self.status, headers=headers, content_type="application/json"
         )
@@ -92,6 +111,21 @@ class Validator:
     def __init__(self, settings: Settings):
         self.engine = settings.engine
         self.model = settings.model
+        self.max_messages = settings.tokenizer.max_messages
+        self.priority_enabled = settings.admission.priority
+
+    def messages(self, messages: list[wire.WireMessage]) -> tuple[Message, ...]:
+        _check(
+            len(messages) <= self.max_messages,
+            "messages",
+            f"at most {self.max_messages} messages per request (tokenizer.max_messages); "
+            f"got {len(messages)}",
+        )
+        return tuple(Message(role=m.role, content=m.content, name=m.name) for m in messages)
+
+    def priority(self, w: wire._SamplingFields) -> int:
+        """The request's priority when ``admission.priority`` is on; otherwise all are equal."""
+        return (w.priority or 0) if self.priority_enabled else 0
 
     def check_model(self, requested: str | None, served: str) -> None:
         if requested and requested != served and not self.model.accept_other_ids:
@@ -108,7 +142,7 @@ class Validator:
         _check(
             max_tokens is None or 1 <= max_tokens <= e.max_tokens_cap,
             "max_tokens",
-            f"max_tokens must be between 1 and {e.max_tokens_cap}",
+            f"max_tokens must be between 1 and {e.max_tokens_cap} (engine.max_tokens_cap)",
         )
         _check(0.0 <= w.temperature <= 2.0, "temperature", "temperature must be in [0, 2]")
         _check(0.0 < w.top_p <= 1.0, "top_p", "top_p must be in (0, 1]")
@@ -144,12 +178,14 @@ class Validator:
         stops = [stop] if isinstance(stop, str) else list(stop or [])
         e = self.engine
         _check(
-            len(stops) <= e.max_stop_strings, "stop", f"at most {e.max_stop_strings} stop strings"
+            len(stops) <= e.max_stop_strings,
+            "stop",
+            f"at most {e.max_stop_strings} stop strings (engine.max_stop_strings)",
         )
         _check(
             all(len(s) <= e.max_stop_length for s in stops),
             "stop",
-            f"stop strings must be at most {e.max_stop_length} characters",
+            f"stop strings must be at most {e.max_stop_length} characters (engine.max_stop_length)",
         )
         return tuple(s for s in stops if s)
 
@@ -325,10 +361,16 @@ def create_app(pipeline: Pipeline, settings: Settings) -> QuartTrio:
         w = _decode(wire.chat_decoder, await body())
         model = ready()
         validator.check_model(w.model, model)
+        messages = validator.messages(w.messages)
         sampling = validator.sampling(w, w.max_completion_tokens or w.max_tokens)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
-        messages = tuple(Message(role=m.role, content=m.content, name=m.name) for m in w.messages)
-        req = ChatRequest(request_id=rid, messages=messages, sampling=sampling, arrival=time.time())
+        req = ChatRequest(
+            request_id=rid,
+            messages=messages,
+            sampling=sampling,
+            arrival=time.time(),
+            priority=validator.priority(w),
+        )
         usage = bool(w.stream_options and w.stream_options.include_usage)
         return await _respond(pipeline, req, w.stream, usage, _Shape(True, rid, model))
 
@@ -340,7 +382,11 @@ def create_app(pipeline: Pipeline, settings: Settings) -> QuartTrio:
         sampling = validator.sampling(w, w.max_tokens)
         rid = f"cmpl-{uuid.uuid4().hex}"
         req = CompletionRequest(
-            request_id=rid, prompt=_one_prompt(w.prompt), sampling=sampling, arrival=time.time()
+            request_id=rid,
+            prompt=_one_prompt(w.prompt),
+            sampling=sampling,
+            arrival=time.time(),
+            priority=validator.priority(w),
         )
         usage = bool(w.stream_options and w.stream_options.include_usage)
         return await _respond(pipeline, req, w.stream, usage, _Shape(False, rid, model))
@@ -372,7 +418,9 @@ def create_app(pipeline: Pipeline, settings: Settings) -> QuartTrio:
             content_type="application/json",
         )
 
-    _install_error_handlers(app)
+    _install_observability(app, pipeline, settings)
+    _install_guards(app, settings)
+    _install_error_handlers(app, settings, pipeline)
     return app
 
 
@@ -388,15 +436,68 @@ def _one_prompt(prompt: str | list[str | int]) -> str | tuple[int, ...]:
     )
 
 
-def _install_error_handlers(app: QuartTrio) -> None:
+def _install_observability(app: QuartTrio, pipeline: Pipeline, settings: Settings) -> None:
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(pipeline.telemetry.exposition(), content_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/status")
+    async def server_status() -> Response:
+        return _json(status_snapshot(pipeline, settings, trio.current_time()))
+
+
+_OPEN_PATHS = frozenset({"/health"})
+
+
+def _install_guards(app: QuartTrio, settings: Settings) -> None:
+    """API keys on every route but /health; CORS preflight and headers for allowed origins."""
+    keys = ApiKeys.from_settings(settings.auth)
+    cors = Cors(settings.server.cors_origins)
+
+    @app.before_request
+    async def guard() -> Response | None:
+        origin = request.headers.get("Origin")
+        if request.method == "OPTIONS" and cors.allows(origin):
+            return Response(b"", status=204, headers=cors.preflight_headers(origin or ""))
+        if keys.enabled and request.path not in _OPEN_PATHS and not keys.allows(request.headers):
+            raise ApiError(
+                401,
+                "missing or invalid API key: send 'Authorization: Bearer KEY' or 'x-api-key: KEY'",
+                code="invalid_api_key",
+                headers={"WWW-Authenticate": "Bearer"},
+            )
+        return None
+
+    @app.after_request
+    async def cors_headers(response: Response) -> Response:
+        origin = request.headers.get("Origin")
+        if cors.allows(origin):
+            response.headers.update(cors.headers(origin or ""))
+        return response
+
+
+def _install_error_handlers(app: QuartTrio, settings: Settings, pipeline: Pipeline) -> None:
+    telemetry = pipeline.telemetry
+
+    def early(error: ApiError) -> Response:
+        """An error before the request reached the pipeline: counted and logged here."""
+        if not error.in_session:
+            telemetry.http_error(error.status)
+            request_log.info(
+                "request id=- status=%d path=%s error=%r", error.status, request.path, str(error)
+            )
+        return error.response()
+
     @app.errorhandler(ApiError)
     async def api_error(exc: ApiError) -> Response:
-        return exc.response()
+        return early(exc)
 
     @app.errorhandler(HTTPException)
     async def http_error(exc: HTTPException) -> Response:
         status = exc.code or 500
-        message = {413: "request body is larger than server.max_body_bytes"}.get(
-            status, exc.description or exc.name
+        too_large = (
+            f"request body is larger than {settings.server.max_body_bytes} bytes "
+            "(server.max_body_bytes)"
         )
-        return ApiError(status, message).response()
+        message = {413: too_large}.get(status, exc.description or exc.name)
+        return early(ApiError(status, message))

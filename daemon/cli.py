@@ -1,4 +1,5 @@
-"""``mlxd`` command line: ``serve`` (the daemon) and ``bench`` (load generator)."""
+"""``mlxd`` command line: ``serve`` (the daemon), ``bench`` (load generator),
+``launchd`` / ``systemd`` (run as a service, see ``daemon/service.py``)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import os
 import sys
 from pathlib import Path
 
-from daemon import blas
+from daemon import blas, service
 from daemon.settings import SettingsError, load_settings
 
 
@@ -26,6 +27,7 @@ def _parser() -> argparse.ArgumentParser:
         help="model kind (default: from the model's config.json; model.kind)",
     )
     sub.add_parser("bench", help="benchmark a server or the in-process engine (see --help)")
+    service.add_parsers(sub)
     return parser
 
 
@@ -71,17 +73,31 @@ def _startup_cause(exc: BaseException) -> BaseException | None:
     return exc if isinstance(exc, FileNotFoundError | ValueError | OSError) else None
 
 
+def bench(argv: list[str]) -> int:
+    from scripts.bench import main as bench_main
+
+    return bench_main(argv)
+
+
+COMMANDS = {
+    "serve": serve,
+    "launchd": service.launchd_command,
+    "systemd": service.systemd_command,
+}
+_RUNS_MLX = ("serve", "bench")
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     # mlxd serves local model directories only: no library may reach for a model hub
     # (mlx-vlm's processors otherwise try a download for a missing optional file).
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    blas.reexec_with_openblas()
+    if argv[:1] and argv[0] in _RUNS_MLX:
+        blas.reexec_with_openblas()
     if argv[:1] == ["bench"]:  # bench owns its flags
-        from scripts.bench import main as bench_main
-
-        return bench_main(argv[1:])
-    return serve(_parser().parse_args(argv))
+        return bench(argv[1:])
+    args = _parser().parse_args(argv)
+    return COMMANDS[args.command](args)
 
 
 if __name__ == "__main__":

@@ -4,25 +4,37 @@ A ``Session`` is one request's life: its mailbox is registered and an ``Admit``
 sent on entry; ``close()`` (shielded, idempotent) unregisters the mailbox, frees
 the admission slot and, unless the engine already ended the sequence, aborts it.
 A client disconnect cancels the handler, whose cleanup calls ``close()``: that is
-the abort path.
+the abort path. The per-request deadline (``admission.request_timeout_s``) is
+stamped on the request here and kept twice: the engine fails a sequence past it
+(so generation stops even while the client reads nothing), and the session
+stops waiting at it wherever the request is (queued, tokenizing, waiting for
+memory). Either way the client gets a 504 ``request_timeout`` (or, once
+streaming, an error event) and ``close()`` aborts whatever is left. Each session
+keeps a ``RequestTrace`` that it hands to the telemetry when it closes.
 """
 
 from __future__ import annotations
 
 import enum
+import math
+import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+import msgspec
 import trio
 
+from actors.admission import AdmissionPolicy
 from actors.engine.types import ModelInfo
 from actors.mailbox import Mailbox, Mailboxes
+from daemon.telemetry import RequestTrace, Telemetry
 from protocol.messages import (
     Abort,
     AdmissionInbox,
     Admit,
     AdmittedRequest,
     EngineInbox,
+    EngineStats,
     Failed,
     Finished,
     MailboxEvent,
@@ -39,10 +51,14 @@ class ServerState(enum.Enum):
 class Session:
     """One admitted request: its mailbox, and the cleanup that must always run."""
 
-    def __init__(self, pipeline: Pipeline, mailbox: Mailbox):
+    def __init__(self, pipeline: Pipeline, mailbox: Mailbox, timeout_s: float = 0.0):
         self._pipeline = pipeline
         self.mailbox = mailbox
         self._closed = False
+        now = trio.current_time()
+        self.timeout_s = timeout_s
+        self.deadline = now + timeout_s if timeout_s > 0 else math.inf  # trio clock
+        self.trace = RequestTrace(mailbox.request_id, now)
 
     @property
     def request_id(self) -> str:
@@ -54,6 +70,9 @@ class Session:
         self._closed = True
         p = self._pipeline
         p.mailboxes.unregister(self.request_id)
+        p.sessions.pop(self.request_id, None)
+        self.trace.close(trio.current_time())
+        p.telemetry.request_done(self.trace)
         with trio.CancelScope(shield=True):
             if not self.mailbox.engine_done:
                 await p.engine.send(Abort(request_id=self.request_id))
@@ -63,27 +82,65 @@ class Session:
         """Batches of merged events until the final one; closes the session at the end."""
         try:
             while True:
-                batch = await self.mailbox.get()
+                batch = await self._next_batch()
+                self.trace.observe(batch, trio.current_time())
                 yield batch
                 if isinstance(batch[-1], Finished | Failed):
                     return
         finally:
             await self.close()
 
+    async def _next_batch(self) -> list[MailboxEvent]:
+        # Checked first: get() returns without a checkpoint while output keeps coming.
+        if trio.current_time() < self.deadline:
+            with trio.move_on_at(self.deadline):
+                return await self.mailbox.get()
+        return [self._deadline_passed()]
+
+    def _deadline_passed(self) -> Failed:
+        return Failed(
+            request_id=self.request_id,
+            status=504,
+            kind="timeout_error",
+            code="request_timeout",
+            message=(
+                f"the request did not finish within {self.timeout_s:g}s "
+                f"(admission.request_timeout_s); generation was stopped after "
+                f"{self.trace.completion_tokens} tokens"
+            ),
+        )
+
 
 @dataclass
 class Pipeline:
-    """Channels into the actor graph plus the shared mailbox registry."""
+    """Channels into the actor graph, the shared mailbox registry, and read-only views
+    of the actors' state for /metrics and /v1/status."""
 
     admission: trio.MemorySendChannel[AdmissionInbox]
     engine: trio.MemorySendChannel[EngineInbox]
     mailboxes: Mailboxes
+    request_timeout_s: float = 0.0
     state: ServerState = ServerState.LOADING
     info: ModelInfo | None = None
+    policy: AdmissionPolicy | None = None  # read only outside the admission actor
+    engine_stats: EngineStats = field(default_factory=EngineStats)
+    sessions: dict[str, Session] = field(default_factory=dict)
+    telemetry: Telemetry = field(default_factory=Telemetry)
+
+    def __post_init__(self) -> None:
+        self.telemetry.watch(self)
+
+    def publish(self, stats: EngineStats) -> None:
+        """The engine's snapshot after each step (called on the trio thread)."""
+        self.engine_stats = stats
 
     async def submit(self, request: AdmittedRequest) -> Session:
+        if self.request_timeout_s > 0:  # the engine's copy of the deadline, on its clock
+            deadline = time.monotonic() + self.request_timeout_s
+            request = msgspec.structs.replace(request, deadline=deadline)
         stop = request.sampling.stop
-        session = Session(self, self.mailboxes.register(request.request_id, stop))
+        mailbox = self.mailboxes.register(request.request_id, stop)
+        session = self.sessions[request.request_id] = Session(self, mailbox, self.request_timeout_s)
         try:
             await self.admission.send(Admit(request=request))
         except BaseException:

@@ -12,6 +12,9 @@ DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "config" / "default.to
 
 Port = Annotated[int, msgspec.Meta(ge=0, le=65535)]
 Positive = Annotated[int, msgspec.Meta(ge=1)]
+NonNegative = Annotated[int, msgspec.Meta(ge=0)]
+Seconds = Annotated[float, msgspec.Meta(ge=0)]
+Fraction = Annotated[float, msgspec.Meta(gt=0, le=1)]
 
 
 class _Section(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -22,8 +25,10 @@ class ServerSettings(_Section):
     host: str = "127.0.0.1"
     port: Port = 8000
     max_body_bytes: Positive = 4_194_304
-    drain_timeout_s: float = 30.0
-    flush_timeout_s: float = 5.0
+    drain_timeout_s: Seconds = 30.0
+    flush_timeout_s: Seconds = 5.0
+    backlog: Positive = 1024
+    cors_origins: list[str] = []
 
 
 class ModelSettings(_Section):
@@ -37,8 +42,23 @@ class ModelSettings(_Section):
 
 class AdmissionSettings(_Section):
     max_running: Positive = 32
-    max_waiting: int = 64
-    retry_after_s: int = 1
+    max_waiting: NonNegative = 64
+    retry_after_s: Positive = 1
+    queue_timeout_s: Seconds = 60.0
+    request_timeout_s: Seconds = 600.0
+    priority: bool = False
+
+
+class AuthSettings(_Section):
+    api_keys: list[str] = []
+    api_key_file: str = ""
+
+
+class MemorySettings(_Section):
+    device_fraction: Fraction = 0.9
+    headroom_mb: NonNegative = 1024
+    kv_budget_mb: NonNegative = 0
+    set_mlx_limit: bool = True
 
 
 class TokenizerSettings(_Section):
@@ -51,9 +71,9 @@ class EngineSettings(_Section):
     prefill_chunk_tokens: Positive = 512
     default_max_tokens: Positive = 512
     max_tokens_cap: Positive = 4096
-    max_prompt_tokens: int = 0
-    max_stop_strings: int = 16
-    max_stop_length: int = 256
+    max_prompt_tokens: NonNegative = 0
+    max_stop_strings: NonNegative = 16
+    max_stop_length: Positive = 256
 
 
 class PrefixCacheSettings(_Section):
@@ -84,6 +104,8 @@ class Settings(_Section):
     server: ServerSettings = msgspec.field(default_factory=ServerSettings)
     model: ModelSettings = msgspec.field(default_factory=ModelSettings)
     admission: AdmissionSettings = msgspec.field(default_factory=AdmissionSettings)
+    auth: AuthSettings = msgspec.field(default_factory=AuthSettings)
+    memory: MemorySettings = msgspec.field(default_factory=MemorySettings)
     tokenizer: TokenizerSettings = msgspec.field(default_factory=TokenizerSettings)
     engine: EngineSettings = msgspec.field(default_factory=EngineSettings)
     prefix_cache: PrefixCacheSettings = msgspec.field(default_factory=PrefixCacheSettings)

@@ -4,6 +4,7 @@
       ▲         (max_waiting)         (1)           (max_running)    (engine_outbox)      │
       └──────────────────────────── mailboxes (merge, never block) ◀─────────────────────┘
     HTTP ──Abort (session close)──▶ engine
+    engine ──EngineStats (each step)──▶ pipeline.engine_stats ◀── /metrics, /v1/status
 
 The HTTP server starts first (``/health`` answers 503 while the model loads);
 the engine starts next, and ``nursery.start`` returns once the model is loaded;
@@ -25,7 +26,7 @@ from hypercorn.trio import serve as hypercorn_serve
 from actors import admission, streamer, tokenizer
 from actors.admission import AdmissionPolicy
 from actors.engine import actor as engine
-from actors.engine.actor import RunnerFactory
+from actors.engine.actor import EngineOptions, RunnerFactory
 from actors.mailbox import Mailboxes
 from actors.streamer import StreamState
 from actors.tokenizer import PromptBuilder
@@ -52,6 +53,7 @@ def mlx_runner_factory(settings: Settings) -> RunnerFactory:
             max_batch=settings.engine.max_batch,
             prefix_cache=settings.prefix_cache,
             kind=m.kind,
+            memory=settings.memory,
         )
 
     return factory
@@ -74,7 +76,12 @@ def open_graph(s: Settings) -> Graph:
     # Handlers block briefly here when a burst arrives; admission answers at once.
     admission_tx, admission_rx = trio.open_memory_channel[AdmissionInbox](s.admission.max_waiting)
     engine = trio.open_memory_channel[EngineInbox](s.admission.max_running)
-    pipeline = Pipeline(admission=admission_tx, engine=engine[0].clone(), mailboxes=Mailboxes())
+    pipeline = Pipeline(
+        admission=admission_tx,
+        engine=engine[0].clone(),
+        mailboxes=Mailboxes(),
+        request_timeout_s=s.admission.request_timeout_s,
+    )
     return Graph(
         pipeline=pipeline,
         admission_rx=admission_rx,
@@ -96,8 +103,15 @@ async def run_actors(
 ) -> None:
     """Start the actors in dependency order; ``started`` once the model is loaded."""
     s, pipeline, mailboxes = settings, graph.pipeline, graph.pipeline.mailboxes
+    options = EngineOptions(
+        max_batch=s.engine.max_batch,
+        prefill_chunk_tokens=s.engine.prefill_chunk_tokens,
+        queue_timeout_s=s.admission.queue_timeout_s,
+        retry_after_s=s.admission.retry_after_s,
+        publish=pipeline.publish,
+    )
     async with trio.open_nursery() as nursery:
-        info = await nursery.start(engine.run, graph.engine[1], graph.steps[0], factory, s.engine)
+        info = await nursery.start(engine.run, graph.engine[1], graph.steps[0], factory, options)
         pipeline.info = info
         await nursery.start(streamer.run, graph.steps[1], StreamState(info.tokenizer, mailboxes))
         builder = PromptBuilder(
@@ -109,6 +123,7 @@ async def run_actors(
             checkpoints=s.prefix_cache.enabled and s.prefix_cache.system_prompt,
             processor=info.processor,
             image_limits=ImageLimits.from_settings(s.vision),
+            memory=info.memory,
         )
         await nursery.start(
             tokenizer.run,
@@ -118,7 +133,10 @@ async def run_actors(
             builder,
             s.tokenizer.workers,
         )
-        policy = AdmissionPolicy(s.admission.max_running, s.admission.max_waiting)
+        a = s.admission
+        policy = pipeline.policy = AdmissionPolicy(
+            a.max_running, a.max_waiting, queue_timeout_s=a.queue_timeout_s, priority=a.priority
+        )
         await nursery.start(
             admission.run,
             graph.admission_rx,
@@ -172,6 +190,7 @@ async def serve(settings: Settings, factory: RunnerFactory | None = None) -> Non
     config.bind = [f"{settings.server.host}:{settings.server.port}"]
     config.accesslog = None
     config.graceful_timeout = settings.server.flush_timeout_s
+    config.backlog = settings.server.backlog
     graph = open_graph(settings)
     stop_http, http_done = trio.Event(), trio.Event()
     async with trio.open_nursery() as nursery:

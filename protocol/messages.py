@@ -9,6 +9,7 @@ each request's mailbox. Nothing here imports trio or mlx.
 
 from __future__ import annotations
 
+import math
 from typing import Any, Literal
 
 import msgspec
@@ -49,12 +50,19 @@ class Message(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class ChatRequest(msgspec.Struct, frozen=True, kw_only=True):
-    """A chat conversation to render with the model's chat template."""
+    """A chat conversation to render with the model's chat template.
+
+    ``priority``: lower runs first (only when ``admission.priority`` is on;
+    otherwise every request has 0 and the order is first come, first served).
+    ``deadline``: ``time.monotonic()`` by which it must end (``inf``: none).
+    """
 
     request_id: str
     messages: tuple[Message, ...]
     sampling: SamplingParams
     arrival: float = 0.0
+    priority: int = 0
+    deadline: float = math.inf
 
 
 class CompletionRequest(msgspec.Struct, frozen=True, kw_only=True):
@@ -64,6 +72,8 @@ class CompletionRequest(msgspec.Struct, frozen=True, kw_only=True):
     prompt: str | tuple[int, ...]
     sampling: SamplingParams
     arrival: float = 0.0
+    priority: int = 0
+    deadline: float = math.inf
 
 
 AdmittedRequest = ChatRequest | CompletionRequest
@@ -83,7 +93,7 @@ class VisionInputs(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class TokenizedRequest(msgspec.Struct, frozen=True, kw_only=True):
-    """A request ready for the generation actor; ``vision`` is set when it has images."""
+    """A request ready for the generation actor (``max_tokens`` always set; ``vision`` when it has images)."""
 
     request_id: str
     prompt_tokens: tuple[int, ...]
@@ -92,6 +102,8 @@ class TokenizedRequest(msgspec.Struct, frozen=True, kw_only=True):
     # end of the previous turn): hybrid models can only reuse state captured exactly there.
     checkpoints: tuple[int, ...] = ()
     vision: VisionInputs | None = None
+    priority: int = 0
+    deadline: float = math.inf  # time.monotonic(); the engine fails it (504) once passed
 
 
 # ---- admission inbox ----------------------------------------------------------------
@@ -138,7 +150,10 @@ EngineInbox = Submit | Abort | ClearCache
 
 
 class Started(msgspec.Struct, frozen=True, kw_only=True):
-    """The engine accepted a request and is prefilling it."""
+    """The engine accepted a request and is prefilling it.
+
+    ``cached_tokens``: prompt tokens served from a prompt cache (0 without one).
+    """
 
     request_id: str
     prompt_tokens: int
@@ -154,7 +169,12 @@ class TokenStep(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class Failed(msgspec.Struct, frozen=True, kw_only=True):
-    """A per-request failure: reaches only that request's client."""
+    """A per-request failure: reaches only that request's client.
+
+    ``code`` is a stable machine-readable reason (``queue_full``,
+    ``queue_timeout``, ``request_timeout``, ``out_of_memory``, ...), also the
+    label of the rejection metrics.
+    """
 
     request_id: str
     status: int
@@ -162,6 +182,7 @@ class Failed(msgspec.Struct, frozen=True, kw_only=True):
     kind: str = "server_error"
     param: str | None = None
     retry_after: float | None = None
+    code: str | None = None
 
 
 class EngineStep(msgspec.Struct, frozen=True, kw_only=True):
@@ -170,6 +191,29 @@ class EngineStep(msgspec.Struct, frozen=True, kw_only=True):
     started: tuple[Started, ...] = ()
     tokens: tuple[TokenStep, ...] = ()
     failed: tuple[Failed, ...] = ()
+
+
+class EngineStats(msgspec.Struct, frozen=True, kw_only=True):
+    """The engine's state after a step, published for /metrics and /v1/status.
+
+    ``batch_size`` is the last decode step's; ``batch_tokens_total`` over
+    ``decode_steps`` is the mean. Memory figures are bytes: ``memory_active`` / ``memory_peak`` as MLX reports
+    them, ``kv_reserved`` the estimates of the sequences the engine holds,
+    ``kv_budget`` what they may add up to (0: no memory gate).
+    """
+
+    steps: int = 0
+    decode_steps: int = 0
+    waiting: int = 0
+    prefilling: int = 0
+    decoding: int = 0
+    batch_size: int = 0
+    batch_tokens_total: int = 0
+    memory_active: int = 0
+    memory_peak: int = 0
+    kv_reserved: int = 0
+    kv_budget: int = 0
+    failed_steps: int = 0
 
 
 # ---- mailbox events (detokenizer → HTTP handler) ------------------------------------

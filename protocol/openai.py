@@ -39,6 +39,7 @@ class _SamplingFields(msgspec.Struct, kw_only=True):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    priority: int | None = None  # lower runs first; honoured when admission.priority is on
     # Accepted so that they can be refused by name instead of silently ignored.
     logprobs: bool | int | None = None
     tools: list[dict[str, Any]] | None = None

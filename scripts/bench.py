@@ -106,6 +106,7 @@ class LevelResult:
             "tok_s": self.tok_s,
             "ttft_p50_ms": 1000 * percentile(ttfts, 50),
             "ttft_p95_ms": 1000 * percentile(ttfts, 95),
+            "ttft_p99_ms": 1000 * percentile(ttfts, 99),
             "itl_p50_ms": 1000 * percentile(gaps, 50),
             "itl_p95_ms": 1000 * percentile(gaps, 95),
             "errors": sorted({r.error for r in self.requests if r.error}),
@@ -288,6 +289,7 @@ _COLUMNS = (
     ("tok/s", "tok_s", 8, ".1f"),
     ("ttft_p50ms", "ttft_p50_ms", 10, ".0f"),
     ("ttft_p95ms", "ttft_p95_ms", 10, ".0f"),
+    ("ttft_p99ms", "ttft_p99_ms", 10, ".0f"),
     ("itl_p50ms", "itl_p50_ms", 9, ".1f"),
     ("itl_p95ms", "itl_p95_ms", 9, ".1f"),
 )

@@ -23,13 +23,16 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
 @asynccontextmanager
-async def running_graph(settings=None, runner=None, context_length=4096, factory=None):
-    """Run the actors (a fake runner unless a factory is given); on exit assert all is idle."""
+async def running_graph(settings=None, runner=None, context_length=4096, factory=None, memory=None):
+    """Run the actors (a fake runner unless a factory is given); on exit assert all is idle.
+
+    ``memory``: the fake model's ``MemoryModel`` (``tests.fakes.fake_memory``); none: no gate.
+    """
     settings = settings or load_settings()
     made: list = []
     if factory is None:
         runner = runner or FakeRunner()
-        factory = fake_factory(runner, context_length)
+        factory = fake_factory(runner, context_length, memory)
 
     def recording_factory():
         runner_and_info = factory()
@@ -53,10 +56,18 @@ def _busy(runner) -> bool:
 
 
 async def assert_idle(pipeline, runner, timeout=5.0):
-    """After requests finish: no mailbox open, nothing prefilling or decoding, no KV held."""
+    """After requests finish: no mailbox or session open, nothing prefilling or decoding,
+    no KV held or reserved, the engine's published snapshot idle too."""
     with trio.fail_after(timeout):
-        while len(pipeline.mailboxes) or _busy(runner):
+        while (
+            len(pipeline.mailboxes) or pipeline.sessions or _busy(runner) or _engine_busy(pipeline)
+        ):
             await trio.sleep(0.01)
+
+
+def _engine_busy(pipeline) -> bool:
+    s = pipeline.engine_stats
+    return bool(s.waiting or s.prefilling or s.decoding or s.kv_reserved)
 
 
 def chat(rid, text, max_tokens=None, stop=(), temperature=0.0):
@@ -87,13 +98,14 @@ def settings_with(**sections):
 
 
 @asynccontextmanager
-async def real_server(settings=None, factory=None):
+async def real_server(settings=None, factory=None, runner=None, memory=None):
     """The app behind hypercorn on a free loopback port, for real-socket behaviour."""
     settings = settings or load_settings()
-    graph = running_graph(settings, factory=factory)
+    graph = running_graph(settings, runner=runner, factory=factory, memory=memory)
     async with graph as (pipeline, runner), trio.open_nursery() as nursery:
         config = Config()
         config.bind = ["127.0.0.1:0"]
+        config.backlog = settings.server.backlog
         binds = await nursery.start(serve, create_app(pipeline, settings), config)
         # hypercorn reports the bound address; tests talk to it over loopback
         yield binds[0].replace("0.0.0.0", "127.0.0.1"), pipeline, runner
@@ -131,3 +143,10 @@ def tiny_models(tmp_path_factory, smollm_tokenizer):
         return built[name]
 
     return get
+
+
+def metric(text: str, name: str, labels: str = "") -> float:
+    """One sample's value from Prometheus text, e.g. ``metric(t, "x_total", 'a="b"')``."""
+    prefix = f"{name}{{{labels}}} " if labels else f"{name} "
+    (line,) = [ln for ln in text.splitlines() if ln.startswith(prefix)]
+    return float(line.split()[-1])

@@ -6,6 +6,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from actors.engine.memory import AttentionLayer, MemoryModel
 from actors.engine.types import Decoded, ModelInfo
 from protocol.messages import TokenizedRequest
 
@@ -46,9 +47,15 @@ class _Seq:
     prefilled: int = 0
 
 
+def _text(seq: _Seq) -> str:
+    return "".join(chr(t) for t in seq.request.prompt_tokens)
+
+
 @dataclass
 class FakeRunner:
-    """Implements the runner protocol; ``FAIL`` in a prompt makes its prefill raise."""
+    """Implements the runner protocol. Scripted failures: ``FAIL`` in a prompt makes its
+    prefill raise; ``OOM`` makes the first decode step it is in raise an MLX-like
+    allocation error (the whole step fails, as a real batched step would)."""
 
     step_delay: float = 0.002
     prefilling: dict[str, _Seq] = field(default_factory=dict)
@@ -58,6 +65,9 @@ class FakeRunner:
     batch_sizes: list[int] = field(default_factory=list)
     cleared: int = 0
     prefill_log: list[tuple[str, int]] = field(default_factory=list)  # (request, decode step)
+    resets: int = 0
+    bytes_per_token: int = 1024  # the fake's "device memory" per token held
+    peak: int = 0
 
     @property
     def decoding(self) -> int:
@@ -71,7 +81,7 @@ class FakeRunner:
     def prefill(self, request_id: str, budget: int) -> int:
         seq = self.prefilling[request_id]
         self.prefill_log.append((request_id, self.decode_steps))
-        if "FAIL" in "".join(chr(t) for t in seq.request.prompt_tokens):
+        if "FAIL" in _text(seq):
             raise RuntimeError("scripted prefill failure")
         todo = len(seq.request.prompt_tokens) - 1
         seq.prefilled = min(todo, seq.prefilled + budget)
@@ -84,6 +94,11 @@ class FakeRunner:
         time.sleep(self.step_delay)
         self.decode_steps += 1
         self.batch_sizes.append(len(self.running))
+        self.peak = max(self.peak, self.memory_stats()[0])
+        if any("OOM" in _text(seq) for seq in self.running.values()):
+            raise RuntimeError(
+                "[metal::malloc] Attempting to allocate 8589934592 bytes: out of memory"
+            )
         out = []
         for rid, seq in list(self.running.items()):
             token = seq.reply[min(seq.emitted, len(seq.reply) - 1)]
@@ -104,8 +119,26 @@ class FakeRunner:
         self.prefilling.pop(request_id, None)
         self.running.pop(request_id, None)
 
+    def reset(self) -> None:
+        self.resets += 1
+        self.running.clear()
 
-def fake_factory(runner: FakeRunner, context_length: int = 4096):
+    def memory_stats(self) -> tuple[int, int]:
+        held = [*self.prefilling.values(), *self.running.values()]
+        active = sum(len(s.request.prompt_tokens) + s.emitted for s in held) * self.bytes_per_token
+        return active, max(self.peak, active)
+
+
+def fake_memory(budget_bytes: int, bytes_per_token: int = 1024, step: int = 1) -> MemoryModel:
+    """A one-layer estimate for the fake model: ``bytes_per_token`` × (prompt + max_tokens)."""
+    return MemoryModel(
+        layers=(AttentionLayer(bytes_per_token=bytes_per_token),),
+        budget_bytes=budget_bytes,
+        step=step,
+    )
+
+
+def fake_factory(runner: FakeRunner, context_length: int = 4096, memory: MemoryModel | None = None):
     def factory():
         info = ModelInfo(
             model_id="fake-model",
@@ -114,6 +147,7 @@ def fake_factory(runner: FakeRunner, context_length: int = 4096):
             vocab_size=0x110000,
             tokenizer=CharTokenizer(),
             backend="fake",
+            memory=memory,
         )
         return runner, info
 

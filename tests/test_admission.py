@@ -1,5 +1,13 @@
+"""Admission policy (sync core) and the admission actor on trio's fake clock."""
+
+from __future__ import annotations
+
+import trio
+
+from actors import admission
 from actors.admission import AdmissionPolicy, Decision
-from protocol.messages import CompletionRequest, SamplingParams
+from actors.mailbox import Mailboxes
+from protocol.messages import Admit, CompletionRequest, Failed, Release, SamplingParams
 
 
 def req(i):
@@ -40,3 +48,123 @@ def test_new_arrival_does_not_jump_the_queue():
     policy.admit(req(1))
     policy.running.clear()  # a slot frees without a release having run yet
     assert policy.admit(req(2)) is Decision.QUEUE
+
+
+# ---- queue timeout and priority (sync core) ---------------------------------------------
+
+
+def preq(i, priority):
+    return CompletionRequest(
+        request_id=f"r{i}", prompt="x", sampling=SamplingParams(max_tokens=1), priority=priority
+    )
+
+
+def test_waiters_past_the_queue_timeout_expire_oldest_first():
+    policy = AdmissionPolicy(max_running=1, max_waiting=3, queue_timeout_s=10)
+    policy.admit(req(0), now=0)
+    policy.admit(req(1), now=1)
+    policy.admit(req(2), now=4)
+    assert policy.next_expiry() == 11
+    assert policy.expire(10.9) == []
+    assert policy.expire(11) == ["r1"]
+    assert policy.next_expiry() == 14
+    assert policy.expire(100) == ["r2"]
+    assert policy.expired == 2 and not policy.waiting
+    assert policy.next_expiry() == float("inf")
+
+
+def test_no_queue_timeout_never_expires():
+    policy = AdmissionPolicy(max_running=1, max_waiting=3)
+    policy.admit(req(0), now=0)
+    policy.admit(req(1), now=0)
+    assert policy.expire(10**9) == []
+
+
+def test_priority_picks_the_lowest_value_then_the_oldest():
+    policy = AdmissionPolicy(max_running=1, max_waiting=5, priority=True)
+    policy.admit(preq(0, 0))
+    for i, p in [(1, 5), (2, 1), (3, 0), (4, 1)]:
+        policy.admit(preq(i, p))
+    order = []
+    running = "r0"
+    while True:
+        ready = policy.release(running)
+        if not ready:
+            break
+        running = ready[0].request_id
+        order.append(running)
+    assert order == ["r3", "r2", "r4", "r1"]
+
+
+def test_priority_is_ignored_unless_enabled():
+    policy = AdmissionPolicy(max_running=1, max_waiting=5)
+    policy.admit(preq(0, 0))
+    policy.admit(preq(1, 9))
+    policy.admit(preq(2, 0))
+    assert [r.request_id for r in policy.release("r0")] == ["r1"]
+
+
+# ---- the actor on trio's fake clock -------------------------------------------------------
+
+
+async def _admission_actor(nursery, policy, mailboxes):
+    inbox_tx, inbox_rx = trio.open_memory_channel(8)
+    out_tx, out_rx = trio.open_memory_channel(8)
+    await nursery.start(admission.run, inbox_rx, out_tx, mailboxes, policy, 3)
+    return inbox_tx, out_rx
+
+
+async def test_queue_timeout_on_the_fake_clock_is_a_503_with_retry_after(autojump_clock):
+    mailboxes = Mailboxes()
+    policy = AdmissionPolicy(max_running=1, max_waiting=2, queue_timeout_s=30)
+    async with trio.open_nursery() as nursery:
+        inbox, admitted = await _admission_actor(nursery, policy, mailboxes)
+        boxes = {i: mailboxes.register(f"r{i}") for i in range(2)}
+        t0 = trio.current_time()
+        await inbox.send(Admit(request=req(0)))
+        await inbox.send(Admit(request=req(1)))
+        assert (await admitted.receive()).request_id == "r0"
+        (event,) = await boxes[1].get()  # nothing frees the slot: r1 times out
+        waited = trio.current_time() - t0
+        assert isinstance(event, Failed)
+        assert (event.status, event.code, event.retry_after) == (503, "queue_timeout", 3)
+        assert 30 <= waited < 31
+        # a later release runs nothing stale: the expired request is gone
+        await inbox.send(Release(request_id="r0"))
+        await trio.sleep(1)
+        assert policy.running == set() and not policy.waiting
+        nursery.cancel_scope.cancel()
+
+
+async def test_release_before_the_timeout_runs_the_waiter(autojump_clock):
+    mailboxes = Mailboxes()
+    policy = AdmissionPolicy(max_running=1, max_waiting=2, queue_timeout_s=30)
+    async with trio.open_nursery() as nursery:
+        inbox, admitted = await _admission_actor(nursery, policy, mailboxes)
+        box = mailboxes.register("r1")
+        await inbox.send(Admit(request=req(0)))
+        await inbox.send(Admit(request=req(1)))
+        await admitted.receive()
+        await trio.sleep(29)
+        await inbox.send(Release(request_id="r0"))
+        assert (await admitted.receive()).request_id == "r1"
+        await trio.sleep(60)
+        assert policy.expired == 0 and box._final is None
+        nursery.cancel_scope.cancel()
+
+
+async def test_priority_on_the_fake_clock_serves_urgent_requests_first(autojump_clock):
+    mailboxes = Mailboxes()
+    policy = AdmissionPolicy(max_running=1, max_waiting=4, queue_timeout_s=30, priority=True)
+    async with trio.open_nursery() as nursery:
+        inbox, admitted = await _admission_actor(nursery, policy, mailboxes)
+        for i, p in [(0, 0), (1, 3), (2, 1), (3, 2)]:
+            await inbox.send(Admit(request=preq(i, p)))
+        order = [(await admitted.receive()).request_id]
+        for _ in range(3):
+            await trio.sleep(5)  # each runs a while, well inside the queue timeout
+            await inbox.send(Release(request_id=order[-1]))
+            order.append((await admitted.receive()).request_id)
+        assert order == ["r0", "r2", "r3", "r1"]
+        assert policy.expired == 0
+        nursery.cancel_scope.cancel()

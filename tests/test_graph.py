@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import msgspec
 import trio
 
 from daemon.supervisor import drain
 from protocol.messages import Failed, Finished, Started, TextDelta
 from tests.conftest import chat, collect, running_graph, settings_with, text_of
+from tests.fakes import fake_memory
 
 
 async def test_streaming_order_started_text_finished():
@@ -183,3 +185,97 @@ async def test_long_prompt_prefill_is_chunked_between_decode_steps():
     assert len(set(chunks)) == len(chunks)  # one chunk per decode step: the stream kept flowing
     assert text_of(long_events) == "P" * 1000
     assert text_of(rest).endswith("R")
+
+
+# ---- memory-aware admission, deadlines, failed steps --------------------------------------
+
+
+async def test_memory_budget_caps_the_batch_and_everyone_finishes():
+    # each request holds (prompt + 20) tokens × 1024 bytes; the budget fits about three
+    memory = fake_memory(budget_bytes=3 * 60 * 1024)
+    settings = settings_with(admission={"max_running": 10})
+    async with running_graph(settings, memory=memory) as (pipeline, runner):
+        sessions = [await pipeline.submit(chat(f"r{i}", "m" * 20, max_tokens=20)) for i in range(8)]
+        results = [await collect(s) for s in sessions]
+        assert pipeline.engine_stats.kv_budget == memory.budget_bytes
+    assert [text_of(r) for r in results] == ["M" * 20] * 8
+    assert max(runner.batch_sizes) == 3
+
+
+async def test_request_that_can_never_fit_is_refused_at_tokenization_with_numbers():
+    memory = fake_memory(budget_bytes=100 * 1024)
+    async with running_graph(memory=memory) as (pipeline, runner):
+        events = await collect(await pipeline.submit(chat("big", "b" * 50, max_tokens=200)))
+        defaulted = await collect(await pipeline.submit(chat("dflt", "short")))
+    failed = events[-1]
+    assert isinstance(failed, Failed)
+    assert (failed.status, failed.code, failed.param) == (400, "request_too_large", "max_tokens")
+    assert "200 completion tokens" in failed.message and "0.1 MiB" in failed.message
+    assert not runner.prefill_log or all(rid != "big" for rid, _ in runner.prefill_log)
+    # no max_tokens named: the default shrinks to what the budget allows, and it runs
+    assert isinstance(defaulted[-1], Finished)
+
+
+async def test_deadline_aborts_generation_and_tells_the_client():
+    settings = settings_with(admission={"request_timeout_s": 0.3})
+    async with running_graph(settings) as (pipeline, runner):
+        runner.step_delay = 0.01
+        events = await collect(await pipeline.submit(chat("slow", "s" * 3000)))
+        with trio.fail_after(2):
+            while "slow" not in runner.removed:
+                await trio.sleep(0.005)
+    failed = events[-1]
+    assert isinstance(failed, Failed)
+    assert (failed.status, failed.code) == (504, "request_timeout")
+    assert "admission.request_timeout_s" in failed.message
+    assert any(isinstance(e, TextDelta) for e in events)  # it was cut off mid-generation
+    assert "slow" not in runner.running
+
+
+async def test_deadline_also_covers_waiting_in_the_queue():
+    settings = settings_with(
+        admission={"max_running": 1, "max_waiting": 4, "request_timeout_s": 0.3}
+    )
+    async with running_graph(settings) as (pipeline, runner):
+        runner.step_delay = 0.01
+        blocker = await pipeline.submit(chat("blocker", "q" * 3000))
+        queued = await collect(await pipeline.submit(chat("queued", "hi")))
+        assert queued[-1].code == "request_timeout"
+        await blocker.close()
+
+
+async def test_allocation_failure_in_a_step_fails_its_requests_and_serving_goes_on():
+    async with running_graph() as (pipeline, runner):
+        runner.step_delay = 0.005
+        victims = [
+            await pipeline.submit(chat("v1", "a" * 50)),
+            await pipeline.submit(chat("v2", "OOM")),
+        ]
+        failures = [(await collect(s))[-1] for s in victims]
+        after = await collect(await pipeline.submit(chat("after", "still here")))
+    assert all(isinstance(f, Failed) and f.code == "out_of_memory" for f in failures)
+    assert all(f.status == 503 and f.retry_after for f in failures)
+    assert text_of(after) == "STILL HERE"
+    assert runner.resets == 1
+    assert pipeline.engine_stats.failed_steps == 1
+
+
+async def test_priority_setting_orders_queued_requests():
+    settings = settings_with(admission={"max_running": 1, "max_waiting": 8, "priority": True})
+    order = []
+    async with running_graph(settings) as (pipeline, runner):
+        runner.step_delay = 0.005
+        blocker = await pipeline.submit(chat("blocker", "b" * 30))
+        sessions = []
+        for rid, priority in [("low", 9), ("high", 0), ("mid", 5)]:
+            request = msgspec.structs.replace(chat(rid, "x"), priority=priority)
+            sessions.append(await pipeline.submit(request))
+
+        async def run(session):
+            await collect(session)
+            order.append(session.request_id)
+
+        async with trio.open_nursery() as nursery:
+            for s in [blocker, *sessions]:
+                nursery.start_soon(run, s)
+    assert order == ["blocker", "high", "mid", "low"]

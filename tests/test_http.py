@@ -12,7 +12,14 @@ import trio
 from daemon.app import create_app
 from daemon.pipeline import ServerState
 from daemon.settings import load_settings
-from tests.conftest import chat, real_server, running_graph, settings_with
+from tests.conftest import (
+    assert_idle,
+    chat,
+    metric,
+    real_server,
+    running_graph,
+    settings_with,
+)
 
 CHAT = "/v1/chat/completions"
 
@@ -221,3 +228,220 @@ async def test_client_disconnect_aborts_generation(stream):
                 await trio.sleep(0.005)
         assert len(runner.removed) == 1
         assert runner.decode_steps - steps <= 3
+
+
+# ---- limits --------------------------------------------------------------------------------
+
+
+async def test_too_many_messages_is_400_naming_the_limit():
+    settings = settings_with(tokenizer={"max_messages": 3})
+    async with client(settings) as (c, _, _):
+        many = {"messages": [{"role": "user", "content": "x"}] * 4}
+        err = await error_of(await c.post(CHAT, json=many), 400)
+        ok = await c.post(CHAT, json={"messages": [{"role": "user", "content": "x"}] * 3})
+    assert err["param"] == "messages" and "tokenizer.max_messages" in err["message"]
+    assert ok.status_code == 200
+
+
+@pytest.mark.parametrize(
+    ("settings", "extra", "setting"),
+    [
+        ({"engine": {"max_tokens_cap": 8}}, {"max_tokens": 9}, "engine.max_tokens_cap"),
+        ({"engine": {"max_stop_strings": 1}}, {"stop": ["a", "b"]}, "engine.max_stop_strings"),
+        ({"engine": {"max_stop_length": 2}}, {"stop": "abc"}, "engine.max_stop_length"),
+    ],
+)
+async def test_limit_violations_name_the_setting(settings, extra, setting):
+    async with client(settings_with(**settings)) as (c, _, _):
+        err = await error_of(await c.post(CHAT, json=user("x", **extra)), 400)
+    assert setting in err["message"]
+
+
+async def test_prompt_token_limit_and_body_limit_name_the_setting():
+    async with client(settings_with(engine={"max_prompt_tokens": 20})) as (c, _, _):
+        err = await error_of(await c.post(CHAT, json=user("y" * 40)), 400)
+    assert "engine.max_prompt_tokens" in err["message"]
+    async with client(settings_with(server={"max_body_bytes": 100})) as (c, _, _):
+        err = await error_of(await c.post(CHAT, json=user("y" * 200)), 413)
+    assert "100 bytes (server.max_body_bytes)" in err["message"]
+
+
+# ---- auth and CORS -------------------------------------------------------------------------
+
+
+async def test_api_keys_bearer_and_x_api_key_health_stays_open(tmp_path):
+    keyfile = tmp_path / "keys"
+    keyfile.write_text("# ops\nfile-key\n\n")
+    settings = settings_with(auth={"api_keys": ["k1"], "api_key_file": str(keyfile)})
+    async with client(settings) as (c, _, _):
+        missing = await c.post(CHAT, json=user("x"))
+        wrong = await c.post(CHAT, json=user("x"), headers={"Authorization": "Bearer nope"})
+        bearer = await c.post(CHAT, json=user("x"), headers={"Authorization": "Bearer k1"})
+        x_key = await c.post(CHAT, json=user("x"), headers={"x-api-key": "file-key"})
+        health = await c.get("/health")
+        closed = [
+            (await c.get(path)).status_code for path in ("/metrics", "/v1/status", "/v1/models")
+        ]
+        opened = await c.get("/v1/status", headers={"x-api-key": "k1"})
+    err = await error_of(missing, 401)
+    assert err["code"] == "invalid_api_key"
+    assert missing.headers["WWW-Authenticate"] == "Bearer"
+    await error_of(wrong, 401)
+    assert bearer.status_code == 200 and x_key.status_code == 200
+    assert health.status_code == 200
+    assert closed == [401, 401, 401]
+    assert opened.status_code == 200
+
+
+async def test_an_unreadable_or_empty_key_file_is_a_startup_error(tmp_path):
+    from daemon.app import create_app
+
+    empty = tmp_path / "empty"
+    empty.write_text("# nothing\n")
+    for path in (empty, tmp_path / "missing"):
+        settings = settings_with(auth={"api_key_file": str(path)})
+        async with running_graph(settings) as (pipeline, _):
+            with pytest.raises(ValueError, match="auth.api_key_file"):
+                create_app(pipeline, settings)
+
+
+async def test_cors_is_off_by_default_and_on_for_listed_origins():
+    origin = {"Origin": "http://app.example"}
+    async with client() as (c, _, _):
+        r = await c.post(CHAT, json=user("x"), headers=origin)
+    assert "Access-Control-Allow-Origin" not in r.headers
+    settings = settings_with(
+        server={"cors_origins": ["http://app.example"]}, auth={"api_keys": ["k"]}
+    )
+    async with client(settings) as (c, _, _):
+        preflight = await c.options(
+            CHAT, headers={**origin, "Access-Control-Request-Method": "POST"}
+        )
+        r = await c.post(CHAT, json=user("x"), headers={**origin, "x-api-key": "k"})
+        other = await c.post(
+            CHAT, json=user("x"), headers={"Origin": "http://evil.example", "x-api-key": "k"}
+        )
+    assert preflight.status_code == 204  # no key needed for the preflight
+    assert "x-api-key" in preflight.headers["Access-Control-Allow-Headers"]
+    assert r.headers["Access-Control-Allow-Origin"] == "http://app.example"
+    assert "Access-Control-Allow-Origin" not in other.headers
+
+
+# ---- observability -------------------------------------------------------------------------
+
+
+async def test_metrics_count_requests_tokens_and_latencies():
+    settings = settings_with(admission={"max_running": 1, "max_waiting": 0})
+    async with client(settings) as (c, pipeline, runner):
+        for _ in range(3):
+            assert (await c.post(CHAT, json=user("hello"))).status_code == 200
+        runner.step_delay = 0.01
+        blocker = await pipeline.submit(chat("b", "q" * 200))
+        assert (await c.post(CHAT, json=user("x"))).status_code == 429
+        await blocker.close()
+        await assert_idle(pipeline, runner)
+        r = await c.get("/metrics")
+        text = (await r.get_data()).decode()
+    assert r.headers["content-type"].startswith("text/plain")
+    assert metric(text, "mlxd_requests_total", 'finish_reason="stop",status="200"') == 3
+    assert metric(text, "mlxd_requests_rejected_total", 'reason="queue_full"') == 1
+    assert metric(text, "mlxd_requests_total", 'finish_reason="abort",status="499"') == 1
+    assert metric(text, "mlxd_generation_tokens_total") >= 15
+    # the blocker was never read: no first token or start seen for it
+    for histogram in (
+        "time_to_first_token",
+        "e2e_request_latency",
+        "inter_token_latency",
+        "queue_time",
+    ):
+        assert metric(text, f"mlxd_{histogram}_seconds_count") == 3
+    for gauge in ("mlxd_requests_running", "mlxd_requests_waiting", "mlxd_kv_reserved_bytes"):
+        assert metric(text, gauge) == 0
+    assert metric(text, "mlxd_engine_requests", 'state="decoding"') == 0
+    assert metric(text, "mlxd_decode_steps_total") > 0
+    assert metric(text, "mlxd_cache_hit_rate") == 0
+    assert "mlxd_memory_active_bytes" in text and "mlxd_batch_size" in text
+
+
+async def test_each_app_has_its_own_registry():
+    async with client() as (c1, _, _), client() as (c2, _, _):
+        await c1.post(CHAT, json=user("hello"))
+        t1 = (await (await c1.get("/metrics")).get_data()).decode()
+        t2 = (await (await c2.get("/metrics")).get_data()).decode()
+    assert metric(t1, "mlxd_requests_total", 'finish_reason="stop",status="200"') == 1
+    assert "mlxd_requests_total{" not in t2
+
+
+async def test_status_lists_running_and_waiting_requests():
+    settings = settings_with(admission={"max_running": 1, "max_waiting": 2})
+    async with client(settings) as (c, pipeline, runner):
+        runner.step_delay = 0.01
+        running = await pipeline.submit(chat("run", "r" * 300))
+        events = running.events()
+        await anext(events)  # Started
+        await anext(events)  # some text
+        queued = await pipeline.submit(chat("wait", "w"))
+        await trio.sleep(0.05)
+        body = json.loads(await (await c.get("/v1/status")).get_data())
+        await events.aclose()
+        await queued.close()
+    reqs = body["requests"]
+    assert [r["id"] for r in reqs["running"]] == ["run"]
+    assert reqs["running"][0]["prompt_tokens"] > 300 and reqs["running"][0]["age_s"] > 0
+    assert reqs["running"][0]["generated_tokens"] >= 1
+    assert [(r["id"], r["state"]) for r in reqs["waiting"]] == [("wait", "queued")]
+    assert body["admission"]["running"] == 1 and body["admission"]["waiting"] == 1
+    assert body["engine"]["decoding"] == 1
+    assert body["model"]["id"] == "fake-model"
+    assert body["settings"]["admission"]["max_running"] == 1
+    assert "api_keys" not in json.dumps(body["settings"])
+    assert set(body["memory"]) >= {"active_bytes", "kv_reserved_bytes", "kv_budget_bytes"}
+    assert body["cache"]["hit_rate"] == 0
+
+
+async def test_one_log_line_per_request(caplog):
+    caplog.set_level("INFO", logger="mlxd.requests")
+    async with client() as (c, _, _):
+        await c.post(CHAT, json=user("hello"))
+        await c.post(CHAT, json=user("x", temperature=9))
+    lines = [r.getMessage() for r in caplog.records if r.name == "mlxd.requests"]
+    assert len(lines) == 2
+    done, refused = lines
+    for field in (
+        "id=chatcmpl-",
+        "status=200",
+        "prompt_tokens=",
+        "cached_tokens=0",
+        "generated_tokens=5",
+        "ttft_ms=",
+        "duration_ms=",
+        "finish_reason=stop",
+    ):
+        assert field in done
+    assert "status=400" in refused
+
+
+async def test_deadline_mid_stream_ends_with_an_error_event():
+    settings = settings_with(admission={"request_timeout_s": 0.3})
+    async with real_server(settings) as (url, pipeline, runner):
+        runner.step_delay = 0.01
+        async with httpx.AsyncClient(base_url=url, timeout=10) as http:
+            streamed = await http.post(CHAT, json=user("z" * 3000, stream=True))
+            blocking = await http.post(CHAT, json=user("z" * 3000))
+    assert streamed.status_code == 200
+    frames = sse_events(streamed.content)
+    assert frames[-1] == "[DONE]"
+    assert '"content":"Z' in frames[1]  # it was streaming when the deadline passed
+    error = json.loads(frames[-2])["error"]
+    assert error["code"] == "request_timeout" and "request_timeout_s" in error["message"]
+    assert blocking.status_code == 504
+    assert blocking.json()["error"]["code"] == "request_timeout"
+
+
+def test_priority_field_is_honoured_only_when_enabled():
+    from daemon.app import Validator
+    from protocol import openai as wire
+
+    w = wire.chat_decoder.decode(b'{"messages": [], "priority": -5}')
+    assert Validator(load_settings()).priority(w) == 0
+    assert Validator(settings_with(admission={"priority": True})).priority(w) == -5

@@ -49,10 +49,43 @@ PROMPTS = [
 
 async def test_paris(settings):
     async with running_graph(settings, factory=mlx_runner_factory(settings)) as (pipeline, runner):
+        idle = pipeline.engine_stats.memory_active  # as the engine thread published it
         events = await collect_req(pipeline, chat("paris", "What is the capital of France?", 30))
+        more = [chat(f"p{i}", "Name a city in Europe.", 30) for i in range(4)]
+        async with trio.open_nursery() as nursery:
+            for request in more:
+                nursery.start_soon(collect_req, pipeline, request)
     assert "Paris" in text_of(events)
     assert isinstance(events[-1], Finished)
     assert runner.cache_bytes == 0
+    assert pipeline.engine_stats.kv_reserved == 0
+    # Back to idle plus what the prefix cache deliberately keeps (within its budget),
+    # give or take the last step's vocabulary-sized arrays mlx-lm keeps.
+    kept = pipeline.info.cache_stats.bytes
+    assert kept <= pipeline.info.cache_stats.max_bytes
+    assert abs(pipeline.engine_stats.memory_active - idle - kept) < 4 << 20
+
+
+def test_memory_estimate_matches_the_model_config(settings):
+    """KV bytes per token = layers × 2 (K, V) × KV heads × head dim × dtype size."""
+    from actors.engine.runner import load_runner
+
+    m = settings.model
+    runner, info = load_runner(
+        m.path,
+        Path(m.cache_dir),
+        dequantize_on_cpu=m.dequantize_on_cpu,
+        max_batch=2,
+        memory=settings.memory,
+    )
+    config = json.loads((info.model_dir / "config.json").read_text())
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    per_element = 2 * config["num_hidden_layers"] * config["num_key_value_heads"] * head_dim
+    memory = info.memory
+    assert memory.state_bytes == 0
+    assert memory.kv_bytes_per_token // per_element in (2, 4)  # float16/bfloat16 or float32
+    assert memory.kv_bytes_per_token % per_element == 0
+    assert 0 < memory.budget_bytes
 
 
 async def test_batched_greedy_equals_alone_and_failure_is_isolated(settings):

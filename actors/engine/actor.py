@@ -4,21 +4,40 @@ The actor makes a single ``trio.to_thread.run_sync(_engine_loop, ...)`` call for
 its whole life (MLX streams are thread-local; trio's thread cache could hand a
 new thread to each call). The loop blocks on the inbox only when idle; otherwise
 it runs one engine step, then in a single trip to the trio thread sends that
-``EngineStep`` downstream and drains the inbox without blocking. Cancellation is checked every step.
+``EngineStep`` downstream, publishes the engine's ``EngineStats`` (a small
+snapshot that /metrics and /v1/status read, so no metric is observed on the
+engine thread) and drains the inbox without blocking. Cancellation is checked
+every step.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from dataclasses import dataclass
 
 import trio
 
 from actors.engine.core import EngineCore
 from actors.engine.types import ModelInfo, Runner
-from protocol.messages import Abort, ClearCache, EngineInbox, EngineStep, Submit
+from protocol.messages import Abort, ClearCache, EngineInbox, EngineStats, EngineStep, Submit
 
 RunnerFactory = Callable[[], tuple[Runner, ModelInfo]]
+Publish = Callable[[EngineStats], None]
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    """What the engine loop needs besides the runner: limits, and where stats go."""
+
+    max_batch: int
+    prefill_chunk_tokens: int
+    queue_timeout_s: float = 0.0
+    retry_after_s: float = 1.0
+    publish: Publish | None = None  # called on the trio thread after every step
+
+
+def _publish_nothing(stats: EngineStats) -> None:
+    pass
 
 
 def _handle(core: EngineCore, message: EngineInbox) -> None:
@@ -40,7 +59,11 @@ def _drain(inbox: trio.MemoryReceiveChannel[EngineInbox]) -> list[EngineInbox]:
             return messages
 
 
-async def _receive(inbox: trio.MemoryReceiveChannel[EngineInbox]) -> EngineInbox | None:
+async def _receive(
+    inbox: trio.MemoryReceiveChannel[EngineInbox], publish: Publish, stats: EngineStats
+) -> EngineInbox | None:
+    """Idle: publish the idle snapshot, then block until a message comes."""
+    publish(stats)
     try:
         return await inbox.receive()
     except trio.EndOfChannel:
@@ -51,31 +74,52 @@ async def _exchange(
     outbox: trio.MemorySendChannel[EngineStep],
     step: EngineStep | None,
     inbox: trio.MemoryReceiveChannel[EngineInbox],
+    publish: Publish,
+    stats: EngineStats,
 ) -> list[EngineInbox]:
-    """One trip to the trio thread per step: deliver the step, pick up new messages."""
+    """One trip to the trio thread per step: deliver the step, publish stats, pick up messages."""
+    publish(stats)
     if step is not None:
         await outbox.send(step)
     return _drain(inbox)
 
 
+def _ready(
+    task_status: trio.TaskStatus[ModelInfo], info: ModelInfo, publish: Publish, stats: EngineStats
+) -> None:
+    publish(stats)  # the idle snapshot (the memory the model alone takes) before "ready"
+    task_status.started(info)
+
+
+def _make_core(runner: Runner, info: ModelInfo, options: EngineOptions) -> EngineCore:
+    return EngineCore(
+        runner,
+        max_batch=options.max_batch,
+        prefill_chunk_tokens=options.prefill_chunk_tokens,
+        memory=info.memory,
+        queue_timeout_s=options.queue_timeout_s,
+        retry_after_s=options.retry_after_s,
+    )
+
+
 def _engine_loop(
     factory: RunnerFactory,
-    settings: Any,
+    options: EngineOptions,
     inbox: trio.MemoryReceiveChannel[EngineInbox],
     outbox: trio.MemorySendChannel[EngineStep],
     task_status: trio.TaskStatus[ModelInfo],
 ) -> None:
     runner, info = factory()
-    core = EngineCore(
-        runner, max_batch=settings.max_batch, prefill_chunk_tokens=settings.prefill_chunk_tokens
-    )
-    trio.from_thread.run_sync(task_status.started, info)
+    core = _make_core(runner, info, options)
+    publish = options.publish or _publish_nothing
+    trio.from_thread.run_sync(_ready, task_status, info, publish, core.stats())
     step: EngineStep | None = None
     while True:
-        for message in trio.from_thread.run(_exchange, outbox, step, inbox):
+        exchange = (outbox, step, inbox, publish, core.stats())
+        for message in trio.from_thread.run(_exchange, *exchange):
             _handle(core, message)
         if core.idle:
-            first = trio.from_thread.run(_receive, inbox)
+            first = trio.from_thread.run(_receive, inbox, publish, core.stats())
             if first is None:
                 return  # every sender closed: shutdown
             _handle(core, first)
@@ -88,10 +132,10 @@ async def run(
     inbox: trio.MemoryReceiveChannel[EngineInbox],
     outbox: trio.MemorySendChannel[EngineStep],
     factory: RunnerFactory,
-    settings: Any,
+    options: EngineOptions,
     *,
     task_status: trio.TaskStatus[ModelInfo] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Load the model (``task_status.started(info)`` once ready), then serve forever."""
     async with inbox, outbox:
-        await trio.to_thread.run_sync(_engine_loop, factory, settings, inbox, outbox, task_status)
+        await trio.to_thread.run_sync(_engine_loop, factory, options, inbox, outbox, task_status)

@@ -21,6 +21,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import mlx.core as mx
+from mlx.utils import tree_map
 
 BATCH_OPS = ("filter", "extend", "extract")
 
@@ -136,3 +137,22 @@ class RowDeltas:
     @property
     def nbytes(self) -> int:
         return self.values.nbytes
+
+
+def _contiguous(x: Any) -> Any:
+    return mx.contiguous(x) if isinstance(x, mx.array) else x
+
+
+def compact(cache: Sequence[Any]) -> list[Any]:
+    """Give every array of ``cache`` its own buffer, in place, and return it.
+
+    A sequence extracted from a batch holds slices of the batch's arrays, and a
+    slice keeps its whole parent buffer alive: a snapshot kept for the prefix
+    cache would pin every row of the batch it came from.
+    """
+    for layer in cache:
+        if hasattr(layer, "caches"):  # CacheList: compact the layers inside it
+            compact(layer.caches)
+        else:
+            layer.state = tree_map(_contiguous, layer.state)
+    return list(cache)

@@ -1,68 +1,231 @@
 """Engine core: the scheduling policy of the generation actor, as a plain class.
 
-Each ``step()`` spends a prompt-token budget on prefill (oldest request first,
-chunked, so a long prompt never stalls running streams for more than one chunk),
-then runs one batched decode step, and returns one ``EngineStep`` carrying the
-news for every request. A runner error while starting or prefilling a request
-fails that request alone. No trio, no mlx: tests drive it with a fake runner.
+Each ``step()`` first fails requests whose deadline has passed (a 504, wherever
+they are: waiting, prefilling or decoding; this holds even while their client
+reads nothing) and requests that waited too long for memory
+(``admission.queue_timeout_s``, a 503), then moves waiting requests into
+prefill while the batch has room and the memory budget allows (see
+``memory.py`` for why the memory gate is here), spends a prompt-token budget on
+prefill (oldest request first, chunked, so a long prompt never stalls running
+streams for more than one chunk), then runs one batched decode step, and
+returns one ``EngineStep`` carrying the news for every request.
+
+Failures stay per request: a runner error while starting or prefilling a
+request fails that request alone; an error in a batched decode step (e.g. an
+MLX allocation failure) fails the requests in that step, drops the runner's
+batch, and the engine goes on with the rest. No trio, no mlx: tests drive it
+with a fake runner.
 """
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import logging
-from collections import OrderedDict, deque
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
+from actors.engine.memory import MemoryModel, is_memory_error
 from actors.engine.types import Runner
-from protocol.messages import EngineStep, Failed, Started, TokenizedRequest, TokenStep
+from protocol.messages import (
+    EngineStats,
+    EngineStep,
+    Failed,
+    Started,
+    TokenizedRequest,
+    TokenStep,
+)
 
 log = logging.getLogger("mlxd.engine")
 
 
-class EngineCore:
-    """Waiting → prefilling → decoding, with a cap on sequences in the batch."""
+@dataclass(order=True)
+class _Waiting:
+    """A submitted request not yet in the batch; sorts by (priority, arrival order)."""
 
-    def __init__(self, runner: Runner, *, max_batch: int, prefill_chunk_tokens: int):
+    priority: int
+    seq: int
+    request: TokenizedRequest = field(compare=False)
+    since: float = field(compare=False)
+
+
+class EngineCore:
+    """Waiting → prefilling → decoding, with caps on batch size and on estimated memory."""
+
+    def __init__(
+        self,
+        runner: Runner,
+        *,
+        max_batch: int,
+        prefill_chunk_tokens: int,
+        memory: MemoryModel | None = None,
+        queue_timeout_s: float = 0.0,
+        retry_after_s: float = 1.0,
+        clock: Callable[[], float] = time.monotonic,
+    ):
         self.runner = runner
         self.max_batch = max_batch
         self.prefill_chunk_tokens = prefill_chunk_tokens
-        self.waiting: deque[TokenizedRequest] = deque()
+        self.memory = memory
+        self.queue_timeout_s = queue_timeout_s
+        self.retry_after_s = retry_after_s
+        self.clock = clock
+        self.waiting: list[_Waiting] = []  # kept sorted
         self.prefilling: OrderedDict[str, TokenizedRequest] = OrderedDict()
-        self.decoding: set[str] = set()
+        self.decoding: dict[str, TokenizedRequest] = {}
+        self.reserved: dict[str, int] = {}  # estimated bytes of every sequence in the batch
+        self.reserved_bytes = 0
+        self._seq = itertools.count()
+        self._steps = self._decode_steps = self._batch_size = self._batch_tokens = 0
+        self._failed_steps = 0
 
     @property
     def idle(self) -> bool:
         return not (self.waiting or self.prefilling or self.decoding)
 
     def submit(self, request: TokenizedRequest) -> None:
-        self.waiting.append(request)
+        # Equal priorities keep their arrival order (``seq``).
+        bisect.insort(
+            self.waiting, _Waiting(request.priority, next(self._seq), request, self.clock())
+        )
 
     def abort(self, request_id: str) -> None:
-        self.waiting = deque(r for r in self.waiting if r.request_id != request_id)
+        self.waiting = [w for w in self.waiting if w.request.request_id != request_id]
         self.prefilling.pop(request_id, None)
-        self.decoding.discard(request_id)
+        self.decoding.pop(request_id, None)
+        self._release(request_id)
         self.runner.remove(request_id)
 
     def step(self) -> EngineStep:
         started: list[Started] = []
         failed: list[Failed] = []
+        now = self.clock()
+        self._expire_deadlines(now, failed)
+        self._expire_waiting(now, failed)
         self._admit(started, failed)
         self._prefill(failed)
-        tokens = self._decode()
+        tokens = self._decode(failed)
+        self._steps += 1
         return EngineStep(started=tuple(started), tokens=tuple(tokens), failed=tuple(failed))
 
+    def stats(self) -> EngineStats:
+        active, peak = self.runner.memory_stats()
+        return EngineStats(
+            steps=self._steps,
+            decode_steps=self._decode_steps,
+            waiting=len(self.waiting),
+            prefilling=len(self.prefilling),
+            decoding=len(self.decoding),
+            batch_size=self._batch_size,
+            batch_tokens_total=self._batch_tokens,
+            memory_active=active,
+            memory_peak=peak,
+            kv_reserved=self.reserved_bytes,
+            kv_budget=self.memory.budget_bytes if self.memory else 0,
+            failed_steps=self._failed_steps,
+        )
+
+    # ---- waiting → prefill ----------------------------------------------------------
+
+    def _expire_deadlines(self, now: float, failed: list[Failed]) -> None:
+        """Requests past their deadline leave the engine with a 504 that says why."""
+        late = [w.request for w in self.waiting if w.request.deadline <= now]
+        late += [
+            r for r in (*self.prefilling.values(), *self.decoding.values()) if r.deadline <= now
+        ]
+        for request in late:
+            self.abort(request.request_id)
+            failed.append(
+                Failed(
+                    request_id=request.request_id,
+                    status=504,
+                    kind="timeout_error",
+                    code="request_timeout",
+                    message=(
+                        "the request passed its deadline (admission.request_timeout_s); "
+                        "generation was stopped"
+                    ),
+                )
+            )
+
+    def _expire_waiting(self, now: float, failed: list[Failed]) -> None:
+        """Requests that waited for a place in the batch (memory, or ``engine.max_batch``)
+        longer than the queue timeout get a 503."""
+        if self.queue_timeout_s <= 0 or not self.waiting:
+            return
+        cutoff = now - self.queue_timeout_s
+        for entry in [w for w in self.waiting if w.since < cutoff]:
+            self.waiting.remove(entry)
+            failed.append(
+                Failed(
+                    request_id=entry.request.request_id,
+                    status=503,
+                    kind="service_unavailable",
+                    code="queue_timeout",
+                    message=(
+                        f"waited over {self.queue_timeout_s:g}s for memory or a batch slot "
+                        "(admission.queue_timeout_s); retry later"
+                    ),
+                    retry_after=self.retry_after_s,
+                )
+            )
+
     def _admit(self, started: list[Started], failed: list[Failed]) -> None:
-        """Move waiting requests into prefill while the batch has room."""
+        """Move waiting requests into prefill while the batch and the memory budget have room."""
         while self.waiting and len(self.prefilling) + len(self.decoding) < self.max_batch:
-            request = self.waiting.popleft()
-            rid = request.request_id
-            try:
-                cached = self.runner.start(request)
-            except Exception as exc:  # noqa: BLE001 - any runner error fails this request only
-                failed.append(self._failure(rid, "could not start", exc))
+            request = self.waiting[0].request
+            need = self._estimate(request)
+            if self.memory and self.reserved_bytes + need > self.memory.budget_bytes:
+                if self.reserved:
+                    return  # it fits once running sequences finish: wait, in order
+                self.waiting.pop(0)
+                failed.append(self._too_large(request))
                 continue
-            self.prefilling[rid] = request
-            prompt = len(request.prompt_tokens)
-            started.append(Started(request_id=rid, prompt_tokens=prompt, cached_tokens=cached))
+            self.waiting.pop(0)
+            self._start(request, need, started, failed)
+
+    def _start(
+        self, request: TokenizedRequest, need: int, started: list[Started], failed: list[Failed]
+    ) -> None:
+        rid = request.request_id
+        try:
+            cached = self.runner.start(request)
+        except Exception as exc:  # noqa: BLE001 - any runner error fails this request only
+            failed.append(self._failure(rid, "could not start", exc))
+            return
+        self.prefilling[rid] = request
+        self.reserved[rid] = need
+        self.reserved_bytes += need
+        prompt = len(request.prompt_tokens)
+        started.append(Started(request_id=rid, prompt_tokens=prompt, cached_tokens=cached))
+
+    def _estimate(self, request: TokenizedRequest) -> int:
+        if self.memory is None:
+            return 0
+        return self.memory.request_bytes(
+            len(request.prompt_tokens), request.sampling.max_tokens or 0
+        )
+
+    def _too_large(self, request: TokenizedRequest) -> Failed:
+        assert self.memory is not None
+        message = self.memory.too_large_message(
+            len(request.prompt_tokens), request.sampling.max_tokens or 0
+        )
+        return Failed(
+            request_id=request.request_id,
+            status=400,
+            kind="invalid_request_error",
+            code="request_too_large",
+            param="max_tokens",
+            message=message,
+        )
+
+    def _release(self, request_id: str) -> None:
+        self.reserved_bytes -= self.reserved.pop(request_id, 0)
+
+    # ---- prefill and decode ---------------------------------------------------------
 
     def _prefill(self, failed: list[Failed]) -> None:
         budget = self.prefill_chunk_tokens
@@ -74,21 +237,30 @@ class EngineCore:
                 left = self.runner.prefill(rid, budget)
             except Exception as exc:  # noqa: BLE001 - a prefill error fails this request only
                 self.prefilling.pop(rid)
+                self._release(rid)
                 self.runner.remove(rid)
                 failed.append(self._failure(rid, "prefill failed", exc))
                 continue
             budget -= max(before - left, 1)
             if left == 0:
-                self.decoding.add(self.prefilling.pop(rid).request_id)
+                self.decoding[rid] = self.prefilling.pop(rid)
 
     def _remaining(self, rid: str) -> int:
         return len(self.prefilling[rid].prompt_tokens) - 1
 
-    def _decode(self) -> list[TokenStep]:
+    def _decode(self, failed: list[Failed]) -> list[TokenStep]:
         if not self.decoding:
             return []
+        self._decode_steps += 1
+        self._batch_size = len(self.decoding)
+        self._batch_tokens += self._batch_size
+        try:
+            decoded = self.runner.decode()
+        except Exception as exc:  # noqa: BLE001 - a failed step fails its requests, not the daemon
+            self._fail_batch(exc, failed)
+            return []
         out = []
-        for d in self.runner.decode():
+        for d in decoded:
             if d.request_id not in self.decoding:
                 continue
             # The stop token itself (EOS) is not part of the completion.
@@ -97,10 +269,29 @@ class EngineCore:
                 TokenStep(request_id=d.request_id, tokens=tokens, finish_reason=d.finish_reason)
             )
             if d.finish_reason is not None:
-                self.decoding.discard(d.request_id)
+                del self.decoding[d.request_id]
+                self._release(d.request_id)
         return out
 
-    @staticmethod
-    def _failure(request_id: str, what: str, exc: Exception) -> Failed:
+    def _fail_batch(self, exc: Exception, failed: list[Failed]) -> None:
+        """Every request in the failed step gets the error; the runner drops its batch."""
+        self._failed_steps += 1
+        log.error("decode step failed for %d requests: %r", len(self.decoding), exc)
+        for rid in sorted(self.decoding):
+            failed.append(self._failure(rid, "decode step failed", exc))
+            self._release(rid)
+        self.decoding.clear()
+        self.runner.reset()
+
+    def _failure(self, request_id: str, what: str, exc: Exception) -> Failed:
         log.warning("request %s: %s: %r", request_id, what, exc)
+        if is_memory_error(exc):
+            return Failed(
+                request_id=request_id,
+                status=503,
+                kind="service_unavailable",
+                code="out_of_memory",
+                message=f"{what}: out of memory ({exc}); retry later",
+                retry_after=self.retry_after_s,
+            )
         return Failed(request_id=request_id, status=500, message=f"{what}: {exc}")

@@ -23,8 +23,9 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx.utils import tree_flatten
 from mlx_lm.generate import BatchGenerator
-from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
+from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.sample_utils import (
     apply_min_p,
     apply_top_k,
@@ -35,7 +36,9 @@ from mlx_lm.sample_utils import (
 from mlx_lm.utils import dequantize_model
 from mlx_lm.utils import load as mlx_lm_load
 
+from actors.engine import caches
 from actors.engine.caches import check_batchable, layer_kinds
+from actors.engine.memory import AttentionLayer, Layer, MemoryModel, StateLayer, kv_budget
 from actors.engine.prefix_cache import PrefixCache
 from actors.engine.types import Decoded, ModelInfo, model_kind
 from protocol.messages import SamplingParams, TokenizedRequest
@@ -134,17 +137,23 @@ class MlxRunner:
         cache = self._make_cache()
         check_batchable(cache, self._make_cache())
         log.info("per-layer caches: %s", layer_kinds(cache))
+        self._decode_model = decode_model or model
+        self._stop_tokens = [[t] for t in stop_tokens]
+        self._max_batch = max_batch
         self._stream = mx.new_stream(mx.default_device())
-        self.generator = BatchGenerator(
-            decode_model or model,
-            stop_tokens=[[t] for t in stop_tokens],
-            completion_batch_size=max_batch,
-            prefill_batch_size=max_batch,
-            stream=self._stream,
-        )
+        self.generator = self._new_generator()
         self._pending: dict[str, Pending] = {}
         self._uid_to_rid: dict[int, str] = {}
         self._rid_to_uid: dict[str, int] = {}
+
+    def _new_generator(self) -> BatchGenerator:
+        return BatchGenerator(
+            self._decode_model,
+            stop_tokens=self._stop_tokens,
+            completion_batch_size=self._max_batch,
+            prefill_batch_size=self._max_batch,
+            stream=self._stream,
+        )
 
     @property
     def decoding(self) -> int:
@@ -172,15 +181,19 @@ class MlxRunner:
         hit = self.prefix_cache.lookup(prompt, len(prompt) - 1) if self.prefix_cache else None
         if hit is None:
             return self._make_cache(), 0
-        cache = copy.deepcopy(hit.entry.snapshot)  # never share a snapshot with a request
-        trim_prompt_cache(cache, len(hit.entry.tokens) - hit.length)
+        # New cache objects over the same (immutable) buffers: never share a snapshot.
+        cache = copy.deepcopy(hit.entry.snapshot)
+        caches.trim(cache, len(hit.entry.tokens) - hit.length)
         return cache, hit.length
 
     def _remember(self, tokens: list[int] | tuple[int, ...], cache: list[Any]) -> None:
-        """Offer a snapshot nobody else holds to the prefix cache."""
+        """Offer a snapshot nobody else holds to the prefix cache, in buffers of its own."""
         if self.prefix_cache is not None and tokens and tokens not in self.prefix_cache:
-            nbytes = sum(c.nbytes for c in cache)
-            self.prefix_cache.insert(tokens, cache, nbytes, can_trim_prompt_cache(cache))
+            snapshot = caches.compact(cache)
+            mx.eval([c.state for c in snapshot])
+            self.prefix_cache.insert(
+                tokens, snapshot, caches.nbytes(snapshot), caches.can_trim(snapshot)
+            )
 
     def prefill(self, request_id: str, budget: int) -> int:
         """Prefill up to ``budget`` prompt tokens; return how many are left (0: decoding)."""
@@ -246,6 +259,85 @@ class MlxRunner:
         if self.prefix_cache is not None:
             self.prefix_cache.clear()
 
+    def reset(self) -> None:
+        """After a failed decode step: a fresh batch (the old one may be half-updated)."""
+        self.generator.close()
+        self.generator = self._new_generator()
+        self._uid_to_rid.clear()
+        self._rid_to_uid.clear()
+        mx.clear_cache()
+
+    def memory_stats(self) -> tuple[int, int]:
+        return mx.get_active_memory(), mx.get_peak_memory()
+
+    def _probe(self, cache: list[Any]) -> None:
+        self.model(mx.array([[0]]), cache=cache)
+
+    def probe_layers(self) -> tuple[Layer, ...]:
+        """Measure each layer's cache on a one-token forward pass: per-token KV or fixed state."""
+        cache = self._make_cache()
+        with mx.stream(self._stream):
+            self._probe(cache)
+            mx.eval([c.state for c in cache])
+        layers = tuple(_layer_of(c) for c in _leaf_caches(cache))
+        del cache
+        mx.clear_cache()
+        return layers
+
+
+def _leaf_caches(caches) -> list[Any]:
+    out = []
+    for c in caches:
+        out.extend(_leaf_caches(c.caches) if hasattr(c, "caches") else [c])
+    return out
+
+
+def _layer_of(cache: Any) -> Layer:
+    """A cache with keys grows per token (its third axis is the allocated length)."""
+    keys = getattr(cache, "keys", None)
+    if keys is None:
+        return StateLayer(state_bytes=int(cache.nbytes))
+    arrays = [a for _, a in tree_flatten((cache.keys, cache.values))]
+    per_token = sum(a.nbytes // a.shape[2] for a in arrays)
+    return AttentionLayer(bytes_per_token=int(per_token), window=getattr(cache, "max_size", None))
+
+
+def device_memory_bytes() -> int:
+    """Memory MLX may use: Metal's recommended working set, the GPU's memory, or system RAM."""
+    info = mx.device_info()
+    for key in ("max_recommended_working_set_size", "memory_size", "total_memory"):
+        if info.get(key):
+            return int(info[key])
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def memory_model(runner: MlxRunner, settings: Any) -> MemoryModel | None:
+    """Probe the model's caches, size the request budget, and set MLX's memory limit."""
+    if settings is None:
+        return None
+    device = device_memory_bytes()
+    weights = mx.get_active_memory()
+    budget = kv_budget(
+        device_bytes=device,
+        weights_bytes=weights,
+        fraction=settings.device_fraction,
+        headroom_bytes=settings.headroom_mb << 20,
+        explicit_bytes=settings.kv_budget_mb << 20,
+    )
+    if settings.set_mlx_limit:
+        mx.set_memory_limit(int(device * settings.device_fraction))
+    model = MemoryModel(layers=runner.probe_layers(), budget_bytes=budget)
+    log.info(
+        "memory: %.0f MiB device, %.0f MiB weights, %.0f MiB for requests "
+        "(%d KV bytes per token, %d bytes of fixed state per request)",
+        device / 2**20,
+        weights / 2**20,
+        budget / 2**20,
+        model.kv_bytes_per_token,
+        model.state_bytes,
+    )
+    return model
+
 
 def resolve_model_dir(path: str, cache_dir: Path, progress) -> tuple[str, Path]:
     """A model directory as given, or a GGUF file converted (and cached) into one."""
@@ -275,17 +367,10 @@ def dequantize_for_cpu(model: nn.Module, config: dict[str, Any], enabled: bool) 
     return model
 
 
-def memory_bytes() -> int:
-    """Device memory: unified/GPU memory where MLX reports it, else system RAM."""
-    info = mx.device_info() if hasattr(mx, "device_info") else {}
-    size = info.get("memory_size") or info.get("total_memory")
-    return int(size) if size else os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-
-
 def make_prefix_cache(settings: Any) -> PrefixCache | None:
     if settings is None or not settings.enabled:
         return None
-    budget = settings.max_bytes or int(memory_bytes() * settings.memory_fraction)
+    budget = settings.max_bytes or int(device_memory_bytes() * settings.memory_fraction)
     log.info("prefix cache: %.0f MiB budget, %d-token blocks", budget / 2**20, settings.block_size)
     return PrefixCache(block_size=settings.block_size, max_bytes=budget)
 
@@ -298,10 +383,13 @@ def load_runner(
     max_batch: int,
     kind: str = "auto",
     prefix_cache: Any = None,
+    memory: Any = None,
 ) -> tuple[MlxRunner, ModelInfo]:
     """Load the model for serving; call on the generation thread.
 
     The kind (text or vision) comes from the model's config unless ``kind`` names it.
+    ``memory`` (the ``[memory]`` settings) turns on the memory estimate and budget;
+    without it the engine has no memory gate.
     """
     model_id, model_dir = resolve_model_dir(path, cache_dir, log.info)
     config = json.loads((model_dir / "config.json").read_text())
@@ -310,9 +398,10 @@ def load_runner(
     if kind == "vision":
         from actors.engine.vlm_runner import load_vlm_runner
 
-        return load_vlm_runner(
+        runner, info = load_vlm_runner(
             model_id, model_dir, max_batch=max_batch, dequantize_on_cpu=dequantize_on_cpu
         )
+        return runner, dataclasses.replace(info, memory=memory_model(runner, memory))
     model, tokenizer, config = load_model(model_dir, dequantize_on_cpu=dequantize_on_cpu)
     info = ModelInfo(
         model_id=model_id,
@@ -324,4 +413,5 @@ def load_runner(
     )
     cache = make_prefix_cache(prefix_cache)
     runner = MlxRunner(model, sorted(tokenizer.eos_token_ids), max_batch, prefix_cache=cache)
-    return runner, dataclasses.replace(info, cache_stats=cache.stats if cache else None)
+    stats = cache.stats if cache else None
+    return runner, dataclasses.replace(info, cache_stats=stats, memory=memory_model(runner, memory))

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
+from actors.engine.memory import MemoryModel
 from protocol.messages import FinishReason, TokenizedRequest
 
 
@@ -26,6 +27,13 @@ class Runner(Protocol):
     def decode(self) -> list[Decoded]: ...
     def remove(self, request_id: str) -> None: ...
     def clear_cache(self) -> None: ...
+    def reset(self) -> None:
+        """Drop the decode batch after a failed step (its requests have been failed)."""
+
+    def memory_stats(self) -> tuple[int, int]:
+        """(active, peak) bytes of device memory, as the backend reports them."""
+        ...
+
     @property
     def decoding(self) -> int: ...
 
@@ -45,6 +53,7 @@ class ModelInfo:
     # A vision model's processor (chat template, image preprocessing, image-token
     # expansion); the tokenizer actor's worker threads use it. None for text models.
     processor: Any = None
+    memory: MemoryModel | None = None  # None: no memory gate (estimates unknown)
 
 
 KINDS = ("auto", "text", "vision")

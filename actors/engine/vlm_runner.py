@@ -111,6 +111,9 @@ class VlmRunner(MlxRunner):
             **prompt.kwargs,
         )
 
+    def _probe(self, cache: list[Any]) -> None:
+        self.model.language_model(mx.array([[0]]), cache=cache)
+
     def _batch_cache(self, pending: Pending) -> list[Any]:
         if not self.carries_deltas:
             return pending.cache

@@ -1,0 +1,97 @@
+"""API keys and CORS for the HTTP surface (pure helpers; ``app.py`` installs the hooks).
+
+Keys come from ``auth.api_keys`` and ``auth.api_key_file`` (one per line, ``#``
+comments). A client presents one as ``Authorization: Bearer KEY`` or
+``x-api-key: KEY``; both sides are hashed before ``hmac.compare_digest`` and
+every configured key is compared, so the time taken says nothing about any key.
+CORS is off unless ``server.cors_origins`` lists origins (``"*"``: any).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+
+_CORS_METHODS = "GET, POST, OPTIONS"
+_CORS_HEADERS = "Authorization, Content-Type, x-api-key"
+
+
+def _digest(key: str) -> bytes:
+    return hashlib.sha256(key.encode()).digest()
+
+
+def read_key_file(path: str) -> list[str]:
+    """Keys from a file; a file that cannot be read or holds no key is a start-up error."""
+    file = Path(path).expanduser()
+    try:
+        lines = file.read_text().splitlines()
+    except OSError as exc:
+        raise ValueError(f"auth.api_key_file: cannot read {file}: {exc.strerror}") from exc
+    keys = [line.strip() for line in lines if line.strip() and not line.lstrip().startswith("#")]
+    if not keys:
+        raise ValueError(f"auth.api_key_file: {file} holds no key")
+    return keys
+
+
+class ApiKeys:
+    """The accepted keys, as digests; empty means the API is open."""
+
+    def __init__(self, keys: Iterable[str]):
+        self._digests = tuple(_digest(k) for k in keys if k)
+
+    @classmethod
+    def from_settings(cls, auth) -> ApiKeys:
+        keys = list(auth.api_keys)
+        if auth.api_key_file:
+            keys += read_key_file(auth.api_key_file)
+        return cls(keys)
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self._digests)
+
+    def allows(self, headers: Mapping[str, str]) -> bool:
+        presented = presented_key(headers)
+        if presented is None:
+            return False
+        digest = _digest(presented)
+        ok = False
+        for accepted in self._digests:  # no early exit: every key is compared
+            ok |= hmac.compare_digest(digest, accepted)
+        return ok
+
+
+def presented_key(headers: Mapping[str, str]) -> str | None:
+    """The key in ``Authorization: Bearer KEY`` or else ``x-api-key: KEY``."""
+    auth = headers.get("Authorization", "")
+    scheme, _, token = auth.partition(" ")
+    if scheme.lower() == "bearer" and token.strip():
+        return token.strip()
+    return headers.get("x-api-key") or None
+
+
+class Cors:
+    """Which browser origins may call the API, and the headers that say so."""
+
+    def __init__(self, origins: Iterable[str]):
+        self.origins = frozenset(origins)
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.origins)
+
+    def allows(self, origin: str | None) -> bool:
+        return bool(origin) and ("*" in self.origins or origin in self.origins)
+
+    def headers(self, origin: str) -> dict[str, str]:
+        return {"Access-Control-Allow-Origin": origin, "Vary": "Origin"}
+
+    def preflight_headers(self, origin: str) -> dict[str, str]:
+        return {
+            **self.headers(origin),
+            "Access-Control-Allow-Methods": _CORS_METHODS,
+            "Access-Control-Allow-Headers": _CORS_HEADERS,
+            "Access-Control-Max-Age": "600",
+        }

@@ -1,0 +1,350 @@
+"""Observability: Prometheus metrics, the one-line request log, and ``/v1/status``.
+
+Nothing here runs on the hot path (the engine step and the SSE loop):
+
+- the engine publishes an ``EngineStats`` snapshot after each step (one
+  attribute write on the trio thread); gauges read it, the admission policy and
+  the open sessions only when ``/metrics`` is scraped;
+- each session keeps a ``RequestTrace`` (a few timestamps and counts) and hands
+  it here once, when it closes: histograms, counters and the log line are
+  written then.
+
+Every app gets its own ``CollectorRegistry`` (tests build many apps).
+Inter-token latency is each request's mean gap after its first token
+(``(last − first) / (tokens − 1)``): the mailboxes merge deltas, so single
+gaps are not seen above the detokenizer.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from protocol import status as wire
+from protocol.messages import Failed, Finished, MailboxEvent, Started, TextDelta
+
+if TYPE_CHECKING:
+    from daemon.pipeline import Pipeline
+    from daemon.settings import Settings
+
+request_log = logging.getLogger("mlxd.requests")
+
+# Failures that are admission decisions (the request never ran), by ``Failed.code``.
+REJECTIONS = frozenset({"queue_full", "queue_timeout", "request_too_large"})
+CLIENT_GONE = 499  # nginx's "client closed request": the client left before the end
+
+_LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160)
+_ITL = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
+_E2E = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160, 320, 640)
+
+
+@dataclass
+class RequestTrace:
+    """One request's timings (trio clock, seconds) and counts, filled in as events pass."""
+
+    request_id: str
+    start: float
+    started_at: float | None = None
+    first_token_at: float | None = None
+    last_token_at: float | None = None
+    end: float | None = None
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    completion_tokens: int = 0
+    finish_reason: str | None = None
+    status: int | None = None
+    code: str | None = None
+
+    def observe(self, batch: list[MailboxEvent], now: float) -> None:
+        for event in batch:
+            match event:
+                case Started(prompt_tokens=prompt, cached_tokens=cached):
+                    self.started_at, self.prompt_tokens, self.cached_tokens = now, prompt, cached
+                case TextDelta(tokens=tokens):
+                    self.first_token_at = self.first_token_at or now
+                    self.last_token_at = now
+                    self.completion_tokens += tokens
+                case Finished():
+                    self.finish_reason, self.status = event.finish_reason, 200
+                    self.completion_tokens = event.completion_tokens
+                case Failed():
+                    self.finish_reason, self.status, self.code = "error", event.status, event.code
+
+    def close(self, now: float) -> None:
+        self.end = now
+        if self.status is None:
+            self.status, self.finish_reason = CLIENT_GONE, "abort"
+
+    @property
+    def ttft(self) -> float | None:
+        return None if self.first_token_at is None else self.first_token_at - self.start
+
+    @property
+    def inter_token(self) -> float | None:
+        if self.first_token_at is None or self.last_token_at is None:
+            return None
+        if self.completion_tokens < 2:
+            return None
+        return (self.last_token_at - self.first_token_at) / (self.completion_tokens - 1)
+
+    def log_line(self) -> str:
+        def ms(value: float | None) -> str:
+            return "-" if value is None else f"{value * 1000:.1f}"
+
+        duration = None if self.end is None else self.end - self.start
+        return (
+            f"request id={self.request_id} status={self.status} "
+            f"prompt_tokens={self.prompt_tokens} cached_tokens={self.cached_tokens} "
+            f"generated_tokens={self.completion_tokens} ttft_ms={ms(self.ttft)} "
+            f"duration_ms={ms(duration)} finish_reason={self.finish_reason}"
+            + (f" code={self.code}" if self.code else "")
+        )
+
+
+class Telemetry:
+    """The metrics of one app, and what a closing session reports to them."""
+
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry(auto_describe=True)
+        self.requests = Counter(
+            "mlxd_requests", "Finished requests", ["status", "finish_reason"], registry=r
+        )
+        self.rejected = Counter(
+            "mlxd_requests_rejected", "Requests refused by admission", ["reason"], registry=r
+        )
+        self.failed = Counter(
+            "mlxd_requests_failed", "Requests that failed after admission", ["reason"], registry=r
+        )
+        self.http_errors = Counter(
+            "mlxd_http_errors",
+            "Errors answered before a request entered the pipeline",
+            ["status"],
+            registry=r,
+        )
+        self.prompt_tokens = Counter("mlxd_prompt_tokens", "Prompt tokens", registry=r)
+        self.cached_tokens = Counter(
+            "mlxd_cached_prompt_tokens", "Prompt tokens served from a prompt cache", registry=r
+        )
+        self.generation_tokens = Counter("mlxd_generation_tokens", "Generated tokens", registry=r)
+        self.ttft = Histogram(
+            "mlxd_time_to_first_token_seconds",
+            "Arrival to first text",
+            buckets=_LATENCY,
+            registry=r,
+        )
+        self.itl = Histogram(
+            "mlxd_inter_token_latency_seconds",
+            "Mean gap between a request's tokens",
+            buckets=_ITL,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            "mlxd_e2e_request_latency_seconds", "Arrival to last event", buckets=_E2E, registry=r
+        )
+        self.queue_time = Histogram(
+            "mlxd_queue_time_seconds",
+            "Arrival to the start of prefill",
+            buckets=_LATENCY,
+            registry=r,
+        )
+        self.prompt_total = self.cached_total = 0
+        self.started = time.monotonic()
+
+    def watch(self, pipeline: Pipeline) -> None:
+        """Read the pipeline's live state (gauges) whenever the registry is collected."""
+        self.registry.register(_LiveCollector(pipeline, self))
+
+    def request_done(self, trace: RequestTrace) -> None:
+        self.requests.labels(str(trace.status), trace.finish_reason or "").inc()
+        if trace.code in REJECTIONS:
+            self.rejected.labels(trace.code).inc()
+        elif trace.code:
+            self.failed.labels(trace.code).inc()
+        self.prompt_tokens.inc(trace.prompt_tokens)
+        self.cached_tokens.inc(trace.cached_tokens)
+        self.generation_tokens.inc(trace.completion_tokens)
+        self.prompt_total += trace.prompt_tokens
+        self.cached_total += trace.cached_tokens
+        self._observe_latencies(trace)
+        request_log.info(trace.log_line())
+
+    def _observe_latencies(self, trace: RequestTrace) -> None:
+        if trace.ttft is not None:
+            self.ttft.observe(trace.ttft)
+        if trace.inter_token is not None:
+            self.itl.observe(trace.inter_token)
+        if trace.started_at is not None:
+            self.queue_time.observe(trace.started_at - trace.start)
+        if trace.end is not None and trace.status == 200:
+            self.e2e.observe(trace.end - trace.start)
+
+    def http_error(self, status: int) -> None:
+        self.http_errors.labels(str(status)).inc()
+
+    @property
+    def hit_rate(self) -> float:
+        return self.cached_total / self.prompt_total if self.prompt_total else 0.0
+
+    def exposition(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+    return GaugeMetricFamily(name, doc, value=value)
+
+
+class _LiveCollector(Collector):
+    """Gauges (and engine counters) read from the live state at scrape time."""
+
+    def __init__(self, pipeline: Pipeline, telemetry: Telemetry):
+        self.pipeline, self.telemetry = pipeline, telemetry
+
+    def collect(self) -> Iterator[Metric]:
+        p, s = self.pipeline, self.pipeline.engine_stats
+        policy = p.policy
+        yield _gauge(
+            "mlxd_requests_running", "Requests past admission", len(policy.running) if policy else 0
+        )
+        yield _gauge(
+            "mlxd_requests_waiting",
+            "Requests in the admission queue",
+            len(policy.waiting) if policy else 0,
+        )
+        engine = GaugeMetricFamily(
+            "mlxd_engine_requests", "Requests in the engine", labels=["state"]
+        )
+        for state, n in (
+            ("waiting", s.waiting),
+            ("prefilling", s.prefilling),
+            ("decoding", s.decoding),
+        ):
+            engine.add_metric([state], n)
+        yield engine
+        yield _gauge("mlxd_batch_size", "Sequences in the last decode step", s.batch_size)
+        yield CounterMetricFamily("mlxd_decode_steps", "Decode steps", value=s.decode_steps)
+        yield CounterMetricFamily(
+            "mlxd_batch_tokens",
+            "Sum of decode batch sizes (÷ decode steps = mean batch)",
+            value=s.batch_tokens_total,
+        )
+        yield CounterMetricFamily(
+            "mlxd_failed_steps",
+            "Decode steps that failed (their requests failed)",
+            value=s.failed_steps,
+        )
+        yield _gauge("mlxd_memory_active_bytes", "Device memory in use (MLX)", s.memory_active)
+        yield _gauge("mlxd_memory_peak_bytes", "Peak device memory (MLX)", s.memory_peak)
+        yield _gauge(
+            "mlxd_kv_reserved_bytes", "Estimated KV/state of running sequences", s.kv_reserved
+        )
+        yield _gauge("mlxd_kv_budget_bytes", "Memory budget for KV/state (0: none)", s.kv_budget)
+        yield _gauge(
+            "mlxd_cache_hit_rate", "Cached ÷ prompt tokens, since start", self.telemetry.hit_rate
+        )
+        yield _gauge(
+            "mlxd_ready",
+            "1 when serving, 0 when loading or draining",
+            1 if p.state.value == "ready" else 0,
+        )
+
+
+# ---- /v1/status ---------------------------------------------------------------------------
+
+
+def status_snapshot(pipeline: Pipeline, settings: Settings, now: float) -> wire.Status:
+    """A snapshot of the server for ``/v1/status``; ``now`` on the sessions' (trio) clock."""
+    s, t = pipeline.engine_stats, pipeline.telemetry
+    running, waiting = [], []
+    queued = pipeline.policy.waiting if pipeline.policy else {}
+    for session in pipeline.sessions.values():
+        row = _request_row(session.trace, "queued" if session.request_id in queued else None, now)
+        (running if row.state == "running" else waiting).append(row)
+    memory = pipeline.info.memory if pipeline.info else None
+    return wire.Status(
+        state=pipeline.state.value,
+        uptime_s=round(time.monotonic() - t.started, 3),
+        model=_model(pipeline),
+        requests=wire.RequestsStatus(running=running, waiting=waiting),
+        admission=_admission(pipeline),
+        engine=s,
+        memory=wire.MemoryStatus(
+            active_bytes=s.memory_active,
+            peak_bytes=s.memory_peak,
+            kv_reserved_bytes=s.kv_reserved,
+            kv_budget_bytes=s.kv_budget,
+            kv_bytes_per_token=memory.kv_bytes_per_token if memory else 0,
+            state_bytes_per_request=memory.state_bytes if memory else 0,
+        ),
+        cache=_cache(t, pipeline.info.cache_stats if pipeline.info else None),
+        settings=settings_summary(settings),
+    )
+
+
+def _cache(t: Telemetry, prefix: Any) -> wire.CacheStatus:
+    counters = {}
+    if prefix is not None:
+        counters = {k: getattr(prefix, k) for k in ("hits", "misses", "evictions", "entries")}
+        counters |= {"bytes": prefix.bytes, "max_bytes": prefix.max_bytes, "enabled": True}
+    return wire.CacheStatus(
+        prompt_tokens=t.prompt_total, cached_tokens=t.cached_total, hit_rate=t.hit_rate, **counters
+    )
+
+
+def _request_row(trace: RequestTrace, state: str | None, now: float) -> wire.RequestStatus:
+    return wire.RequestStatus(
+        id=trace.request_id,
+        state=state or ("running" if trace.started_at is not None else "waiting"),
+        age_s=round(now - trace.start, 3),
+        prompt_tokens=trace.prompt_tokens,
+        cached_tokens=trace.cached_tokens,
+        generated_tokens=trace.completion_tokens,
+    )
+
+
+def _model(pipeline: Pipeline) -> wire.ModelStatus | None:
+    info = pipeline.info
+    if info is None:
+        return None
+    return wire.ModelStatus(
+        id=info.model_id, backend=info.backend, context_length=info.context_length
+    )
+
+
+def _admission(pipeline: Pipeline) -> wire.AdmissionStatus:
+    policy = pipeline.policy
+    if policy is None:
+        return wire.AdmissionStatus(
+            running=0, waiting=0, max_running=0, max_waiting=0, rejected=0, expired=0
+        )
+    return wire.AdmissionStatus(
+        running=len(policy.running),
+        waiting=len(policy.waiting),
+        max_running=policy.max_running,
+        max_waiting=policy.max_waiting,
+        rejected=policy.rejected,
+        expired=policy.expired,
+    )
+
+
+def settings_summary(settings: Settings) -> dict:
+    """The settings that shape serving (never the API keys)."""
+    a, e = settings.admission, settings.engine
+    return {
+        "admission": msgspec.to_builtins(a),
+        "engine": msgspec.to_builtins(e),
+        "memory": msgspec.to_builtins(settings.memory),
+        "server": {
+            "max_body_bytes": settings.server.max_body_bytes,
+            "cors_origins": settings.server.cors_origins,
+        },
+        "tokenizer": msgspec.to_builtins(settings.tokenizer),
+        "auth": {"enabled": bool(settings.auth.api_keys or settings.auth.api_key_file)},
+    }

@@ -1,0 +1,78 @@
+"""Wire structs of ``GET /v1/status``: what the server is doing right now, as JSON.
+
+Byte figures are bytes, ages and durations seconds. Nothing here imports trio or mlx.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from protocol.messages import EngineStats
+
+
+class RequestStatus(msgspec.Struct, kw_only=True):
+    """One in-flight request. ``state``: ``queued`` (admission queue), ``waiting``
+    (tokenizing, or waiting for memory in the engine) or ``running``."""
+
+    id: str
+    state: str
+    age_s: float
+    prompt_tokens: int
+    cached_tokens: int
+    generated_tokens: int
+
+
+class RequestsStatus(msgspec.Struct, kw_only=True):
+    running: list[RequestStatus]
+    waiting: list[RequestStatus]
+
+
+class AdmissionStatus(msgspec.Struct, kw_only=True):
+    running: int
+    waiting: int
+    max_running: int
+    max_waiting: int
+    rejected: int
+    expired: int
+
+
+class MemoryStatus(msgspec.Struct, kw_only=True):
+    active_bytes: int
+    peak_bytes: int
+    kv_reserved_bytes: int
+    kv_budget_bytes: int
+    kv_bytes_per_token: int
+    state_bytes_per_request: int
+
+
+class CacheStatus(msgspec.Struct, kw_only=True):
+    prompt_tokens: int
+    cached_tokens: int
+    hit_rate: float
+    enabled: bool = False  # the prefix cache's own counters follow
+    hits: int = 0
+    misses: int = 0
+    evictions: int = 0
+    entries: int = 0
+    bytes: int = 0
+    max_bytes: int = 0
+
+
+class ModelStatus(msgspec.Struct, kw_only=True):
+    id: str
+    backend: str
+    context_length: int
+
+
+class Status(msgspec.Struct, kw_only=True):
+    state: str
+    uptime_s: float
+    model: ModelStatus | None
+    requests: RequestsStatus
+    admission: AdmissionStatus
+    engine: EngineStats
+    memory: MemoryStatus
+    cache: CacheStatus
+    settings: dict[str, Any]

@@ -1,0 +1,95 @@
+"""Flood a running server: N concurrent streaming chat requests at once.
+
+Prints how many got a full answer (200), how many were refused (429 queue
+full, 503 queue timeout / overloaded) and anything else, whether ``/health``
+stayed 200 throughout, and TTFT p50/p99 of the admitted requests.
+
+    python -m scripts.flood --url http://127.0.0.1:8000 -n 200 --max-tokens 32
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from collections import Counter
+
+from scripts.bench import percentile, prompts
+
+
+async def _one(client, url: str, prompt: str, max_tokens: int) -> tuple[int, float | None, str]:
+    body = {
+        "messages": [{"role": "user", "content": prompt}],
+        "stream": True,
+        "temperature": 0,
+        "max_tokens": max_tokens,
+    }
+    t0, ttft, finish = time.perf_counter(), None, ""
+    async with client.stream("POST", f"{url}/v1/chat/completions", json=body) as r:
+        async for line in r.aiter_lines():
+            if not line.startswith("data: {"):
+                continue
+            event = json.loads(line[6:])
+            if "error" in event:
+                finish = "error"
+                continue
+            choice = (event.get("choices") or [{}])[0]
+            if ttft is None and (choice.get("delta") or {}).get("content"):
+                ttft = time.perf_counter() - t0
+            finish = choice.get("finish_reason") or finish
+        return r.status_code, ttft, finish
+
+
+async def flood(url: str, n: int, max_tokens: int) -> dict:
+    import httpx
+    import trio
+
+    results: list[tuple[int, float | None, str]] = []
+    health: list[int] = []
+    limits = httpx.Limits(max_connections=n + 8, max_keepalive_connections=n + 8)
+    async with httpx.AsyncClient(timeout=600, limits=limits) as client:
+
+        async def one(prompt: str) -> None:
+            results.append(await _one(client, url, prompt, max_tokens))
+
+        async def watch(done: trio.Event) -> None:
+            while not done.is_set():
+                health.append((await client.get(f"{url}/health")).status_code)
+                await trio.sleep(0.25)
+
+        done = trio.Event()
+        t0 = time.perf_counter()
+        async with trio.open_nursery() as outer:
+            outer.start_soon(watch, done)
+            async with trio.open_nursery() as nursery:
+                for prompt in prompts(n):
+                    nursery.start_soon(one, prompt)
+            done.set()
+        wall = time.perf_counter() - t0
+        health.append((await client.get(f"{url}/health")).status_code)
+    ttfts = [t for status, t, _ in results if status == 200 and t is not None]
+    return {
+        "requests": n,
+        "wall_s": round(wall, 2),
+        "status": dict(Counter(status for status, _, _ in results)),
+        "finish": dict(Counter(f for status, _, f in results if status == 200)),
+        "health": dict(Counter(health)),
+        "ttft_p50_ms": round(1000 * percentile(ttfts, 50)),
+        "ttft_p99_ms": round(1000 * percentile(ttfts, 99)),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    import trio
+
+    parser = argparse.ArgumentParser(prog="flood", description=__doc__.splitlines()[0])
+    parser.add_argument("--url", default="http://127.0.0.1:8000")
+    parser.add_argument("-n", type=int, default=200, help="concurrent requests")
+    parser.add_argument("--max-tokens", type=int, default=32)
+    args = parser.parse_args(argv)
+    print(json.dumps(trio.run(flood, args.url.rstrip("/"), args.n, args.max_tokens), indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,161 @@
+"""The engine core's memory gate, priority order, queue timeout and failed-step recovery,
+driven by hand with the fake runner and a hand-turned clock."""
+
+from __future__ import annotations
+
+import msgspec
+
+from actors.engine.core import EngineCore
+from protocol.messages import SamplingParams, TokenizedRequest
+from tests.fakes import FakeRunner, fake_memory
+
+
+def req(rid, prompt="abcdefghi", max_tokens=10, priority=0):
+    return TokenizedRequest(
+        request_id=rid,
+        prompt_tokens=tuple(ord(c) for c in prompt),
+        sampling=SamplingParams(max_tokens=max_tokens, temperature=0),
+        priority=priority,
+    )
+
+
+class Clock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self):
+        return self.now
+
+
+def core_with(budget=None, **kw):
+    runner = FakeRunner(step_delay=0)
+    memory = fake_memory(budget) if budget is not None else None
+    return runner, EngineCore(runner, max_batch=8, prefill_chunk_tokens=512, memory=memory, **kw)
+
+
+def run_until_idle(core, limit=1000):
+    steps = []
+    while not core.idle and len(steps) < limit:
+        steps.append(core.step())
+    return steps
+
+
+def started_ids(steps):
+    return [s.request_id for step in steps for s in step.started]
+
+
+def test_memory_gate_holds_requests_until_running_ones_free_their_share():
+    # each request: (9 prompt + 10 completion) × 1024 bytes; the budget fits two
+    runner, core = core_with(budget=2 * 19 * 1024)
+    for i in range(5):
+        core.submit(req(f"r{i}"))
+    first = core.step()
+    assert [s.request_id for s in first.started] == ["r0", "r1"]
+    assert core.reserved_bytes == 2 * 19 * 1024
+    steps = [first, *run_until_idle(core)]
+    assert started_ids(steps) == ["r0", "r1", "r2", "r3", "r4"]  # all ran, in order
+    assert max(runner.batch_sizes) == 2
+    assert core.reserved_bytes == 0 and not core.reserved
+
+
+def test_without_a_budget_the_batch_cap_alone_applies():
+    runner, core = core_with()
+    for i in range(5):
+        core.submit(req(f"r{i}"))
+    assert len(core.step().started) == 5
+
+
+def test_a_request_that_can_never_fit_is_a_400_with_numbers():
+    runner, core = core_with(budget=10 * 1024)
+    core.submit(req("big"))
+    (failed,) = core.step().failed
+    assert failed.status == 400 and failed.code == "request_too_large"
+    assert "MiB" in failed.message and "9 prompt + 10 completion" in failed.message
+    assert core.idle
+
+
+def test_priority_orders_the_engine_queue():
+    runner, core = core_with(budget=19 * 1024)  # one at a time
+    core.submit(req("low", priority=5))
+    core.submit(req("mid-a", priority=1))
+    core.submit(req("high", priority=0))
+    core.submit(req("mid-b", priority=1))
+    assert started_ids(run_until_idle(core)) == ["high", "mid-a", "mid-b", "low"]
+
+
+def test_waiting_for_memory_longer_than_the_queue_timeout_is_a_503():
+    clock = Clock()
+    runner, core = core_with(budget=19 * 1024, queue_timeout_s=5, clock=clock)
+    core.submit(req("running", max_tokens=10))
+    core.step()
+    core.submit(req("patient"))
+    clock.now = 4.9
+    assert not core.step().failed
+    clock.now = 5.1
+    (failed,) = core.step().failed
+    assert (failed.request_id, failed.status, failed.code) == ("patient", 503, "queue_timeout")
+    assert failed.retry_after
+    run_until_idle(core)
+    assert core.reserved_bytes == 0
+
+
+def test_abort_releases_the_reservation():
+    runner, core = core_with(budget=2 * 19 * 1024)
+    core.submit(req("a"))
+    core.submit(req("b"))
+    core.submit(req("c"))
+    core.step()
+    core.abort("a")
+    assert core.reserved_bytes == 19 * 1024
+    assert started_ids([core.step()]) == ["c"]
+    run_until_idle(core)
+    assert core.reserved_bytes == 0
+
+
+def test_an_allocation_failure_in_decode_fails_that_step_and_the_engine_goes_on():
+    runner, core = core_with(budget=10**9)
+    core.submit(req("ok1", "fine"))
+    core.submit(req("boom", "OOM here"))
+    steps = run_until_idle(core)
+    failed = {f.request_id: f for step in steps for f in step.failed}
+    assert set(failed) == {"ok1", "boom"}  # both were in the failing step
+    assert all(f.status == 503 and f.code == "out_of_memory" for f in failed.values())
+    assert "out of memory" in failed["boom"].message
+    assert runner.resets == 1 and core.reserved_bytes == 0
+    # the engine keeps serving
+    core.submit(req("after", "next"))
+    steps = run_until_idle(core)
+    tokens = [t for step in steps for t in step.tokens if t.request_id == "after"]
+    assert tokens[-1].finish_reason == "stop"
+    assert core.stats().failed_steps == 1
+
+
+def test_stats_report_the_batch_and_memory():
+    runner, core = core_with(budget=10**6)
+    core.submit(req("a"))
+    core.submit(req("b"))
+    core.step()
+    stats = core.stats()
+    assert stats.decoding == 2 and stats.batch_size == 2
+    assert stats.kv_reserved == 2 * 19 * 1024 and stats.kv_budget == 10**6
+    assert stats.memory_active > 0
+    run_until_idle(core)
+    idle = core.stats()
+    assert (idle.decoding, idle.kv_reserved, idle.memory_active) == (0, 0, 0)
+    assert idle.batch_tokens_total >= idle.decode_steps
+
+
+def test_a_request_past_its_deadline_leaves_the_batch_with_a_504():
+    clock = Clock()
+    runner, core = core_with(clock=clock)
+    core.submit(msgspec.structs.replace(req("late", "x" * 50, max_tokens=100), deadline=2.0))
+    core.submit(req("other", "y" * 50, max_tokens=100))
+    core.step()
+    clock.now = 1.9
+    assert not core.step().failed
+    clock.now = 2.0
+    (failed,) = core.step().failed
+    assert (failed.request_id, failed.status, failed.code) == ("late", 504, "request_timeout")
+    assert "late" in runner.removed and "late" not in runner.running
+    steps = run_until_idle(core)
+    assert not any(t.request_id == "late" for step in steps for t in step.tokens)
