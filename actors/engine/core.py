@@ -85,20 +85,25 @@ class EngineCore:
         return len(self.prefilling[rid].prompt_tokens) - 1
 
     def _decode(self) -> list[TokenStep]:
+        """One decode step; a runner may emit several tokens per request (speculation)."""
         if not self.decoding:
             return []
-        out = []
+        tokens: dict[str, list[int]] = {}
+        finished: dict[str, str] = {}
         for d in self.runner.decode():
             if d.request_id not in self.decoding:
                 continue
             # The stop token itself (EOS) is not part of the completion.
-            tokens = () if d.finish_reason == "stop" else (d.token,)
-            out.append(
-                TokenStep(request_id=d.request_id, tokens=tokens, finish_reason=d.finish_reason)
-            )
+            if d.finish_reason != "stop":
+                tokens.setdefault(d.request_id, []).append(d.token)
+            tokens.setdefault(d.request_id, [])
             if d.finish_reason is not None:
+                finished[d.request_id] = d.finish_reason
                 self.decoding.discard(d.request_id)
-        return out
+        return [
+            TokenStep(request_id=rid, tokens=tuple(t), finish_reason=finished.get(rid))
+            for rid, t in tokens.items()
+        ]
 
     @staticmethod
     def _failure(request_id: str, what: str, exc: Exception) -> Failed:
