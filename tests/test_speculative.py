@@ -141,3 +141,47 @@ async def test_default_model_drafting_for_itself_over_http(tmp_path_factory):
     assert plain_stats == {"enabled": False}
     assert stats["enabled"] and stats["steps"] > 0
     assert stats["acceptance_rate"] == 1.0
+
+
+@pytest.mark.mlx
+def test_rejection_sampling_follows_the_target_distribution():
+    """The first token out of ``accept_sampled`` is distributed as the target's ``p``."""
+    import mlx.core as mx
+
+    from actors.engine.speculative import accept_sampled
+
+    p = mx.array([[0.5, 0.3, 0.15, 0.05], [0.25, 0.25, 0.25, 0.25]])
+    q = mx.array([[0.1, 0.2, 0.3, 0.4]])  # a poor draft: mass where p has little
+    key = [mx.random.key(7)]
+
+    def next_key():
+        key[0], sub = mx.random.split(key[0])
+        return sub
+
+    n, counts = 3000, [0] * 4
+    for _ in range(n):
+        d = int(mx.random.categorical(mx.log(q[0]), key=next_key()).item())
+        accepted, token = accept_sampled(p, q, [d], next_key)
+        counts[d if accepted else token] += 1
+    freq = [c / n for c in counts]
+    assert all(abs(f - t) < 0.03 for f, t in zip(freq, p[0].tolist(), strict=True)), freq
+
+
+@pytest.mark.mlx
+def test_sampled_requests_with_the_target_as_draft(tiny_models):
+    """Temperature > 0: p == q, so every draft is accepted; a seed makes a request repeatable."""
+    from protocol.messages import SamplingParams, TokenizedRequest
+
+    _, runner, info = speculative(tiny_models("llama"), tiny_models("llama"))
+    sampling = SamplingParams(max_tokens=8, temperature=0.8, top_p=0.9, seed=3)
+    requests = [
+        TokenizedRequest(
+            request_id=f"s{i}", prompt_tokens=tuple(info.tokenizer.encode(p)), sampling=sampling
+        )
+        for i, p in enumerate(PROMPTS[:3])
+    ]
+    first, failed = drive(runner, {0: requests})
+    again, _ = drive(runner, {0: requests})
+    assert not failed and first == again
+    assert all(len(t) == 8 for t in first.values())
+    assert runner.spec_stats.acceptance_rate == 1.0
