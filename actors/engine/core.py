@@ -13,7 +13,7 @@ import logging
 from collections import OrderedDict, deque
 
 from actors.engine.types import Runner
-from protocol.messages import EngineStep, Failed, Started, TokenizedRequest, TokenStep
+from protocol.messages import EngineStep, Failed, FinishReason, Started, TokenizedRequest, TokenStep
 
 log = logging.getLogger("mlxd.engine")
 
@@ -89,7 +89,7 @@ class EngineCore:
         if not self.decoding:
             return []
         tokens: dict[str, list[int]] = {}
-        finished: dict[str, str] = {}
+        finished: dict[str, FinishReason] = {}
         for d in self.runner.decode():
             if d.request_id not in self.decoding:
                 continue

@@ -8,6 +8,7 @@ running request; above ``max_batch`` rows it decodes them one token a step.
 
 from __future__ import annotations
 
+import copy
 import logging
 from typing import Any
 
@@ -90,7 +91,7 @@ class SpeculativeRunner(MlxRunner):
     def _join_batch(self, pending: Pending) -> None:
         request = pending.request
         prompt = list(request.prompt_tokens)
-        self._remember(request.prompt_tokens[:-1], _copy(pending.cache))
+        self._remember(request.prompt_tokens[:-1], copy.deepcopy(pending.cache))
         with mx.stream(self._stream):
             self._draft_catch_up(request, len(prompt) - 1)
         draft_cache, _ = self._drafts.pop(request.request_id)
@@ -127,12 +128,6 @@ class SpeculativeRunner(MlxRunner):
         gone = self.batch.remove(request_id)
         if gone is not None:
             self._remember(gone.cache_tokens, gone.cache)
-
-
-def _copy(cache: list[Any]) -> list[Any]:
-    import copy
-
-    return copy.deepcopy(cache)
 
 
 def make_speculative_runner(
