@@ -403,6 +403,17 @@ def create_app(pipeline: Pipeline, settings: Settings) -> QuartTrio:
         body = {"enabled": stats is not None, **(dataclasses.asdict(stats) if stats else {})}
         return Response(msgspec.json.encode(body), content_type="application/json")
 
+    @app.get("/v1/speculative")
+    async def speculative_stats() -> Response:
+        ready()
+        stats = pipeline.info.spec_stats
+        body: dict = {"enabled": False}
+        if stats is not None:
+            body = dataclasses.asdict(stats)
+            body["enabled"] = not any(n.startswith("off:") for n in stats.notes)
+            body["acceptance_rate"] = stats.acceptance_rate
+        return Response(msgspec.json.encode(body), content_type="application/json")
+
     @app.delete("/v1/cache")
     async def cache_clear() -> Response:
         ready()

@@ -84,6 +84,13 @@ class PrefixCacheSettings(_Section):
     memory_fraction: float = 0.1
 
 
+class SpeculativeSettings(_Section):
+    enabled: bool = False
+    draft_model: str = ""
+    num_draft_tokens: Positive = 3
+    max_batch: Positive = 4
+
+
 class VisionSettings(_Section):
     max_images: int = 8
     max_image_bytes: Positive = 8_388_608
@@ -109,6 +116,7 @@ class Settings(_Section):
     tokenizer: TokenizerSettings = msgspec.field(default_factory=TokenizerSettings)
     engine: EngineSettings = msgspec.field(default_factory=EngineSettings)
     prefix_cache: PrefixCacheSettings = msgspec.field(default_factory=PrefixCacheSettings)
+    speculative: SpeculativeSettings = msgspec.field(default_factory=SpeculativeSettings)
     vision: VisionSettings = msgspec.field(default_factory=VisionSettings)
     streaming: StreamingSettings = msgspec.field(default_factory=StreamingSettings)
     logging: LoggingSettings = msgspec.field(default_factory=LoggingSettings)

@@ -52,6 +52,7 @@ def mlx_runner_factory(settings: Settings) -> RunnerFactory:
             dequantize_on_cpu=m.dequantize_on_cpu,
             max_batch=settings.engine.max_batch,
             prefix_cache=settings.prefix_cache,
+            speculative=settings.speculative,
             kind=m.kind,
             memory=settings.memory,
         )

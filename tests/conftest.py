@@ -132,6 +132,13 @@ def tiny_models(tmp_path_factory, smollm_tokenizer):
     builders = {
         "qwen3_5": lambda out: tm.build_text_model(tm.QWEN3_5, smollm_tokenizer, out),
         "baichuan_m1": lambda out: tm.build_text_model(tm.BAICHUAN_M1, smollm_tokenizer, out),
+        "llama": lambda out: tm.build_text_model(tm.LLAMA, smollm_tokenizer, out),
+        # the target plus noise: agrees with it on some tokens, not all
+        "llama_near": lambda out: tm.build_text_model(tm.LLAMA, smollm_tokenizer, out, noise=0.1),
+        "llama_draft": lambda out: tm.build_text_model(tm.LLAMA_DRAFT, smollm_tokenizer, out, 1),
+        "qwen3_5_near": lambda out: tm.build_text_model(
+            tm.QWEN3_5, smollm_tokenizer, out, noise=0.1
+        ),
         "qwen2_vl": lambda out: tm.build_vlm(tm.qwen2_vl_config(), smollm_tokenizer, out),
         "qwen3_5_vl": lambda out: tm.build_vlm(tm.qwen3_5_vl_config(), smollm_tokenizer, out),
     }

@@ -64,20 +64,48 @@ BAICHUAN_M1 = {
 }
 
 
+# Attention-only targets and drafts for speculative decoding (same vocabulary).
+LLAMA = {
+    "model_type": "llama",
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 10000.0,
+    "vocab_size": VOCAB,
+    "max_position_embeddings": 4096,
+    "tie_word_embeddings": False,
+}
+LLAMA_DRAFT = {**LLAMA, "num_hidden_layers": 1}
+
+
 def copy_tokenizer(tokenizer_dir: Path, out: Path) -> None:
     for name in _TOKENIZER_FILES:
         if (tokenizer_dir / name).exists():
             shutil.copy(tokenizer_dir / name, out / name)
 
 
-def build_text_model(config: dict[str, Any], tokenizer_dir: Path, out: Path, seed: int = 0) -> Path:
-    """An mlx-lm model directory with random weights for ``config``."""
+def build_text_model(
+    config: dict[str, Any], tokenizer_dir: Path, out: Path, seed: int = 0, noise: float = 0.0
+) -> Path:
+    """An mlx-lm model directory with random weights for ``config``.
+
+    ``noise`` > 0 adds that much relative Gaussian noise to every weight: with the
+    same config and seed, a draft that agrees with its target only some of the time.
+    """
     import mlx.core as mx
-    from mlx.utils import tree_flatten
+    from mlx.utils import tree_flatten, tree_map
 
     module = importlib.import_module(f"mlx_lm.models.{config['model_type']}")
     mx.random.seed(seed)
     model = module.Model(module.ModelArgs.from_dict(dict(config)))
+    if noise:
+        mx.random.seed(seed + 1)
+        model.update(
+            tree_map(lambda w: w * (1 + noise * mx.random.normal(w.shape)), model.parameters())
+        )
     mx.eval(model.parameters())
     out.mkdir(parents=True, exist_ok=True)
     mx.save_safetensors(str(out / "model.safetensors"), dict(tree_flatten(model.parameters())))

@@ -33,6 +33,7 @@ from protocol.messages import (
     EngineStats,
     EngineStep,
     Failed,
+    FinishReason,
     Started,
     TokenizedRequest,
     TokenStep,
@@ -249,6 +250,7 @@ class EngineCore:
         return len(self.prefilling[rid].prompt_tokens) - 1
 
     def _decode(self, failed: list[Failed]) -> list[TokenStep]:
+        """One decode step; a runner may emit several tokens per request (speculation)."""
         if not self.decoding:
             return []
         self._decode_steps += 1
@@ -259,19 +261,22 @@ class EngineCore:
         except Exception as exc:  # noqa: BLE001 - a failed step fails its requests, not the daemon
             self._fail_batch(exc, failed)
             return []
-        out = []
+        tokens: dict[str, list[int]] = {}
+        finished: dict[str, FinishReason] = {}
         for d in decoded:
             if d.request_id not in self.decoding:
                 continue
-            # The stop token itself (EOS) is not part of the completion.
-            tokens = () if d.finish_reason == "stop" else (d.token,)
-            out.append(
-                TokenStep(request_id=d.request_id, tokens=tokens, finish_reason=d.finish_reason)
-            )
+            tokens.setdefault(d.request_id, [])
+            if d.finish_reason != "stop":  # the stop token (EOS) is not part of the completion
+                tokens[d.request_id].append(d.token)
             if d.finish_reason is not None:
+                finished[d.request_id] = d.finish_reason
                 del self.decoding[d.request_id]
                 self._release(d.request_id)
-        return out
+        return [
+            TokenStep(request_id=rid, tokens=tuple(t), finish_reason=finished.get(rid))
+            for rid, t in tokens.items()
+        ]
 
     def _fail_batch(self, exc: Exception, failed: list[Failed]) -> None:
         """Every request in the failed step gets the error; the runner drops its batch."""

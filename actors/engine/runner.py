@@ -375,6 +375,23 @@ def make_prefix_cache(settings: Any) -> PrefixCache | None:
     return PrefixCache(block_size=settings.block_size, max_bytes=budget)
 
 
+def _off(reason: str) -> Any:
+    from actors.engine.speculative import SpecStats
+
+    return SpecStats(notes=[f"off: {reason}"])
+
+
+def load_draft(
+    path: str, cache_dir: Path, model: nn.Module, model_id: str, dequantize_on_cpu: bool
+) -> tuple[nn.Module, str]:
+    """The draft model and its name; "" means the served model drafts for itself."""
+    if not path:
+        return model, f"{model_id} (self)"
+    draft_id, draft_dir = resolve_model_dir(path, cache_dir, log.info)
+    log.info("loading draft model %s from %s", draft_id, draft_dir)
+    return load_model(draft_dir, dequantize_on_cpu=dequantize_on_cpu)[0], draft_id
+
+
 def load_runner(
     path: str,
     cache_dir: Path,
@@ -384,6 +401,7 @@ def load_runner(
     kind: str = "auto",
     prefix_cache: Any = None,
     memory: Any = None,
+    speculative: Any = None,
 ) -> tuple[MlxRunner, ModelInfo]:
     """Load the model for serving; call on the generation thread.
 
@@ -401,7 +419,11 @@ def load_runner(
         runner, info = load_vlm_runner(
             model_id, model_dir, max_batch=max_batch, dequantize_on_cpu=dequantize_on_cpu
         )
-        return runner, dataclasses.replace(info, memory=memory_model(runner, memory))
+        info = dataclasses.replace(info, memory=memory_model(runner, memory))
+        if speculative is not None and speculative.enabled:
+            log.warning("speculative decoding is not implemented for vision models: off")
+            info = dataclasses.replace(info, spec_stats=_off("vision models decode without it"))
+        return runner, info
     model, tokenizer, config = load_model(model_dir, dequantize_on_cpu=dequantize_on_cpu)
     info = ModelInfo(
         model_id=model_id,
@@ -412,6 +434,22 @@ def load_runner(
         backend=backend(),
     )
     cache = make_prefix_cache(prefix_cache)
-    runner = MlxRunner(model, sorted(tokenizer.eos_token_ids), max_batch, prefix_cache=cache)
-    stats = cache.stats if cache else None
-    return runner, dataclasses.replace(info, cache_stats=stats, memory=memory_model(runner, memory))
+    stops = sorted(tokenizer.eos_token_ids)
+    runner: MlxRunner
+    if speculative is not None and speculative.enabled:
+        from actors.engine.spec_runner import make_speculative_runner
+
+        draft, drafter = load_draft(
+            speculative.draft_model, cache_dir, model, model_id, dequantize_on_cpu
+        )
+        runner = make_speculative_runner(
+            model, draft, stops, max_batch, speculative, cache, drafter
+        )
+    else:
+        runner = MlxRunner(model, stops, max_batch, prefix_cache=cache)
+    return runner, dataclasses.replace(
+        info,
+        cache_stats=cache.stats if cache else None,
+        spec_stats=getattr(runner, "spec_stats", None),
+        memory=memory_model(runner, memory),
+    )

@@ -49,6 +49,7 @@ class ModelInfo:
     tokenizer: Any  # HF tokenizer (wrapped by mlx-lm); thread-safe for encode/decode
     backend: str
     cache_stats: Any = None  # the prefix cache's live CacheStats, read-only outside the engine
+    spec_stats: Any = None  # speculative decoding's live SpecStats (None: not enabled)
     kind: str = "text"  # "text" or "vision"
     # A vision model's processor (chat template, image preprocessing, image-token
     # expansion); the tokenizer actor's worker threads use it. None for text models.

@@ -1,0 +1,417 @@
+"""Speculative decoding inside the continuous batch (mlx-lm's ``BatchGenerator`` has none).
+
+``SpeculativeBatch`` owns a decode batch built only from the cache classes'
+public batching API (``merge`` / ``extend`` / ``filter`` / ``extract`` /
+``prepare`` / ``finalize`` / ``trim``). Each step:
+
+1. the draft model proposes ``k`` tokens for every row (batched, autoregressive);
+2. one target forward pass verifies all rows: row ``i`` is fed ``[last, d1..dk]``;
+3. each row accepts its own prefix: greedy rows while the draft equals the
+   target's argmax, sampled rows by standard rejection sampling (accept ``d``
+   with probability ``min(1, p/q)``, else draw from ``norm(max(p - q, 0))``),
+   then one bonus token from the target;
+4. caches are rewound per row. Attention caches (``BatchKVCache``) keep rows
+   right-aligned, so a row's rejected tail is turned into left padding the way
+   mlx-lm finalizes right-padded prompts (``prepare(right_padding=...)`` +
+   ``finalize()``): the common part is trimmed, the rest rolled out and masked.
+   Layers that cannot be trimmed (SSM / GatedDeltaNet ``ArraysCache`` state)
+   are snapshotted before the verify pass; when any row rejected a draft, every
+   row's SSM state is restored, the attention layers drop the verify tokens,
+   and the accepted tokens are fed again (right-padded, per-row lengths).
+
+Greedy output equals plain decoding token for token; sampled output follows the
+target distribution. Above ``max_batch`` rows speculation is off for the step
+(plain one-token decode in the same batch); the draft cache catches up on the
+tokens it missed the next time speculation is on.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import mlx.core as mx
+from mlx_lm.models.cache import ArraysCache, CacheList
+from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
+
+from protocol.messages import SamplingParams
+
+
+class UnsupportedForSpeculation(ValueError):
+    """A cache layout that speculative decoding cannot rewind (e.g. a rotating window)."""
+
+
+@dataclass
+class SpecStats:
+    """Acceptance counters of one drafter; read by ``GET /v1/speculative``."""
+
+    drafter: str = ""
+    num_draft_tokens: int = 0
+    max_batch: int = 0
+    steps: int = 0  # speculative steps (one verify pass each)
+    plain_steps: int = 0  # steps decoded without drafts (batch above max_batch)
+    drafted: int = 0  # draft tokens proposed, summed over rows
+    accepted: int = 0  # of them, accepted
+    emitted: int = 0  # tokens emitted by speculative steps (accepted + bonus)
+    notes: list[str] = field(default_factory=list)  # what speculation does not cover
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+
+@dataclass
+class SpecRow:
+    """One sequence in the speculative batch."""
+
+    request_id: str
+    tokens: list[int]  # prompt + emitted; tokens[-1] is not in the target cache yet
+    max_tokens: int
+    params: SamplingParams
+    processors: list = field(default_factory=list)
+    key: mx.array | None = None  # a seeded request's own PRNG key
+    draft_pending: list[int] = field(default_factory=list)  # tokens the draft cache lacks
+    generated: int = 0
+
+    def next_key(self) -> mx.array | None:
+        if self.key is None:
+            return None
+        self.key, sub = mx.random.split(self.key)
+        return sub
+
+
+@dataclass(frozen=True)
+class Emitted:
+    """A row's tokens from one step; ``cache``/``tokens`` set when it finished."""
+
+    request_id: str
+    tokens: tuple[int, ...]
+    finish_reason: str | None
+    cache: list[Any] | None = None
+    cache_tokens: list[int] | None = None
+
+
+# ---- sampling -------------------------------------------------------------------------
+
+
+def scaled_logits(logprobs: mx.array, params: SamplingParams) -> mx.array:
+    """The sampler's distribution (as logits) for a sampled request: filters, temperature."""
+    if 0.0 < params.top_p < 1.0:
+        logprobs = apply_top_p(logprobs, params.top_p)
+    if params.min_p > 0.0:
+        logprobs = apply_min_p(logprobs, params.min_p)
+    if params.top_k > 0:
+        logprobs = apply_top_k(logprobs, params.top_k)
+    return logprobs * (1.0 / params.temperature)
+
+
+def sample(logits: mx.array, key: mx.array | None) -> int:
+    return int(mx.random.categorical(logits, key=key).item())
+
+
+def accept_sampled(
+    p: mx.array,
+    q: mx.array,
+    drafts: Sequence[int],
+    next_key: Callable[[], mx.array | None],
+) -> tuple[int, int]:
+    """Standard speculative sampling for one row: (drafts accepted, next token).
+
+    ``p`` is the target's ``[k+1, V]`` probabilities, ``q`` the draft's ``[k, V]``
+    from which ``drafts`` were drawn.
+    """
+    for j, d in enumerate(drafts):
+        u = mx.random.uniform(key=next_key()).item()
+        if u * q[j, d].item() < p[j, d].item():  # u < p/q without dividing by q
+            continue
+        residual = mx.maximum(p[j] - q[j], 0.0)
+        if residual.sum().item() <= 0.0:  # p == q up to rounding: nothing to correct
+            residual = p[j]
+        return j, sample(mx.log(residual), next_key())
+    return len(drafts), sample(mx.log(p[len(drafts)]), next_key())
+
+
+# ---- caches ---------------------------------------------------------------------------
+
+
+def _leaves(cache: Sequence[Any]) -> list[Any]:
+    out = []
+    for c in cache:
+        out.extend(_leaves(c.caches) if isinstance(c, CacheList) else [c])
+    return out
+
+
+def check_rewindable(cache: Sequence[Any]) -> None:
+    """Every layer must be trimmable attention state or an SSM ``ArraysCache``."""
+    for c in _leaves(cache):
+        if isinstance(c, ArraysCache):
+            continue
+        if type(c).__name__ != "KVCache":
+            raise UnsupportedForSpeculation(f"cannot rewind a {type(c).__name__} layer")
+
+
+def feed(model: Any, cache: list[Any], rows: Sequence[Sequence[int]]) -> mx.array:
+    """One forward pass over rows of different lengths (right-padded); ``[B, L, V]``."""
+    lengths = [len(r) for r in rows]
+    width = max(lengths)
+    padding = [width - n for n in lengths]
+    if max(padding) == 0:
+        return model(mx.array(rows), cache=cache)
+    for c in cache:
+        c.prepare(lengths=lengths, right_padding=padding)
+    logits = model(
+        mx.array([list(r) + [0] * p for r, p in zip(rows, padding, strict=True)]), cache=cache
+    )
+    for c in cache:
+        c.finalize()
+    return logits
+
+
+def drop_last(cache: Sequence[Any], drop: Sequence[int]) -> None:
+    """Remove the last ``drop[i]`` tokens of row ``i`` from trimmable batch caches."""
+    common = min(drop)
+    rest = [d - common for d in drop]
+    for c in cache:
+        if common:
+            c.trim(common)
+        if max(rest) > 0:
+            c.prepare(right_padding=rest)
+            c.finalize()
+
+
+def snapshot(cache: Sequence[Any]) -> list[tuple]:
+    """The SSM layers' state (arrays are immutable: copying the lists is enough)."""
+    return [(list(c.cache), c.left_padding, c.lengths) for c in _leaves(cache) if _is_ssm(c)]
+
+
+def _is_ssm(c: Any) -> bool:
+    return isinstance(c, ArraysCache)
+
+
+def restore(cache: Sequence[Any], saved: list[tuple]) -> None:
+    for c, (arrays, left, lengths) in zip(
+        [c for c in _leaves(cache) if _is_ssm(c)], saved, strict=True
+    ):
+        c.cache, c.left_padding, c.lengths = list(arrays), left, lengths
+
+
+def rewind(
+    model: Any,
+    cache: list[Any],
+    fed: Sequence[Sequence[int]],
+    keep: Sequence[int],
+    saved: list[tuple] | None,
+) -> None:
+    """Row ``i`` was fed the tokens ``fed[i]`` since ``saved``: keep its first ``keep[i]``.
+
+    Attention-only caches roll the rejected tails out. With SSM layers (``saved``
+    holds their state from before the feed), every row's attention drops all it was
+    fed, SSM state is restored, and the kept tokens (at least one per row) are fed again.
+    """
+    drop = [len(f) - k for f, k in zip(fed, keep, strict=True)]
+    if max(drop) == 0:
+        return
+    if saved is None:
+        drop_last(cache, drop)
+        return
+    drop_last([c for c in _leaves(cache) if not _is_ssm(c)], [len(f) for f in fed])
+    restore(cache, saved)
+    feed(model, cache, [list(f[:k]) for f, k in zip(fed, keep, strict=True)])
+
+
+def merge_caches(caches: Sequence[Sequence[Any]]) -> list[Any]:
+    return [caches[0][i].merge([c[i] for c in caches]) for i in range(len(caches[0]))]
+
+
+# ---- the batch ------------------------------------------------------------------------
+
+
+class SpeculativeBatch:
+    """Rows decoding together; each ``step()`` drafts, verifies once, accepts, rewinds."""
+
+    def __init__(
+        self,
+        model: Any,
+        draft: Any,
+        *,
+        num_draft: int,
+        max_batch: int,
+        stop_tokens: Sequence[int],
+        stats: SpecStats,
+    ):
+        self.model, self.draft = model, draft
+        self.k, self.max_batch = num_draft, max_batch
+        self.stop = set(stop_tokens)
+        self.stats = stats
+        self.rows: list[SpecRow] = []
+        self.cache: list[Any] = []
+        self.draft_cache: list[Any] = []
+        self._ssm = (False, False)  # target, draft
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(c.nbytes for c in self.cache) + sum(c.nbytes for c in self.draft_cache)
+
+    def add(self, row: SpecRow, cache: list[Any], draft_cache: list[Any]) -> None:
+        """Join a prefilled row: ``cache`` holds ``row.tokens[:-1]``, the draft's too."""
+        new, new_draft = merge_caches([cache]), merge_caches([draft_cache])
+        if not self.rows:
+            self.cache, self.draft_cache = new, new_draft
+            self._ssm = (bool(snapshot(new)), bool(snapshot(new_draft)))
+        else:
+            for mine, other in zip(self.cache + self.draft_cache, new + new_draft, strict=True):
+                mine.extend(other)
+        self.rows.append(row)
+
+    def remove(self, request_id: str) -> Emitted | None:
+        """Take a row out; its cache (and the tokens in it) come back."""
+        for i, row in enumerate(self.rows):
+            if row.request_id == request_id:
+                done = self._finished(i, (), "abort")
+                self._filter([j for j in range(len(self.rows)) if j != i])
+                return done
+        return None
+
+    def step(self) -> list[Emitted]:
+        if not self.rows:
+            return []
+        k = self.k if len(self.rows) <= self.max_batch else 0
+        pending = [r.draft_pending for r in self.rows]
+        saved_draft = snapshot(self.draft_cache) if k and self._ssm[1] else None
+        drafts, q = self._propose(k) if k else ([[] for _ in self.rows], None)
+        fed = [[r.tokens[-1], *d] for r, d in zip(self.rows, drafts, strict=True)]
+        saved = snapshot(self.cache) if k and self._ssm[0] else None
+        logits = self._process(self.model(mx.array(fed), cache=self.cache), fed)
+        accepted, bonus = self._accept(logits, drafts, q)
+        rewind(self.model, self.cache, fed, [a + 1 for a in accepted], saved)
+        if k:  # the draft was fed its pending tokens and d1..d(k-1)
+            fed_draft = [p + d[:-1] for p, d in zip(pending, drafts, strict=True)]
+            keep = [len(p) + min(a, k - 1) for p, a in zip(pending, accepted, strict=True)]
+            rewind(self.draft, self.draft_cache, fed_draft, keep, saved_draft)
+        mx.eval([c.state for c in self.cache + self.draft_cache])
+        self._count(k, accepted)
+        return self._emit(drafts, accepted, bonus, k)
+
+    # -- drafting and acceptance
+
+    def _propose(self, k: int) -> tuple[list[list[int]], list[list[mx.array]]]:
+        """Draft ``k`` tokens per row; ``q[i]`` holds a sampled row's draft distributions."""
+        pending = [r.draft_pending for r in self.rows]
+        logits = feed(self.draft, self.draft_cache, pending)
+        logits = logits[mx.arange(len(pending)), mx.array([len(p) - 1 for p in pending])]
+        q: list[list[mx.array]] = [[] for _ in self.rows]
+        steps = []
+        for j in range(k):
+            if j:
+                logits = self.draft(steps[-1][:, None], cache=self.draft_cache)[:, -1]
+            steps.append(self._draft_tokens(logits, q))
+        return mx.stack(steps, axis=1).tolist(), q
+
+    def _draft_tokens(self, logits: mx.array, q: list[list[mx.array]]) -> mx.array:
+        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        if all(r.params.greedy for r in self.rows):
+            return mx.argmax(logprobs, axis=-1)
+        out = []
+        for i, r in enumerate(self.rows):
+            if r.params.greedy:
+                out.append(mx.argmax(logprobs[i : i + 1], axis=-1))
+                continue
+            scaled = scaled_logits(logprobs[i : i + 1], r.params)
+            q[i].append(mx.softmax(scaled, axis=-1)[0])
+            out.append(mx.random.categorical(scaled, key=r.next_key()))
+        return mx.concatenate(out)
+
+    def _process(self, logits: mx.array, fed: list[list[int]]) -> mx.array:
+        """Logits processors (penalties, bias) per position, each with its own context."""
+        if not any(r.processors for r in self.rows):
+            return logits
+        rows = []
+        for i, r in enumerate(self.rows):
+            if not r.processors:
+                rows.append(logits[i])
+                continue
+            positions = []
+            for j in range(logits.shape[1]):
+                context = mx.array(r.tokens + fed[i][1 : j + 1])
+                x = logits[i, j : j + 1]
+                for processor in r.processors:
+                    x = processor(context, x)
+                positions.append(x)
+            rows.append(mx.concatenate(positions, axis=0))
+        return mx.stack(rows)
+
+    def _accept(self, logits, drafts, q) -> tuple[list[int], list[int]]:
+        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        argmax = mx.argmax(logprobs, axis=-1).tolist()
+        accepted, bonus = [], []
+        for i, r in enumerate(self.rows):
+            if r.params.greedy:
+                a = 0
+                while a < len(drafts[i]) and drafts[i][a] == argmax[i][a]:
+                    a += 1
+                accepted.append(a)
+                bonus.append(argmax[i][a])
+                continue
+            p = mx.softmax(scaled_logits(logprobs[i], r.params), axis=-1)
+            qi = mx.stack(q[i]) if drafts[i] else None
+            a, t = accept_sampled(p, qi, drafts[i], r.next_key)
+            accepted.append(a)
+            bonus.append(t)
+        return accepted, bonus
+
+    # -- bookkeeping
+
+    def _count(self, k: int, accepted: list[int]) -> None:
+        if k == 0:
+            self.stats.plain_steps += 1
+            return
+        self.stats.steps += 1
+        self.stats.drafted += k * len(accepted)
+        self.stats.accepted += sum(accepted)
+        self.stats.emitted += sum(accepted) + len(accepted)
+
+    def _emit(self, drafts, accepted, bonus, k: int) -> list[Emitted]:
+        out, keep = [], []
+        for i, r in enumerate(self.rows):
+            new = drafts[i][: accepted[i]] + [bonus[i]]
+            if k == 0:
+                r.draft_pending.append(bonus[i])
+            else:
+                r.draft_pending = [drafts[i][-1], bonus[i]] if accepted[i] == k else [bonus[i]]
+            r.tokens.extend(new)
+            shown, reason = self._shown(r, new)
+            if reason is None:
+                keep.append(i)
+                out.append(Emitted(r.request_id, shown, None))
+            else:
+                out.append(self._finished(i, shown, reason))
+        if len(keep) < len(self.rows):
+            self._filter(keep)
+        return out
+
+    def _shown(self, row: SpecRow, new: list[int]) -> tuple[tuple[int, ...], str | None]:
+        """The new tokens up to a stop token or the length limit."""
+        for n, t in enumerate(new, 1):
+            row.generated += 1
+            if t in self.stop:
+                return tuple(new[:n]), "stop"
+            if row.generated >= row.max_tokens:
+                return tuple(new[:n]), "length"
+        return tuple(new), None
+
+    def _finished(self, i: int, shown: tuple[int, ...], reason: str) -> Emitted:
+        row = self.rows[i]
+        cache = [c.extract(i) for c in self.cache]
+        return Emitted(row.request_id, shown, reason, cache, row.tokens[:-1])
+
+    def _filter(self, keep: list[int]) -> None:
+        self.rows = [self.rows[i] for i in keep]
+        if not keep:
+            self.cache, self.draft_cache = [], []
+            return
+        for c in self.cache + self.draft_cache:
+            c.filter(keep)
