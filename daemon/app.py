@@ -163,6 +163,8 @@ class Validator:
             logit_bias=self._logit_bias(w.logit_bias),
             seed=w.seed,
             stop=self._stops(w.stop),
+            speculative=w.speculative is not False,
+            spec_prefill=w.spec_prefill,
         )
 
     def _refuse_unsupported(self, w: wire._SamplingFields) -> None:
@@ -410,7 +412,7 @@ def create_app(pipeline: Pipeline, settings: Settings) -> QuartTrio:
         body: dict = {"enabled": False}
         if stats is not None:
             body = dataclasses.asdict(stats)
-            body["enabled"] = not any(n.startswith("off:") for n in stats.notes)
+            body["enabled"] = stats.enabled
             body["acceptance_rate"] = stats.acceptance_rate
         return Response(msgspec.json.encode(body), content_type="application/json")
 

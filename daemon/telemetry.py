@@ -249,11 +249,58 @@ class _LiveCollector(Collector):
         yield _gauge(
             "mlxd_cache_hit_rate", "Cached ÷ prompt tokens, since start", self.telemetry.hit_rate
         )
+        yield from _spec_metrics(p.info.spec_stats if p.info else None)
         yield _gauge(
             "mlxd_ready",
             "1 when serving, 0 when loading or draining",
             1 if p.state.value == "ready" else 0,
         )
+
+
+def _spec_metrics(stats: Any) -> Iterator[Metric]:
+    """Per-drafter speculation counters (nothing when speculation is not configured)."""
+    if stats is None:
+        return
+    label = [stats.drafter or "none"]
+    for name, doc, value in (
+        ("mlxd_spec_drafted_tokens", "Draft tokens proposed", stats.drafted),
+        ("mlxd_spec_accepted_tokens", "Draft tokens the target accepted", stats.accepted),
+        ("mlxd_spec_steps", "Speculative (verify) decode steps", stats.steps),
+        (
+            "mlxd_spec_plain_steps",
+            "Decode steps without drafts (batch too large)",
+            stats.plain_steps,
+        ),
+    ):
+        family = CounterMetricFamily(name, doc, labels=["drafter"])
+        family.add_metric(label, value)
+        yield family
+    rate = GaugeMetricFamily(
+        "mlxd_spec_acceptance_rate", "Accepted ÷ drafted tokens, since start", labels=["drafter"]
+    )
+    rate.add_metric(label, stats.acceptance_rate)
+    yield rate
+
+
+def spec_status(stats: Any) -> list[wire.SpeculativeStatus]:
+    """``SpecStats`` (read off the engine thread: plain ints) as ``/v1/status`` rows."""
+    if stats is None:
+        return []
+    return [
+        wire.SpeculativeStatus(
+            drafter=stats.drafter,
+            enabled=stats.enabled,
+            acceptance_rate=stats.acceptance_rate,
+            drafted=stats.drafted,
+            accepted=stats.accepted,
+            emitted=stats.emitted,
+            steps=stats.steps,
+            plain_steps=stats.plain_steps,
+            num_draft_tokens=stats.num_draft_tokens,
+            max_batch=stats.max_batch,
+            notes=list(stats.notes),
+        )
+    ]
 
 
 # ---- /v1/status ---------------------------------------------------------------------------
@@ -284,6 +331,7 @@ def status_snapshot(pipeline: Pipeline, settings: Settings, now: float) -> wire.
             state_bytes_per_request=memory.state_bytes if memory else 0,
         ),
         cache=_cache(t, pipeline.info.cache_stats if pipeline.info else None),
+        speculative=spec_status(pipeline.info.spec_stats if pipeline.info else None),
         settings=settings_summary(settings),
     )
 
@@ -346,5 +394,6 @@ def settings_summary(settings: Settings) -> dict:
             "cors_origins": settings.server.cors_origins,
         },
         "tokenizer": msgspec.to_builtins(settings.tokenizer),
+        "speculative": msgspec.to_builtins(settings.speculative),
         "auth": {"enabled": bool(settings.auth.api_keys or settings.auth.api_key_file)},
     }

@@ -35,6 +35,10 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     logit_bias: dict[int, float] = {}
     seed: int | None = None
     stop: tuple[str, ...] = ()
+    # Decoding options (mlxd extensions): False opts this request out of drafting;
+    # ``spec_prefill`` None follows the server's ``[spec_prefill]`` settings.
+    speculative: bool = True
+    spec_prefill: bool | None = None
 
     @property
     def greedy(self) -> bool:

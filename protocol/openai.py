@@ -40,6 +40,10 @@ class _SamplingFields(msgspec.Struct, kw_only=True):
     stream_options: StreamOptions | None = None
     user: str | None = None
     priority: int | None = None  # lower runs first; honoured when admission.priority is on
+    # mlxd extensions (README "Speculative decoding"): false opts this request out of
+    # drafting; spec_prefill true/false overrides the server's SpecPrefill default.
+    speculative: bool | None = None
+    spec_prefill: bool | None = None
     # Accepted so that they can be refused by name instead of silently ignored.
     logprobs: bool | int | None = None
     tools: list[dict[str, Any]] | None = None

@@ -60,6 +60,26 @@ class CacheStatus(msgspec.Struct, kw_only=True):
     max_bytes: int = 0
 
 
+class SpeculativeStatus(msgspec.Struct, kw_only=True):
+    """One drafter's counters: ``acceptance_rate`` = accepted ÷ drafted tokens.
+
+    ``enabled`` is false when speculation is configured but off for this model
+    (``notes`` say why); ``plain_steps`` are steps decoded without drafts.
+    """
+
+    drafter: str
+    enabled: bool
+    acceptance_rate: float
+    drafted: int
+    accepted: int
+    emitted: int
+    steps: int
+    plain_steps: int
+    num_draft_tokens: int
+    max_batch: int
+    notes: list[str]
+
+
 class ModelStatus(msgspec.Struct, kw_only=True):
     id: str
     backend: str
@@ -75,4 +95,5 @@ class Status(msgspec.Struct, kw_only=True):
     engine: EngineStats
     memory: MemoryStatus
     cache: CacheStatus
+    speculative: list[SpeculativeStatus]  # one per drafter; [] when speculation is not configured
     settings: dict[str, Any]

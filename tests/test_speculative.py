@@ -185,3 +185,67 @@ def test_sampled_requests_with_the_target_as_draft(tiny_models):
     assert not failed and first == again
     assert all(len(t) == 8 for t in first.values())
     assert runner.spec_stats.acceptance_rate == 1.0
+
+
+@pytest.mark.mlx
+def test_requests_opted_out_decode_without_drafts(tiny_models):
+    """``"speculative": false`` rows verify no drafts (and are not counted), in a mixed batch."""
+    import msgspec
+
+    plain, runner, info = speculative(tiny_models("llama"), tiny_models("llama_near"))
+    requests = _requests(info)
+    expected = alone(plain, requests)
+    mixed = [
+        msgspec.structs.replace(
+            r, sampling=msgspec.structs.replace(r.sampling, speculative=i % 2 == 0)
+        )
+        for i, r in enumerate(requests)
+    ]
+    got, failed = drive(runner, _schedule(mixed), prefill_chunk_tokens=8)
+    assert not failed and got == expected
+    drafted = runner.spec_stats.drafted
+    assert drafted > 0
+    off = [
+        msgspec.structs.replace(r, sampling=msgspec.structs.replace(r.sampling, speculative=False))
+        for r in requests
+    ]
+    got, failed = drive(runner, _schedule(off), prefill_chunk_tokens=8)
+    assert not failed and got == expected
+    assert runner.spec_stats.drafted == drafted  # nobody drafted
+    assert runner.spec_stats.plain_steps > 0
+
+
+async def test_status_and_metrics_report_acceptance_per_drafter():
+    """``/v1/status`` and ``/metrics`` read the drafter's live counters; the wire field
+    ``"speculative": false`` reaches the engine as ``SamplingParams.speculative``."""
+    import dataclasses
+    import json
+
+    from actors.engine.speculative import SpecStats
+    from daemon.app import Validator, create_app
+    from daemon.settings import load_settings
+    from protocol import openai
+    from tests.conftest import metric, running_graph
+    from tests.fakes import FakeRunner, fake_factory
+
+    stats = SpecStats(drafter="tiny", num_draft_tokens=3, drafted=10, accepted=7, steps=4)
+    make = fake_factory(FakeRunner())
+
+    def factory():
+        runner, info = make()
+        return runner, dataclasses.replace(info, spec_stats=stats)
+
+    settings = load_settings()
+    async with running_graph(settings, factory=factory) as (pipeline, _):
+        c = create_app(pipeline, settings).test_client()
+        status = json.loads(await (await c.get("/v1/status")).get_data())
+        text = (await (await c.get("/metrics")).get_data()).decode()
+    (row,) = status["speculative"]
+    assert row["drafter"] == "tiny" and row["enabled"] and row["acceptance_rate"] == 0.7
+    assert metric(text, "mlxd_spec_acceptance_rate", 'drafter="tiny"') == 0.7
+    assert metric(text, "mlxd_spec_drafted_tokens_total", 'drafter="tiny"') == 10
+    assert metric(text, "mlxd_spec_accepted_tokens_total", 'drafter="tiny"') == 7
+    body = openai.chat_decoder.decode(b'{"messages": [], "speculative": false}')
+    assert not Validator(settings).sampling(body, None).speculative
+    body = openai.chat_decoder.decode(b'{"messages": []}')
+    assert Validator(settings).sampling(body, None).speculative

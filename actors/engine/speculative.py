@@ -60,6 +60,10 @@ class SpecStats:
     def acceptance_rate(self) -> float:
         return self.accepted / self.drafted if self.drafted else 0.0
 
+    @property
+    def enabled(self) -> bool:
+        return not any(n.startswith("off:") for n in self.notes)
+
 
 @dataclass
 class SpecRow:
@@ -279,21 +283,26 @@ class SpeculativeBatch:
     def step(self) -> list[Emitted]:
         if not self.rows:
             return []
-        k = self.k if len(self.rows) <= self.max_batch else 0
+        wanted = any(r.params.speculative for r in self.rows)
+        k = self.k if wanted and len(self.rows) <= self.max_batch else 0
         pending = [r.draft_pending for r in self.rows]
         saved_draft = snapshot(self.draft_cache) if k and self._ssm[1] else None
-        drafts, q = self._propose(k) if k else ([[] for _ in self.rows], None)
+        proposed, q = self._propose(k) if k else ([[] for _ in self.rows], None)
+        # A request that opted out ("speculative": false) verifies no drafts.
+        drafts = [
+            d if r.params.speculative else [] for r, d in zip(self.rows, proposed, strict=True)
+        ]
         fed = [[r.tokens[-1], *d] for r, d in zip(self.rows, drafts, strict=True)]
         saved = snapshot(self.cache) if k and self._ssm[0] else None
-        logits = self._process(self.model(mx.array(fed), cache=self.cache), fed)
+        logits = self._process(feed(self.model, self.cache, fed), fed)
         accepted, bonus = self._accept(logits, drafts, q)
         rewind(self.model, self.cache, fed, [a + 1 for a in accepted], saved)
         if k:  # the draft was fed its pending tokens and d1..d(k-1)
-            fed_draft = [p + d[:-1] for p, d in zip(pending, drafts, strict=True)]
+            fed_draft = [p + d[:-1] for p, d in zip(pending, proposed, strict=True)]
             keep = [len(p) + min(a, k - 1) for p, a in zip(pending, accepted, strict=True)]
             rewind(self.draft, self.draft_cache, fed_draft, keep, saved_draft)
         mx.eval([c.state for c in self.cache + self.draft_cache])
-        self._count(k, accepted)
+        self._count(k, drafts, accepted)
         return self._emit(drafts, accepted, bonus, k)
 
     # -- drafting and acceptance
@@ -365,14 +374,14 @@ class SpeculativeBatch:
 
     # -- bookkeeping
 
-    def _count(self, k: int, accepted: list[int]) -> None:
+    def _count(self, k: int, drafts: list[list[int]], accepted: list[int]) -> None:
         if k == 0:
             self.stats.plain_steps += 1
             return
         self.stats.steps += 1
-        self.stats.drafted += k * len(accepted)
+        self.stats.drafted += sum(len(d) for d in drafts)
         self.stats.accepted += sum(accepted)
-        self.stats.emitted += sum(accepted) + len(accepted)
+        self.stats.emitted += sum(accepted) + sum(1 for d in drafts if d)
 
     def _emit(self, drafts, accepted, bonus, k: int) -> list[Emitted]:
         out, keep = [], []
