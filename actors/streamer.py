@@ -13,7 +13,15 @@ import trio
 
 from actors.detokenizer import Decoder, IncrementalDetokenizer, StopMatcher
 from actors.mailbox import Mailboxes
-from protocol.messages import EngineStep, Finished, FinishReason, MailboxEvent, TextDelta, TokenStep
+from protocol.messages import (
+    EngineStep,
+    Finished,
+    FinishReason,
+    MailboxEvent,
+    Started,
+    TextDelta,
+    TokenStep,
+)
 
 
 @dataclass
@@ -23,6 +31,7 @@ class _Request:
     prompt_tokens: int
     cached_tokens: int = 0
     completion_tokens: int = 0
+    prefilled_tokens: int = -1
 
 
 class StreamState:
@@ -38,7 +47,7 @@ class StreamState:
 
     def on_step(self, step: EngineStep) -> None:
         for started in step.started:
-            self._start(started.request_id, started.prompt_tokens, started.cached_tokens)
+            self._start(started)
             self._mailboxes.deliver(started)
         for tokens in step.tokens:
             self._on_tokens(tokens)
@@ -46,15 +55,16 @@ class StreamState:
             self._requests.pop(failed.request_id, None)
             self._mailboxes.deliver(failed)
 
-    def _start(self, request_id: str, prompt_tokens: int, cached_tokens: int) -> None:
-        box = self._mailboxes.get(request_id)
+    def _start(self, started: Started) -> None:
+        box = self._mailboxes.get(started.request_id)
         if box is None:
             return  # client already gone; the handler has sent the abort
-        self._requests[request_id] = _Request(
+        self._requests[started.request_id] = _Request(
             IncrementalDetokenizer(self._tokenizer),
             StopMatcher(box.stop),
-            prompt_tokens,
-            cached_tokens,
+            started.prompt_tokens,
+            started.cached_tokens,
+            prefilled_tokens=started.prefilled_tokens,
         )
 
     def _deliver(self, request_id: str, event: MailboxEvent) -> None:
@@ -89,6 +99,7 @@ class StreamState:
             prompt_tokens=req.prompt_tokens,
             completion_tokens=req.completion_tokens,
             cached_tokens=req.cached_tokens,
+            prefilled_tokens=req.prefilled_tokens,
         )
         self._deliver(request_id, finished)
 

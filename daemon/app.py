@@ -263,12 +263,20 @@ class _Shape:
         )
 
 
+def _prefilled(f: Finished) -> int | None:
+    """Reported only when SpecPrefill skipped prompt tokens."""
+    full = f.prompt_tokens - f.cached_tokens
+    return f.prefilled_tokens if 0 <= f.prefilled_tokens < full else None
+
+
 def _usage(f: Finished) -> wire.Usage:
     return wire.Usage(
         prompt_tokens=f.prompt_tokens,
         completion_tokens=f.completion_tokens,
         total_tokens=f.prompt_tokens + f.completion_tokens,
-        prompt_tokens_details=wire.PromptTokensDetails(cached_tokens=f.cached_tokens),
+        prompt_tokens_details=wire.PromptTokensDetails(
+            cached_tokens=f.cached_tokens, prefilled_tokens=_prefilled(f)
+        ),
     )
 
 

@@ -91,6 +91,16 @@ class SpeculativeSettings(_Section):
     max_batch: Positive = 4
 
 
+class SpecPrefillSettings(_Section):
+    enabled: bool = False
+    by_default: bool = True
+    threshold_tokens: Positive = 2048
+    keep_fraction: Fraction = 0.3
+    chunk_tokens: Positive = 64
+    scorer_model: str = ""
+    hybrid: bool = False
+
+
 class VisionSettings(_Section):
     max_images: int = 8
     max_image_bytes: Positive = 8_388_608
@@ -117,6 +127,7 @@ class Settings(_Section):
     engine: EngineSettings = msgspec.field(default_factory=EngineSettings)
     prefix_cache: PrefixCacheSettings = msgspec.field(default_factory=PrefixCacheSettings)
     speculative: SpeculativeSettings = msgspec.field(default_factory=SpeculativeSettings)
+    spec_prefill: SpecPrefillSettings = msgspec.field(default_factory=SpecPrefillSettings)
     vision: VisionSettings = msgspec.field(default_factory=VisionSettings)
     streaming: StreamingSettings = msgspec.field(default_factory=StreamingSettings)
     logging: LoggingSettings = msgspec.field(default_factory=LoggingSettings)

@@ -53,6 +53,7 @@ def mlx_runner_factory(settings: Settings) -> RunnerFactory:
             max_batch=settings.engine.max_batch,
             prefix_cache=settings.prefix_cache,
             speculative=settings.speculative,
+            spec_prefill=settings.spec_prefill,
             kind=m.kind,
             memory=settings.memory,
         )

@@ -157,11 +157,14 @@ class Started(msgspec.Struct, frozen=True, kw_only=True):
     """The engine accepted a request and is prefilling it.
 
     ``cached_tokens``: prompt tokens served from a prompt cache (0 without one).
+    ``prefilled_tokens``: prompt tokens the model will process (fewer than
+    ``prompt_tokens - cached_tokens`` when SpecPrefill skips chunks; -1: unknown).
     """
 
     request_id: str
     prompt_tokens: int
     cached_tokens: int = 0  # prompt tokens reused from the prefix cache
+    prefilled_tokens: int = -1
 
 
 class TokenStep(msgspec.Struct, frozen=True, kw_only=True):
@@ -237,6 +240,7 @@ class Finished(msgspec.Struct, frozen=True, kw_only=True):
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int = 0
+    prefilled_tokens: int = -1  # as in ``Started``
 
 
 MailboxEvent = Started | TextDelta | Finished | Failed

@@ -66,8 +66,12 @@ class CompletionRequest(_SamplingFields, kw_only=True):
 # ---- responses ----------------------------------------------------------------------
 
 
-class PromptTokensDetails(msgspec.Struct, kw_only=True):
-    cached_tokens: int = 0
+class PromptTokensDetails(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """``prefilled_tokens`` (an mlxd extension) appears only when SpecPrefill skipped
+    part of the prompt: the prompt tokens the model actually processed."""
+
+    cached_tokens: int  # no default: always written
+    prefilled_tokens: int | None = None
 
 
 class Usage(msgspec.Struct, kw_only=True):

@@ -78,6 +78,9 @@ class FakeRunner:
         self.prefilling[request.request_id] = _Seq(request, reply)
         return 0
 
+    def skipped_tokens(self, request_id: str) -> int:
+        return 0
+
     def prefill(self, request_id: str, budget: int) -> int:
         seq = self.prefilling[request_id]
         self.prefill_log.append((request_id, self.decode_steps))

@@ -200,7 +200,15 @@ class EngineCore:
         self.reserved[rid] = need
         self.reserved_bytes += need
         prompt = len(request.prompt_tokens)
-        started.append(Started(request_id=rid, prompt_tokens=prompt, cached_tokens=cached))
+        prefilled = prompt - cached - self.runner.skipped_tokens(rid)
+        started.append(
+            Started(
+                request_id=rid,
+                prompt_tokens=prompt,
+                cached_tokens=cached,
+                prefilled_tokens=prefilled,
+            )
+        )
 
     def _estimate(self, request: TokenizedRequest) -> int:
         if self.memory is None:

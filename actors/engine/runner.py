@@ -106,9 +106,12 @@ class Pending:
     done: int = 0  # prompt tokens already in the cache
     inputs: Any = None  # runner-specific prepared inputs (a VLM's prompt embeddings)
     checkpoints: list[int] = field(default_factory=list)  # where to snapshot, ascending
+    sparse: Any = None  # a SpecPrefill ``SparsePlan``: only its kept chunks are prefilled
 
     @property
     def remaining(self) -> int:
+        if self.sparse is not None:
+            return self.sparse.remaining
         return len(self.request.prompt_tokens) - 1 - self.done
 
     def next_stop(self, budget: int) -> int:
@@ -130,9 +133,12 @@ class MlxRunner:
         make_cache: Callable[[], list[Any]] | None = None,
         decode_model: Callable[..., mx.array] | None = None,
         prefix_cache: PrefixCache | None = None,
+        spec_prefill: Any = None,
     ):
         self.model = model
         self.prefix_cache = prefix_cache
+        self.spec_prefill = spec_prefill  # a ``spec_prefill.SpecPrefill`` (None: off)
+        self._sparse: set[str] = set()  # requests sparse-prefilled: never remembered
         self._make_cache = make_cache or (lambda: make_prompt_cache(model))
         cache = self._make_cache()
         check_batchable(cache, self._make_cache())
@@ -174,8 +180,21 @@ class MlxRunner:
         prompt = request.prompt_tokens
         cache, done = self._cached(prompt)
         marks = sorted(c for c in request.checkpoints if done < c < len(prompt) - 1)
-        self._pending[request.request_id] = Pending(request, cache, done, checkpoints=marks)
+        pending = Pending(request, cache, done, checkpoints=marks)
+        if self.spec_prefill is not None:
+            pending.sparse = self.spec_prefill.plan(prompt, done, request.sampling.spec_prefill)
+        if pending.sparse is not None:
+            from actors.engine.spec_prefill import positioned
+
+            pending.cache, pending.checkpoints = positioned(cache), []
+            self._sparse.add(request.request_id)
+        self._pending[request.request_id] = pending
         return done
+
+    def skipped_tokens(self, request_id: str) -> int:
+        """Prompt tokens SpecPrefill will not prefill for this request (0: a full prefill)."""
+        pending = self._pending.get(request_id)
+        return pending.sparse.skipped if pending is not None and pending.sparse else 0
 
     def _cached(self, prompt: tuple[int, ...]) -> tuple[list[Any], int]:
         hit = self.prefix_cache.lookup(prompt, len(prompt) - 1) if self.prefix_cache else None
@@ -198,6 +217,13 @@ class MlxRunner:
     def prefill(self, request_id: str, budget: int) -> int:
         """Prefill up to ``budget`` prompt tokens; return how many are left (0: decoding)."""
         pending = self._pending[request_id]
+        if pending.sparse is not None:
+            with mx.stream(self._stream):
+                self.spec_prefill.step(self.model, pending.cache, pending.sparse, budget)
+                mx.eval([c.state for c in pending.cache])
+            if pending.remaining == 0:
+                self._join_batch(self._pending.pop(request_id))
+            return pending.remaining
         n = pending.next_stop(budget)
         if n > 0:
             with mx.stream(self._stream):
@@ -219,10 +245,24 @@ class MlxRunner:
         """The cache list that joins the batch (a VLM appends per-sequence state)."""
         return pending.cache
 
+    def _joining(self, pending: Pending) -> list[Any]:
+        """The prefilled cache, remembered if it is a full prefill; with SpecPrefill on, its
+        attention layers positioned (so every cache merged into a batch carries positions)."""
+        prompt = pending.request.prompt_tokens
+        if pending.sparse is None:
+            self._remember(prompt[:-1], copy.deepcopy(pending.cache))
+        if self.spec_prefill is None:
+            return pending.cache
+        from actors.engine.spec_prefill import positioned, set_position
+
+        cache = positioned(pending.cache)
+        set_position(cache, len(prompt) - 1)
+        return cache
+
     def _join_batch(self, pending: Pending) -> None:
         request = pending.request
         params = request.sampling
-        self._remember(request.prompt_tokens[:-1], copy.deepcopy(pending.cache))
+        pending.cache = self._joining(pending)
         (uid,) = self.generator.insert(
             [[request.prompt_tokens[-1]]],
             max_tokens=[params.max_tokens],
@@ -244,8 +284,15 @@ class MlxRunner:
             out.append(Decoded(rid, r.token, r.finish_reason))
             if r.finish_reason is not None:
                 del self._uid_to_rid[r.uid], self._rid_to_uid[rid]
-                self._remember(r.all_tokens, r.prompt_cache)  # extracted: a fresh copy
+                self._remember_finished(rid, r.all_tokens, r.prompt_cache)  # a fresh copy
         return out
+
+    def _remember_finished(self, request_id: str, tokens: Any, cache: Any) -> None:
+        """A finished request's cache, unless SpecPrefill skipped part of its prompt."""
+        if request_id in self._sparse:
+            self._sparse.discard(request_id)
+        else:
+            self._remember(tokens, cache)
 
     def remove(self, request_id: str) -> None:
         self._pending.pop(request_id, None)
@@ -253,7 +300,8 @@ class MlxRunner:
         if uid is not None:
             del self._uid_to_rid[uid]
             for cache, tokens in self.generator.remove([uid], return_prompt_caches=True).values():
-                self._remember(tokens, copy.deepcopy(cache))
+                self._remember_finished(request_id, tokens, copy.deepcopy(cache))
+        self._sparse.discard(request_id)
 
     def clear_cache(self) -> None:
         if self.prefix_cache is not None:
@@ -265,6 +313,7 @@ class MlxRunner:
         self.generator = self._new_generator()
         self._uid_to_rid.clear()
         self._rid_to_uid.clear()
+        self._sparse.intersection_update(self._pending)
         mx.clear_cache()
 
     def memory_stats(self) -> tuple[int, int]:
@@ -381,6 +430,26 @@ def _off(reason: str) -> Any:
     return SpecStats(notes=[f"off: {reason}"])
 
 
+def _prefill_off(reason: str) -> Any:
+    from actors.engine.spec_prefill import SpecPrefillStats
+
+    return SpecPrefillStats(enabled=False, notes=[f"off: {reason}"])
+
+
+def make_spec_prefill(model: nn.Module, scorer: tuple[nn.Module, str], settings: Any) -> Any:
+    """SpecPrefill for this model, or (its stats saying why) off for its cache layout."""
+    from actors.engine.spec_prefill import SpecPrefill, SpecPrefillStats, unsupported_layers
+
+    stats = SpecPrefillStats(scorer=scorer[1])
+    why = unsupported_layers(make_prompt_cache(model), settings.hybrid)
+    if why is not None:
+        log.warning("SpecPrefill is off for this model: %s", why)
+        stats.enabled, stats.notes = False, [f"off: {why}"]
+    elif any(not hasattr(c, "keys") for c in make_prompt_cache(model)):
+        stats.notes.append("hybrid model: SSM layers see only the kept tokens")
+    return SpecPrefill(scorer[0], settings, stats)
+
+
 def load_draft(
     path: str, cache_dir: Path, model: nn.Module, model_id: str, dequantize_on_cpu: bool
 ) -> tuple[nn.Module, str]:
@@ -402,6 +471,7 @@ def load_runner(
     prefix_cache: Any = None,
     memory: Any = None,
     speculative: Any = None,
+    spec_prefill: Any = None,
 ) -> tuple[MlxRunner, ModelInfo]:
     """Load the model for serving; call on the generation thread.
 
@@ -423,6 +493,11 @@ def load_runner(
         if speculative is not None and speculative.enabled:
             log.warning("speculative decoding is not implemented for vision models: off")
             info = dataclasses.replace(info, spec_stats=_off("vision models decode without it"))
+        if spec_prefill is not None and spec_prefill.enabled:
+            log.warning("SpecPrefill is not implemented for vision models: off")
+            info = dataclasses.replace(
+                info, spec_prefill_stats=_prefill_off("vision models prefill in full")
+            )
         return runner, info
     model, tokenizer, config = load_model(model_dir, dequantize_on_cpu=dequantize_on_cpu)
     info = ModelInfo(
@@ -436,20 +511,31 @@ def load_runner(
     cache = make_prefix_cache(prefix_cache)
     stops = sorted(tokenizer.eos_token_ids)
     runner: MlxRunner
+    draft, drafter = None, ""
     if speculative is not None and speculative.enabled:
-        from actors.engine.spec_runner import make_speculative_runner
-
         draft, drafter = load_draft(
             speculative.draft_model, cache_dir, model, model_id, dequantize_on_cpu
         )
+    sparse = None
+    if spec_prefill is not None and spec_prefill.enabled:
+        scorer = (draft, drafter) if draft is not None and not spec_prefill.scorer_model else None
+        scorer = scorer or load_draft(
+            spec_prefill.scorer_model, cache_dir, model, model_id, dequantize_on_cpu
+        )
+        sparse = make_spec_prefill(model, scorer, spec_prefill)
+    on = sparse if sparse is not None and sparse.stats.enabled else None
+    if draft is not None:
+        from actors.engine.spec_runner import make_speculative_runner
+
         runner = make_speculative_runner(
-            model, draft, stops, max_batch, speculative, cache, drafter
+            model, draft, stops, max_batch, speculative, cache, drafter, spec_prefill=on
         )
     else:
-        runner = MlxRunner(model, stops, max_batch, prefix_cache=cache)
+        runner = MlxRunner(model, stops, max_batch, prefix_cache=cache, spec_prefill=on)
     return runner, dataclasses.replace(
         info,
         cache_stats=cache.stats if cache else None,
         spec_stats=getattr(runner, "spec_stats", None),
+        spec_prefill_stats=sparse.stats if sparse is not None else None,
         memory=memory_model(runner, memory),
     )

@@ -8,7 +8,6 @@ running request; above ``max_batch`` rows it decodes them one token a step.
 
 from __future__ import annotations
 
-import copy
 import logging
 from typing import Any
 
@@ -44,8 +43,11 @@ class SpeculativeRunner(MlxRunner):
         spec_max_batch: int,
         drafter: str = "draft model",
         prefix_cache: Any = None,
+        spec_prefill: Any = None,
     ):
-        super().__init__(model, stop_tokens, max_batch, prefix_cache=prefix_cache)
+        super().__init__(
+            model, stop_tokens, max_batch, prefix_cache=prefix_cache, spec_prefill=spec_prefill
+        )
         self.draft = draft
         check_rewindable(self._make_cache())
         check_rewindable(make_prompt_cache(draft))
@@ -101,7 +103,7 @@ class SpeculativeRunner(MlxRunner):
     def _join_batch(self, pending: Pending) -> None:
         request = pending.request
         prompt = list(request.prompt_tokens)
-        self._remember(request.prompt_tokens[:-1], copy.deepcopy(pending.cache))
+        cache = self._joining(pending)
         with mx.stream(self._stream):
             self._draft_catch_up(request, len(prompt) - 1)
         draft_cache, _ = self._drafts.pop(request.request_id)
@@ -115,7 +117,7 @@ class SpeculativeRunner(MlxRunner):
             key=mx.random.key(params.seed) if params.seed is not None else None,
             draft_pending=[prompt[-1]],
         )
-        self.batch.add(row, pending.cache, draft_cache)
+        self.batch.add(row, cache, draft_cache)
 
     def decode(self) -> list[Decoded]:
         if not len(self.batch):
@@ -129,7 +131,7 @@ class SpeculativeRunner(MlxRunner):
                     Decoded(e.request_id, token, e.finish_reason if n == len(e.tokens) else None)
                 )
             if e.finish_reason is not None:
-                self._remember(e.cache_tokens, e.cache)
+                self._remember_finished(e.request_id, e.cache_tokens, e.cache)
         return out
 
     def remove(self, request_id: str) -> None:
@@ -137,7 +139,8 @@ class SpeculativeRunner(MlxRunner):
         self._drafts.pop(request_id, None)
         gone = self.batch.remove(request_id)
         if gone is not None:
-            self._remember(gone.cache_tokens, gone.cache)
+            self._remember_finished(request_id, gone.cache_tokens, gone.cache)
+        self._sparse.discard(request_id)
 
 
 def make_speculative_runner(
@@ -148,6 +151,7 @@ def make_speculative_runner(
     settings: Any,
     prefix_cache: Any,
     drafter: str,
+    spec_prefill: Any = None,
 ) -> MlxRunner:
     """A ``SpeculativeRunner``; a plain runner (and a logged reason) if the model can't rewind."""
     try:
@@ -160,9 +164,12 @@ def make_speculative_runner(
             spec_max_batch=settings.max_batch,
             drafter=drafter,
             prefix_cache=prefix_cache,
+            spec_prefill=spec_prefill,
         )
     except UnsupportedForSpeculation as exc:
         log.warning("speculative decoding is off for this model: %s", exc)
-        runner = MlxRunner(model, stop_tokens, max_batch, prefix_cache=prefix_cache)
+        runner = MlxRunner(
+            model, stop_tokens, max_batch, prefix_cache=prefix_cache, spec_prefill=spec_prefill
+        )
         runner.spec_stats = SpecStats(drafter=drafter, notes=[f"off: {exc}"])  # type: ignore[attr-defined]
         return runner

@@ -23,6 +23,10 @@ class Runner(Protocol):
     """What the engine core needs from a model runner (the fake in tests implements it too)."""
 
     def start(self, request: TokenizedRequest) -> int: ...  # returns prompt tokens reused
+    def skipped_tokens(self, request_id: str) -> int:
+        """Prompt tokens a started request will not prefill (SpecPrefill); 0 normally."""
+        ...
+
     def prefill(self, request_id: str, budget: int) -> int: ...
     def decode(self) -> list[Decoded]: ...
     def remove(self, request_id: str) -> None: ...
@@ -50,6 +54,7 @@ class ModelInfo:
     backend: str
     cache_stats: Any = None  # the prefix cache's live CacheStats, read-only outside the engine
     spec_stats: Any = None  # speculative decoding's live SpecStats (None: not enabled)
+    spec_prefill_stats: Any = None  # SpecPrefill's live SpecPrefillStats (None: not enabled)
     kind: str = "text"  # "text" or "vision"
     # A vision model's processor (chat template, image preprocessing, image-token
     # expansion); the tokenizer actor's worker threads use it. None for text models.
