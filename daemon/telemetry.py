@@ -303,6 +303,19 @@ def spec_status(stats: Any) -> list[wire.SpeculativeStatus]:
     ]
 
 
+def _spec_prefill(stats: Any) -> wire.SpecPrefillStatus | None:
+    if stats is None:
+        return None
+    return wire.SpecPrefillStatus(
+        scorer=stats.scorer,
+        enabled=stats.enabled,
+        requests=stats.requests,
+        suffix_tokens=stats.suffix_tokens,
+        skipped_tokens=stats.skipped_tokens,
+        notes=list(stats.notes),
+    )
+
+
 # ---- /v1/status ---------------------------------------------------------------------------
 
 
@@ -332,6 +345,7 @@ def status_snapshot(pipeline: Pipeline, settings: Settings, now: float) -> wire.
         ),
         cache=_cache(t, pipeline.info.cache_stats if pipeline.info else None),
         speculative=spec_status(pipeline.info.spec_stats if pipeline.info else None),
+        spec_prefill=_spec_prefill(pipeline.info.spec_prefill_stats if pipeline.info else None),
         settings=settings_summary(settings),
     )
 
@@ -395,5 +409,6 @@ def settings_summary(settings: Settings) -> dict:
         },
         "tokenizer": msgspec.to_builtins(settings.tokenizer),
         "speculative": msgspec.to_builtins(settings.speculative),
+        "spec_prefill": msgspec.to_builtins(settings.spec_prefill),
         "auth": {"enabled": bool(settings.auth.api_keys or settings.auth.api_key_file)},
     }

@@ -80,6 +80,19 @@ class SpeculativeStatus(msgspec.Struct, kw_only=True):
     notes: list[str]
 
 
+class SpecPrefillStatus(msgspec.Struct, kw_only=True):
+    """SpecPrefill: requests sparse-prefilled, their uncached prompt tokens and how many of
+    those the target skipped. ``notes`` say why it is off, or what it does to a hybrid
+    model's SSM layers (they see only the kept tokens)."""
+
+    scorer: str
+    enabled: bool
+    requests: int
+    suffix_tokens: int
+    skipped_tokens: int
+    notes: list[str]
+
+
 class ModelStatus(msgspec.Struct, kw_only=True):
     id: str
     backend: str
@@ -96,4 +109,5 @@ class Status(msgspec.Struct, kw_only=True):
     memory: MemoryStatus
     cache: CacheStatus
     speculative: list[SpeculativeStatus]  # one per drafter; [] when speculation is not configured
+    spec_prefill: SpecPrefillStatus | None  # None when SpecPrefill is not configured
     settings: dict[str, Any]

@@ -240,6 +240,7 @@ async def test_status_and_metrics_report_acceptance_per_drafter():
         c = create_app(pipeline, settings).test_client()
         status = json.loads(await (await c.get("/v1/status")).get_data())
         text = (await (await c.get("/metrics")).get_data()).decode()
+    assert status["spec_prefill"] is None
     (row,) = status["speculative"]
     assert row["drafter"] == "tiny" and row["enabled"] and row["acceptance_rate"] == 0.7
     assert metric(text, "mlxd_spec_acceptance_rate", 'drafter="tiny"') == 0.7
