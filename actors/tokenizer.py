@@ -1,9 +1,12 @@
 """Tokenizer / normalizer actor: admitted requests in, token ids out to the engine.
 
-``PromptBuilder`` is the sync core: normalize messages, render the chat template,
-tokenize, check the prompt against the context window. It runs in worker threads
-(templates and BPE are CPU work) and never touches MLX. Any failure here is a
-400 for that request alone, delivered to its mailbox.
+``PromptBuilder`` is the sync core: normalize messages, render the chat template
+(with the request's tools and template variables), tokenize, check the prompt
+against the context window, compile the request's output constraint (JSON
+schema, forced tool call) and decide how the streamer parses the output. It
+runs in worker threads (templates, BPE and grammar compilation are CPU work)
+and never touches MLX. Any failure here is a 400 for that request alone,
+delivered to its mailbox.
 """
 
 from __future__ import annotations
@@ -14,14 +17,29 @@ import jinja2
 import msgspec
 import trio
 
+from actors.grammar import CompiledGrammar, GrammarCompiler, GrammarError
 from actors.mailbox import Mailboxes
 from actors.normalize import NormalizeError, normalize_messages
+from actors.tools import (
+    TemplateTraits,
+    history_as_text,
+    template_traits,
+    tool_dicts,
+    tool_system_prompt,
+)
 from protocol.messages import (
     AdmittedRequest,
     ChatRequest,
     Failed,
+    Message,
+    OutputSpec,
     Submit,
     TokenizedRequest,
+)
+
+# Template arguments mlxd sets itself; a request's chat_template_kwargs may not override them.
+RESERVED_TEMPLATE_KWARGS = frozenset(
+    {"conversation", "messages", "tools", "add_generation_prompt", "tokenize", "documents"}
 )
 
 
@@ -44,27 +62,72 @@ class PromptBuilder:
         default_max_tokens: int,
         vocab_size: int,
         max_prompt_tokens: int = 0,
+        traits: TemplateTraits | None = None,
+        grammars: GrammarCompiler | None = None,
     ):
         self.tokenizer = tokenizer
         self.default_max_tokens = default_max_tokens
         self.context_length = context_length
         self.max_prompt_tokens = max_prompt_tokens or context_length
         self.vocab_size = vocab_size
+        self.traits = traits or template_traits(tokenizer, "auto", "auto")
+        self.grammars = grammars or GrammarCompiler(None)
+
+    def _offers_tools(self, request: ChatRequest) -> bool:
+        return bool(request.tools) and request.tool_choice != "none"
 
     def render_chat(self, request: ChatRequest) -> str:
+        messages, extra = request.messages, dict(request.template_kwargs)
+        if self._offers_tools(request):
+            if self.traits.tools_in_template:
+                extra["tools"] = tool_dicts(request.tools)
+            else:
+                system = Message(role="system", content=tool_system_prompt(request.tools))
+                messages = (*messages, system)
+        if not self.traits.tools_in_template:
+            messages = history_as_text(messages)
         try:
-            messages = normalize_messages(request.messages)
+            normalized = normalize_messages(messages)
             return self.tokenizer.apply_chat_template(
-                messages, add_generation_prompt=True, tokenize=False
+                normalized, add_generation_prompt=True, tokenize=False, **extra
             )
         except NormalizeError as exc:
             raise PromptError(str(exc), "messages") from exc
-        except (jinja2.TemplateError, ValueError, TypeError) as exc:
+        except (jinja2.TemplateError, ValueError, TypeError, KeyError) as exc:
             raise PromptError(f"chat template error: {exc}", "messages") from exc
+
+    def output_spec(self, request: AdmittedRequest, prompt: str) -> OutputSpec:
+        """How the streamer reads this request's output (tool calls, reasoning)."""
+        if not isinstance(request, ChatRequest):
+            return OutputSpec()
+        tags = self.traits.reasoning if request.parse_reasoning else None
+        return OutputSpec(
+            tool_format=self.traits.tool_format if self._offers_tools(request) else None,
+            reasoning=tags,
+            in_reasoning=bool(tags) and prompt.rstrip().endswith(tags[0]),  # type: ignore[index]
+            single_tool_call=not request.parallel_tool_calls,
+        )
+
+    def grammar(self, request: AdmittedRequest) -> CompiledGrammar | None:
+        if request.constraint is None:
+            return None
+        tools = request.tools if isinstance(request, ChatRequest) else ()
+        param = "tool_choice" if request.constraint.kind == "tool_call" else "response_format"
+        try:
+            return self.grammars.compile(request.constraint, tools, self.traits.tool_format)
+        except GrammarError as exc:
+            raise PromptError(str(exc), param) from exc
+
+    def prompt(self, request: AdmittedRequest) -> tuple[str, list[int]]:
+        """The prompt text (chat: the rendered template) and its tokens."""
+        if isinstance(request, ChatRequest):
+            text = self.render_chat(request)
+            return text, self.tokenizer.encode(text, add_special_tokens=False)
+        return "", self.tokens(request)
 
     def tokens(self, request: AdmittedRequest) -> list[int]:
         if isinstance(request, ChatRequest):
-            return self.tokenizer.encode(self.render_chat(request), add_special_tokens=False)
+            return self.prompt(request)[1]
         if isinstance(request.prompt, str):
             return self.tokenizer.encode(request.prompt)
         bad = [t for t in request.prompt if not 0 <= t < self.vocab_size]
@@ -73,7 +136,7 @@ class PromptBuilder:
         return list(request.prompt)
 
     def build(self, request: AdmittedRequest) -> TokenizedRequest:
-        tokens = self.tokens(request)
+        text, tokens = self.prompt(request)
         if not tokens:
             raise PromptError("the prompt is empty", "prompt")
         sampling = request.sampling
@@ -82,6 +145,8 @@ class PromptBuilder:
             request_id=request.request_id,
             prompt_tokens=tuple(tokens),
             sampling=msgspec.structs.replace(sampling, max_tokens=max_tokens),
+            output=self.output_spec(request, text),
+            grammar=self.grammar(request),
         )
 
     def _max_tokens(self, prompt: int, asked: int | None) -> int:

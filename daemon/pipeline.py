@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import enum
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import trio
 
 from actors.engine.types import ModelInfo
-from actors.mailbox import Mailbox, Mailboxes
+from actors.mailbox import Bell, Mailbox, Mailboxes
 from protocol.messages import (
     Abort,
     AdmissionInbox,
@@ -80,10 +81,20 @@ class Pipeline:
     mailboxes: Mailboxes
     state: ServerState = ServerState.LOADING
     info: ModelInfo | None = None
+    builder: Any = None  # the tokenizer actor's PromptBuilder, for count_tokens
+    _count_limiter: trio.CapacityLimiter = field(default_factory=lambda: trio.CapacityLimiter(1))
 
-    async def submit(self, request: AdmittedRequest) -> Session:
+    async def count_tokens(self, request: AdmittedRequest) -> int:
+        """Prompt tokens of a request, rendered as it would be served (worker thread)."""
+        tokens = await trio.to_thread.run_sync(
+            self.builder.tokens, request, limiter=self._count_limiter
+        )
+        return len(tokens)
+
+    async def submit(self, request: AdmittedRequest, bell: Bell | None = None) -> Session:
+        """Register the request's mailbox (sharing ``bell`` with its siblings) and admit it."""
         stop = request.sampling.stop
-        session = Session(self, self.mailboxes.register(request.request_id, stop))
+        session = Session(self, self.mailboxes.register(request.request_id, stop, bell))
         try:
             await self.admission.send(Admit(request=request))
         except BaseException:

@@ -43,6 +43,8 @@ class AdmissionSettings(_Section):
 class TokenizerSettings(_Section):
     workers: Positive = 2
     max_messages: Positive = 1000
+    tool_format: str = "auto"
+    reasoning_tags: str = "auto"
 
 
 class EngineSettings(_Section):
@@ -53,6 +55,8 @@ class EngineSettings(_Section):
     max_prompt_tokens: int = 0
     max_stop_strings: int = 16
     max_stop_length: int = 256
+    max_n: Positive = 8
+    max_top_logprobs: int = 20
 
 
 class StreamingSettings(_Section):

@@ -26,9 +26,11 @@ from actors import admission, streamer, tokenizer
 from actors.admission import AdmissionPolicy
 from actors.engine import actor as engine
 from actors.engine.actor import RunnerFactory
+from actors.grammar import GrammarCompiler
 from actors.mailbox import Mailboxes
 from actors.streamer import StreamState
 from actors.tokenizer import PromptBuilder
+from actors.tools import template_traits
 from daemon.app import create_app
 from daemon.pipeline import Pipeline, ServerState
 from daemon.settings import Settings
@@ -97,13 +99,20 @@ async def run_actors(
         info = await nursery.start(engine.run, graph.engine[1], graph.steps[0], factory, s.engine)
         pipeline.info = info
         await nursery.start(streamer.run, graph.steps[1], StreamState(info.tokenizer, mailboxes))
+        # Reading the vocabulary into llguidance takes a moment: not on the trio thread.
+        grammars = await trio.to_thread.run_sync(GrammarCompiler, info.tokenizer)
         builder = PromptBuilder(
             info.tokenizer,
             info.context_length,
             default_max_tokens=s.engine.default_max_tokens,
             max_prompt_tokens=s.engine.max_prompt_tokens,
             vocab_size=info.vocab_size,
+            traits=template_traits(
+                info.tokenizer, s.tokenizer.tool_format, s.tokenizer.reasoning_tags
+            ),
+            grammars=grammars,
         )
+        pipeline.builder = builder
         await nursery.start(
             tokenizer.run,
             graph.tokenize[1],

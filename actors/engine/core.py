@@ -61,7 +61,11 @@ class EngineCore:
                 failed.append(self._failure(rid, "could not start", exc))
                 continue
             self.prefilling[rid] = request
-            started.append(Started(request_id=rid, prompt_tokens=len(request.prompt_tokens)))
+            started.append(
+                Started(
+                    request_id=rid, prompt_tokens=len(request.prompt_tokens), output=request.output
+                )
+            )
 
     def _prefill(self, failed: list[Failed]) -> None:
         budget = self.prefill_chunk_tokens
@@ -91,9 +95,14 @@ class EngineCore:
             if d.request_id not in self.decoding:
                 continue
             # The stop token itself (EOS) is not part of the completion.
-            tokens = () if d.finish_reason == "stop" else (d.token,)
+            eos = d.finish_reason == "stop"
             out.append(
-                TokenStep(request_id=d.request_id, tokens=tokens, finish_reason=d.finish_reason)
+                TokenStep(
+                    request_id=d.request_id,
+                    tokens=() if eos else (d.token,),
+                    finish_reason=d.finish_reason,
+                    logprobs=() if eos or d.logprob is None else (d.logprob,),
+                )
             )
             if d.finish_reason is not None:
                 self.decoding.discard(d.request_id)
