@@ -38,13 +38,24 @@ class CompiledGrammar:
     eos_ids: tuple[int, ...]
 
 
+def _strict(params: dict) -> dict:
+    """Object parameters take no properties beyond those named, as in OpenAI's strict mode."""
+    if params.get("type") == "object" and "additionalProperties" not in params:
+        return {**params, "additionalProperties": not params.get("properties")}
+    return params
+
+
 def tool_call_schema(tools: tuple[Tool, ...], names: tuple[str, ...]) -> dict:
-    """JSON schema of one call ``{"name": …, "arguments": {…}}`` to one of ``names``."""
+    """JSON schema of one call ``{"name": …, "arguments": {…}}`` to one of ``names``.
+
+    Forced calls are compact (no free whitespace) and strict, so that even a
+    small model cannot wander off into extra keys before closing the call.
+    """
     options = []
     for tool in tools:
         if tool.name not in names:
             continue
-        params = tool.parameters or {"type": "object"}
+        params = _strict(tool.parameters or {"type": "object"})
         options.append(
             {
                 "type": "object",
@@ -53,7 +64,8 @@ def tool_call_schema(tools: tuple[Tool, ...], names: tuple[str, ...]) -> dict:
                 "additionalProperties": False,
             }
         )
-    return options[0] if len(options) == 1 else {"anyOf": options}
+    schema = options[0] if len(options) == 1 else {"anyOf": options}
+    return {**schema, "x-guidance": {"whitespace_flexible": False}}
 
 
 def tool_call_lark(schema: dict, fmt: str) -> str:

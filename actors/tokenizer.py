@@ -112,11 +112,10 @@ class PromptBuilder:
         if request.constraint is None:
             return None
         tools = request.tools if isinstance(request, ChatRequest) else ()
-        param = "tool_choice" if request.constraint.kind == "tool_call" else "response_format"
         try:
             return self.grammars.compile(request.constraint, tools, self.traits.tool_format)
         except GrammarError as exc:
-            raise PromptError(str(exc), param) from exc
+            raise PromptError(str(exc), request.constraint.param) from exc
 
     def prompt(self, request: AdmittedRequest) -> tuple[str, list[int]]:
         """The prompt text (chat: the rendered template) and its tokens."""

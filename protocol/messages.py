@@ -82,6 +82,7 @@ class Constraint(msgspec.Struct, frozen=True, kw_only=True):
     kind: Literal["json_schema", "json_object", "tool_call"]
     schema: dict | None = None
     tool_names: tuple[str, ...] = ()
+    param: str = "response_format"  # the request field it came from, for a 400
 
 
 class ChatRequest(msgspec.Struct, frozen=True, kw_only=True):

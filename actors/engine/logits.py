@@ -35,14 +35,16 @@ class GrammarProcessor:
 
     def __call__(self, tokens: mx.array, logits: mx.array) -> mx.array:
         n = tokens.shape[0]
-        if self._seen is not None and n > self._seen:
+        # mlx-lm prepares the step after EOS before it reports EOS: a finished grammar takes no more.
+        if self._seen is not None and n > self._seen and not self._matcher.is_stopped():
             self._matcher.consume_tokens(tokens[self._seen :].tolist())
         self._seen = n  # the first call sees the prompt only
         return mx.where(self._allowed(logits.shape[-1]), logits, -math.inf)
 
     def _allowed(self, width: int) -> mx.array:
-        if self._matcher.is_error():
-            log.warning("grammar matcher error, ending the sequence: %s", self._matcher.get_error())
+        if self._matcher.is_error() or self._matcher.is_stopped():
+            if self._matcher.is_error():
+                log.warning("grammar error, ending the sequence: %s", self._matcher.get_error())
             allowed = np.zeros(width, dtype=bool)
             allowed[list(self._grammar.eos_ids)] = True
             return mx.array(allowed)

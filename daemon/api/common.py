@@ -187,10 +187,10 @@ def json_constraint(kind: str, schema: dict | None, param: str) -> Constraint | 
     if kind == "text":
         return None
     if kind == "json_object":
-        return Constraint(kind="json_object")
+        return Constraint(kind="json_object", param=param)
     check(kind == "json_schema", param, "type must be text, json_object or json_schema")
     check(isinstance(schema, dict), param, "json_schema needs a schema object")
-    return Constraint(kind="json_schema", schema=schema)
+    return Constraint(kind="json_schema", schema=schema, param=param)
 
 
 def tool_choice(choice: str | None, tools: tuple[Tool, ...], named: str | None, param: str):
@@ -202,12 +202,12 @@ def tool_choice(choice: str | None, tools: tuple[Tool, ...], named: str | None, 
     names = tuple(t.name for t in tools)
     if named is not None:
         check(named in names, param, f"tool_choice names '{named}', which is not in tools")
-        return "required", Constraint(kind="tool_call", tool_names=(named,))
+        return "required", Constraint(kind="tool_call", tool_names=(named,), param=param)
     choice = choice or "auto"
     check(choice in ("auto", "none", "required"), param, "must be auto, none, required or a tool")
     if choice == "required":
         check(bool(tools), param, "tool_choice 'required' needs tools")
-        return choice, Constraint(kind="tool_call", tool_names=names)
+        return choice, Constraint(kind="tool_call", tool_names=names, param=param)
     return choice, None
 
 
