@@ -8,7 +8,8 @@ boundaries. Formats:
 
 - reasoning: ``<think>…</think>`` (or another tag pair) at the start of the output;
 - ``hermes``: ``<tool_call>{"name": …, "arguments": {…}}</tool_call>`` (Hermes, Qwen);
-- ``mistral``: ``[TOOL_CALLS]`` then a JSON list of calls, or ``name[ARGS]{…}`` items;
+- ``mistral``: ``[TOOL_CALLS]`` then a JSON list of calls, or ``name[ARGS]{…}`` items
+  (text before the marker is content);
 - ``llama3``: output that is ``<|python_tag|>`` or a JSON object
   ``{"name": …, "parameters": {…}}`` (several separated by ``;``);
 - ``json``: output that is a JSON call object or a list of them (generic fallback).
@@ -279,6 +280,38 @@ class LeadingToolParser:
         return Parsed(content=held)
 
 
+class MarkerToolParser:
+    """Content until a marker (Mistral's ``[TOOL_CALLS]``); from the marker on, calls to the end.
+
+    The calls are parsed whole when the output ends; if they do not parse, the
+    text from the marker on is content after all.
+    """
+
+    def __init__(self, marker: str, parse: Callable[[str], list[ToolCall] | None]):
+        self._marker = marker
+        self._parse = parse
+        self._calls = False
+        self._held = ""
+
+    def feed(self, text: str) -> Parsed:
+        buffer, self._held = self._held + text, ""
+        if self._calls:
+            self._held = buffer
+            return Parsed()
+        at = buffer.find(self._marker)
+        if at >= 0:
+            self._calls, self._held = True, buffer[at:]
+            return Parsed(content=buffer[:at])
+        keep = partial_suffix(buffer, (self._marker,))
+        self._held = buffer[len(buffer) - keep :]
+        return Parsed(content=buffer[: len(buffer) - keep])
+
+    def flush(self) -> Parsed:
+        held, self._held = self._held, ""
+        calls = self._parse(held) if self._calls else None
+        return Parsed(calls=calls) if calls is not None else Parsed(content=held)
+
+
 _MISTRAL_ITEM = re.compile(r"\s*([A-Za-z0-9_.\-]+)\s*\[ARGS\]")
 
 
@@ -308,7 +341,7 @@ def make_tool_parser(fmt: str, make_id: IdFactory = new_call_id):
     if fmt == "hermes":
         return TaggedToolParser(make_id)
     if fmt == "mistral":
-        return LeadingToolParser(("[TOOL_CALLS]",), lambda t: parse_mistral(t, make_id))
+        return MarkerToolParser("[TOOL_CALLS]", lambda t: parse_mistral(t, make_id))
     if fmt == "llama3":
         return LeadingToolParser(
             ("<|python_tag|>", "{"),

@@ -105,11 +105,14 @@ def test_reasoning_then_tool_call():
         ('[TOOL_CALLS] [{"name": "f", "arguments": {"a": 1}}]', "", [("f", {"a": 1})]),
         ('[TOOL_CALLS]f[ARGS]{"a": 1}[TOOL_CALLS]g[ARGS]{}', "", [("f", {"a": 1}), ("g", {})]),
         ("Sure. No tools.", "Sure. No tools.", []),
+        ('Let me see. [TOOL_CALLS][{"name": "f", "arguments": {}}]', "Let me see. ", [("f", {})]),
         ("[TOOL_CALLS] not json", "[TOOL_CALLS] not json", []),
+        ("a [TOOL", "a [TOOL", []),
     ],
 )
 def test_mistral(text, content, calls):
-    check(OutputSpec(tool_format="mistral"), text, content, calls=calls)
+    never = ("[TOOL_CALLS]",) if calls else ()
+    check(OutputSpec(tool_format="mistral"), text, content, calls=calls, never_shown=never)
 
 
 @pytest.mark.parametrize(
