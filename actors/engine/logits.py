@@ -57,22 +57,20 @@ class GrammarProcessor:
 
 
 def token_logprobs(rows: list[mx.array], tokens: list[int], tops: list[int]) -> list[TokenLogprob]:
-    """The sampled tokens' logprobs and each row's ``tops[i]`` best (finite) alternatives."""
-    batch = mx.stack(rows)
-    chosen = batch[mx.arange(len(tokens)), mx.array(tokens)]
-    k = max(tops)
-    if k > 0:
-        k = min(k, batch.shape[-1])
-        idx = mx.argpartition(-batch, kth=k - 1, axis=-1)[:, :k]
-        vals = mx.take_along_axis(batch, idx, axis=-1)
-        mx.eval(chosen, idx, vals)
-        idx_l, vals_l = idx.tolist(), vals.tolist()
-    else:
-        mx.eval(chosen)
-        idx_l = vals_l = [[] for _ in tokens]
+    """The sampled tokens' logprobs and each row's ``tops[i]`` best (finite) alternatives.
+
+    The rows are already evaluated (mlx-lm evaluates them with the step), so
+    this is done in numpy: an MLX op here would queue behind the next step that
+    mlx-lm has already launched, and undo its overlap with this one.
+    """
     out = []
-    for i, (token, lp) in enumerate(zip(tokens, chosen.tolist(), strict=True)):
-        pairs = sorted(zip(idx_l[i], vals_l[i], strict=True), key=lambda p: -p[1])
-        top = tuple((t, v) for t, v in pairs[: tops[i]] if math.isfinite(v))
-        out.append(TokenLogprob(token=token, logprob=lp, top=top))
+    for row, token, k in zip(rows, tokens, tops, strict=True):
+        values = np.asarray(row, dtype=np.float32)
+        top: tuple[tuple[int, float], ...] = ()
+        if k > 0:
+            k = min(k, values.shape[-1])
+            idx = np.argpartition(-values, k - 1)[:k]
+            idx = idx[np.argsort(-values[idx], kind="stable")]
+            top = tuple((int(i), float(values[i])) for i in idx if math.isfinite(values[i]))
+        out.append(TokenLogprob(token=token, logprob=float(values[token]), top=top))
     return out
