@@ -8,9 +8,10 @@ when done; events for an unregistered mailbox are dropped (the client is gone).
 
 from __future__ import annotations
 
+import msgspec
 import trio
 
-from protocol.messages import Failed, Finished, MailboxEvent, Started, TextDelta
+from protocol.messages import Failed, Finished, MailboxEvent, Started, TextDelta, ToolCallDelta
 
 
 class Bell:
@@ -30,6 +31,17 @@ class Bell:
             self._event = trio.Event()
 
 
+def merge_calls(calls: list[ToolCallDelta]) -> tuple[ToolCallDelta, ...]:
+    """Argument pieces joined onto the delta before them when it is the same call's."""
+    out: list[ToolCallDelta] = []
+    for c in calls:
+        if out and c.id is None and out[-1].index == c.index:
+            out[-1] = msgspec.structs.replace(out[-1], arguments=out[-1].arguments + c.arguments)
+        else:
+            out.append(c)
+    return tuple(out)
+
+
 def merge_deltas(deltas: list[TextDelta]) -> TextDelta:
     """One delta holding several in order (reasoning, content, calls and logprobs each joined)."""
     if len(deltas) == 1:
@@ -37,7 +49,7 @@ def merge_deltas(deltas: list[TextDelta]) -> TextDelta:
     return TextDelta(
         text="".join(d.text for d in deltas),
         reasoning="".join(d.reasoning for d in deltas),
-        tool_calls=tuple(c for d in deltas for c in d.tool_calls),
+        tool_calls=merge_calls([c for d in deltas for c in d.tool_calls]),
         logprobs=tuple(p for d in deltas for p in d.logprobs),
         tokens=sum(d.tokens for d in deltas),
     )

@@ -8,18 +8,22 @@ boundaries. Formats:
 
 - reasoning: ``<think>…</think>`` (or another tag pair) at the start of the output;
 - ``hermes``: ``<tool_call>{"name": …, "arguments": {…}}</tool_call>`` (Hermes, Qwen);
+  once the name is out, the arguments stream as they are generated;
 - ``mistral``: ``[TOOL_CALLS]`` then a JSON list of calls, or ``name[ARGS]{…}`` items
   (text before the marker is content);
 - ``llama3``: output that is ``<|python_tag|>`` or a JSON object
   ``{"name": …, "parameters": {…}}`` (several separated by ``;``);
 - ``json``: output that is a JSON call object or a list of them (generic fallback).
 
-A call whose JSON does not parse is given back as content, never dropped.
+Calls come out as ``CallPiece``s: a call's first piece has its id and name,
+later pieces continue its arguments. A call whose JSON does not parse is given
+back as content, never dropped (except arguments already streamed).
 Pure Python: no trio, no mlx.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import uuid
@@ -47,13 +51,30 @@ def partial_suffix(buffer: str, markers: tuple[str, ...]) -> int:
     return best
 
 
+@dataclass(frozen=True)
+class CallPiece:
+    """A tool call or a piece of one: ``id`` and ``name`` are set on a call's first piece.
+
+    ``index`` numbers the calls of a request (set by ``OutputParser``).
+    """
+
+    arguments: str
+    id: str | None = None
+    name: str | None = None
+    index: int = -1
+
+
+def whole(call: ToolCall) -> CallPiece:
+    return CallPiece(arguments=call.arguments, id=call.id, name=call.name)
+
+
 @dataclass
 class Parsed:
     """What one chunk of output text turned out to be."""
 
     content: str = ""
     reasoning: str = ""
-    calls: list[ToolCall] = field(default_factory=list)
+    calls: list[CallPiece] = field(default_factory=list)
 
     def extend(self, other: Parsed) -> None:
         self.content += other.content
@@ -173,16 +194,26 @@ def calls_from_values(values: list[object] | None, make_id: IdFactory) -> list[T
     return calls  # type: ignore[return-value]
 
 
+_HERMES_HEADER = re.compile(
+    r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"arguments"\s*:\s*(?=\{)'
+)
+_ARGS_TAIL = re.compile(r"\s*\}?\s*$")  # what may still close the call object
+
+
 class TaggedToolParser:
     """Hermes / Qwen: each call is a JSON object between ``<tool_call>`` and ``</tool_call>``.
 
-    Text outside the tags is content; whitespace between or after calls is dropped.
+    Text outside the tags is content; whitespace between or after calls is
+    dropped. When a call starts ``{"name": …, "arguments": {`` its arguments
+    stream as they come (holding back what may be the call object's closing
+    brace); otherwise the call is parsed whole at its closing tag.
     """
 
     def __init__(self, make_id: IdFactory, open_tag="<tool_call>", close_tag="</tool_call>"):
         self._open, self._close = open_tag, close_tag
         self._make_id = make_id
         self._inside = False
+        self._streaming = False  # inside a call whose arguments are streaming
         self._held = ""
         self._space = ""  # whitespace after a call, shown only if content follows
         self._called = False
@@ -191,7 +222,12 @@ class TaggedToolParser:
         out = Parsed()
         buffer, self._held = self._held + text, ""
         while buffer:
-            buffer = self._in_call(buffer, out) if self._inside else self._in_text(buffer, out)
+            if self._streaming:
+                buffer = self._in_args(buffer, out)
+            elif self._inside:
+                buffer = self._in_call(buffer, out)
+            else:
+                buffer = self._in_text(buffer, out)
         return out
 
     def _in_text(self, buffer: str, out: Parsed) -> str:
@@ -213,6 +249,12 @@ class TaggedToolParser:
 
     def _in_call(self, buffer: str, out: Parsed) -> str:
         end = buffer.find(self._close)
+        header = _HERMES_HEADER.match(buffer)
+        if header is not None and (end < 0 or header.end() <= end):
+            name = json.loads(f'"{header.group(1)}"')
+            out.calls.append(CallPiece(arguments="", id=self._make_id(), name=name))
+            self._streaming, self._called, self._space = True, True, ""
+            return buffer[header.end() :]
         if end < 0:
             self._held = buffer
             return ""
@@ -220,19 +262,41 @@ class TaggedToolParser:
         self._finish_call(buffer[:end], out, closed=True)
         return buffer[end + len(self._close) :]
 
+    def _in_args(self, buffer: str, out: Parsed) -> str:
+        end = buffer.find(self._close)
+        if end >= 0:
+            self._end_args(buffer[:end], out)
+            return buffer[end + len(self._close) :]
+        body = buffer[: len(buffer) - partial_suffix(buffer, (self._close,))]
+        cut = _ARGS_TAIL.search(body).start()  # type: ignore[union-attr]
+        if cut:
+            out.calls.append(CallPiece(arguments=body[:cut]))
+        self._held = buffer[cut:]
+        return ""
+
+    def _end_args(self, rest: str, out: Parsed) -> None:
+        """The last of the arguments: ``rest`` less the call object's closing brace."""
+        rest = rest.rstrip()
+        rest = rest[:-1].rstrip() if rest.endswith("}") else rest
+        if rest:
+            out.calls.append(CallPiece(arguments=rest))
+        self._inside = self._streaming = False
+
     def _finish_call(self, body: str, out: Parsed, *, closed: bool) -> None:
         calls = calls_from_values(_json_values(body), self._make_id)
         if calls is None:
             raw = self._open + body + (self._close if closed else "")
             self._emit(raw, out)
             return
-        out.calls.extend(calls)
+        out.calls.extend(whole(c) for c in calls)
         self._called, self._space = True, ""
 
     def flush(self) -> Parsed:
         out = Parsed()
         held, self._held = self._held, ""
-        if self._inside:
+        if self._streaming:
+            self._end_args(held, out)
+        elif self._inside:
             self._inside = False
             self._finish_call(held, out, closed=False)
         elif held:
@@ -276,7 +340,7 @@ class LeadingToolParser:
         if self._state == "call":
             calls = self._parse(held)
             if calls is not None:
-                return Parsed(calls=calls)
+                return Parsed(calls=[whole(c) for c in calls])
         return Parsed(content=held)
 
 
@@ -309,7 +373,9 @@ class MarkerToolParser:
     def flush(self) -> Parsed:
         held, self._held = self._held, ""
         calls = self._parse(held) if self._calls else None
-        return Parsed(calls=calls) if calls is not None else Parsed(content=held)
+        if calls is None:
+            return Parsed(content=held)
+        return Parsed(calls=[whole(c) for c in calls])
 
 
 _MISTRAL_ITEM = re.compile(r"\s*([A-Za-z0-9_.\-]+)\s*\[ARGS\]")
@@ -387,7 +453,11 @@ class OutputParser:
         out.extend(self._tools.feed(stage.content) if stage.content else Parsed())
         if final:
             out.extend(self._tools.flush())
-        if self._single:
-            out.calls = out.calls[: max(0, 1 - self.calls)]
-        self.calls += len(out.calls)
+        out.calls = [p for p in map(self._number, out.calls) if not (self._single and p.index)]
         return out
+
+    def _number(self, piece: CallPiece) -> CallPiece:
+        """Index the piece: a first piece starts the next call, others continue the last."""
+        if piece.id is not None:
+            self.calls += 1
+        return dataclasses.replace(piece, index=self.calls - 1)

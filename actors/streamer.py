@@ -119,8 +119,10 @@ class StreamState:
             self._finish(rid, step.finish_reason, engine_done=True)
 
     def _deliver_parsed(self, rid: str, req: _Request, parsed: Parsed, step: TokenStep) -> None:
-        first = req.parser.calls - len(parsed.calls)
-        calls = tuple(ToolCallDelta(index=first + i, call=c) for i, c in enumerate(parsed.calls))
+        calls = tuple(
+            ToolCallDelta(index=p.index, id=p.id, name=p.name, arguments=p.arguments)
+            for p in parsed.calls
+        )
         logprobs = tuple(self._piece(lp) for lp in step.logprobs)
         if parsed.content or parsed.reasoning or calls or logprobs:
             delta = TextDelta(

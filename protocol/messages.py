@@ -237,10 +237,16 @@ class EngineStep(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class ToolCallDelta(msgspec.Struct, frozen=True, kw_only=True):
-    """A complete tool call parsed from the output, numbered from 0 within the request."""
+    """A tool call parsed from the output, or more of its arguments.
+
+    Calls are numbered from 0 within the request; a call's first delta carries
+    its ``id`` and ``name``, later ones (same ``index``) continue ``arguments``.
+    """
 
     index: int
-    call: ToolCall
+    arguments: str
+    id: str | None = None
+    name: str | None = None
 
 
 class LogprobPiece(msgspec.Struct, frozen=True, kw_only=True):

@@ -161,11 +161,18 @@ class ChatCompletion(msgspec.Struct, kw_only=True):
     object: str = "chat.completion"
 
 
-class DeltaToolCall(msgspec.Struct, kw_only=True):
+class DeltaFunction(msgspec.Struct, kw_only=True, omit_defaults=True):
+    arguments: str
+    name: str | None = None
+
+
+class DeltaToolCall(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """A call's first delta has ``id``, ``type`` and ``function.name``; later ones only arguments."""
+
     index: int
-    id: str
-    function: WireFunctionCall
-    type: str = "function"
+    function: DeltaFunction
+    id: str | None = None
+    type: str | None = None
 
 
 class Delta(msgspec.Struct, kw_only=True, omit_defaults=True):

@@ -121,8 +121,12 @@ async def test_tool_call_is_parsed_not_leaked():
     assert json.loads(call["function"]["arguments"]) == {"city": "Paris"}
     deltas = [ch["choices"][0]["delta"] for ch in chunks if ch["choices"]]
     assert "".join(d.get("content") or "" for d in deltas) == "Checking. "
-    calls = [tc for d in deltas for tc in d.get("tool_calls") or []]
-    assert [(tc["index"], tc["function"]["name"]) for tc in calls] == [(0, "get_weather")]
+    pieces = [tc for d in deltas for tc in d.get("tool_calls") or []]
+    assert pieces[0]["id"].startswith("call_") and pieces[0]["type"] == "function"
+    assert [p["function"].get("name") for p in pieces if "id" in p] == ["get_weather"]
+    assert {p["index"] for p in pieces} == {0}
+    arguments = "".join(p["function"]["arguments"] for p in pieces)
+    assert json.loads(arguments) == {"city": "Paris"}
     assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
 
 

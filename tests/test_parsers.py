@@ -25,9 +25,14 @@ def run(spec: OutputSpec, chunks: list[str]) -> tuple[str, str, list[tuple[str, 
     last = parser.flush()
     deltas.append(last.content)
     total.extend(last)
-    calls = [(c.name, json.loads(c.arguments)) for c in total.calls]
-    assert [c.id for c in total.calls] == [f"call_{i}" for i in range(len(calls))]
-    return total.content, total.reasoning, calls, deltas
+    calls: list[list] = []
+    for piece in total.calls:  # first pieces carry id and name, the rest continue the arguments
+        if piece.id is not None:
+            assert piece.id == f"call_{len(calls)}"
+            calls.append([piece.name, ""])
+        assert piece.index == len(calls) - 1
+        calls[-1][1] += piece.arguments
+    return total.content, total.reasoning, [(n, json.loads(a)) for n, a in calls], deltas
 
 
 def splits(text: str):
@@ -61,6 +66,11 @@ CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</
         # Broken JSON is given back as content, never dropped.
         ("<tool_call>{oops</tool_call>", "<tool_call>{oops</tool_call>", []),
         ("a < b <tool", "a < b <tool", []),
+        (
+            '<tool_call>{"name":"f","arguments":{"a":{"b":[1]}}}\n</tool_call>',
+            "",
+            [("f", {"a": {"b": [1]}})],
+        ),
         # Arguments as a JSON string holding an object are accepted.
         (
             '<tool_call>{"name": "f", "arguments": "{\\"x\\": 1}"}</tool_call>',
@@ -147,6 +157,18 @@ def test_llama3(text, content, calls):
 )
 def test_json_fallback(text, content, calls):
     check(OutputSpec(tool_format="json"), text, content, calls=calls)
+
+
+def test_hermes_arguments_stream_before_the_call_closes():
+    counter = itertools.count()
+    parser = OutputParser(HERMES, make_id=lambda: f"call_{next(counter)}")
+    text = '<tool_call>{"name": "f", "arguments": {"q": "a long query"}}</tool_call>'
+    cut = text.index("long")
+    early = parser.feed(text[:cut]).calls
+    assert early[0].name == "f" and early[0].id == "call_0"
+    assert "".join(p.arguments for p in early) == '{"q": "a'  # a space may precede the end
+    late = parser.feed(text[cut:]).calls + parser.flush().calls
+    assert "".join(p.arguments for p in early + late) == '{"q": "a long query"}'
 
 
 def test_single_tool_call_keeps_the_first():

@@ -82,14 +82,11 @@ async def test_structured_output_tools_and_logprobs(settings):  # noqa: F811
                 nursery.start_soon(one, "plain", plain)
             person = results["person"]
             assert results["plain"]["choices"][0]["message"] == alone["choices"][0]["message"]
-            forced = await post(
-                chat(
-                    "What's the weather in Paris?",
-                    max_tokens=60,
-                    tools=TOOLS,
-                    tool_choice="required",
-                )
+            weather = chat(
+                "What's the weather in Paris?", max_tokens=60, tools=TOOLS, tool_choice="required"
             )
+            forced = await post(weather)
+            raw = (await http.post("/v1/chat/completions", json={**weather, "stream": True})).text
             named = {"type": "function", "function": {"name": "get_time"}}
             timed = await post(chat("Hello!", max_tokens=60, tools=TOOLS, tool_choice=named))
             lp = await post(
@@ -124,6 +121,16 @@ async def test_structured_output_tools_and_logprobs(settings):  # noqa: F811
             if t["function"]["name"] == call["function"]["name"]
         )
         jsonschema.validate(json.loads(call["function"]["arguments"]), schema)
+
+    frames = [
+        json.loads(f.removeprefix("data: ")) for f in raw.split("\n\n") if f and "[DONE]" not in f
+    ]
+    deltas = [fr["choices"][0]["delta"] for fr in frames if fr["choices"]]
+    assert "".join(d.get("content") or "" for d in deltas) == ""  # no markup leaks
+    streamed = [tc for d in deltas for tc in d.get("tool_calls") or []]
+    (call,) = forced["choices"][0]["message"]["tool_calls"]
+    assert streamed[0]["function"]["name"] == call["function"]["name"]
+    assert "".join(tc["function"]["arguments"] for tc in streamed) == call["function"]["arguments"]
 
     pieces = lp["choices"][0]["logprobs"]["content"]
     assert len(pieces) == lp["usage"]["completion_tokens"]

@@ -61,7 +61,7 @@ def test_special_marker_reaches_the_parser_other_specials_stay_hidden():
     (delta,), finished = run(OutputSpec(tool_format="mistral"), tokens)
     assert delta.text == "ok"  # "<s>" hidden
     # The text before the marker is content; the calls come whole at the end.
-    assert [c.call.name for c in delta.tool_calls] == ["f"]
+    assert [c.name for c in delta.tool_calls] == ["f"]
     assert isinstance(finished, Finished) and finished.finish_reason == "length"
 
 

@@ -189,8 +189,12 @@ def stop_reason(f: Finished) -> str:
 
 
 def _input(arguments: str) -> dict:
-    value = json.loads(arguments)
-    return value if isinstance(value, dict) else {}
+    """The call's arguments as an object (streamed arguments that went wrong: under ``_raw``)."""
+    try:
+        value = json.loads(arguments)
+    except ValueError:
+        return {"_raw": arguments}
+    return value if isinstance(value, dict) else {"_raw": arguments}
 
 
 def message_body(rid: str, model: str, c: Choice) -> wire.Message:
@@ -268,10 +272,12 @@ class MessageStream:
                 out += self._block("text", {"type": "text", "text": ""})
             out.append(self._delta({"type": "text_delta", "text": event.text}))
         for c in event.tool_calls:
-            block = {"type": "tool_use", "id": c.call.id, "name": c.call.name, "input": {}}
-            out += self._block("tool_use", block)
-            out.append(self._delta({"type": "input_json_delta", "partial_json": c.call.arguments}))
-            out += self._close()
+            if c.id is not None:
+                out += self._block(
+                    "tool_use", {"type": "tool_use", "id": c.id, "name": c.name, "input": {}}
+                )
+            if c.arguments:
+                out.append(self._delta({"type": "input_json_delta", "partial_json": c.arguments}))
         return out
 
     def finish(self, f: Finished) -> list[bytes]:

@@ -300,7 +300,14 @@ class Choice:
     def add(self, delta: TextDelta) -> None:
         self.text += delta.text
         self.reasoning += delta.reasoning
-        self.calls += [c.call for c in delta.tool_calls]
+        for c in delta.tool_calls:
+            if c.id is not None:
+                self.calls.append(ToolCall(id=c.id, name=c.name or "", arguments=c.arguments))
+            else:
+                last = self.calls[c.index]
+                self.calls[c.index] = msgspec.structs.replace(
+                    last, arguments=last.arguments + c.arguments
+                )
         self.logprobs += delta.logprobs
 
 

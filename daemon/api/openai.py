@@ -180,8 +180,9 @@ def _delta_calls(calls: tuple[ToolCallDelta, ...]) -> list[wire.DeltaToolCall] |
     return [
         wire.DeltaToolCall(
             index=c.index,
-            id=c.call.id,
-            function=wire.WireFunctionCall(name=c.call.name, arguments=c.call.arguments),
+            id=c.id,
+            type="function" if c.id is not None else None,
+            function=wire.DeltaFunction(name=c.name, arguments=c.arguments),
         )
         for c in calls
     ]

@@ -269,7 +269,11 @@ class ResponseStream:
         if item is None:
             return []
         where, out = self._where(), []
-        if item["type"] == "message":
+        if item["type"] == "function_call":
+            args = {**where, "arguments": self.text}
+            out.append(self.sse("response.function_call_arguments.done", args))
+            item = {**item, "arguments": self.text, "status": "completed"}
+        elif item["type"] == "message":
             done = {**where, "content_index": 0}
             out.append(
                 self.sse("response.output_text.done", {**done, "text": self.text, "logprobs": []})
@@ -303,27 +307,13 @@ class ResponseStream:
             data = {**self._where(), "content_index": 0, "delta": event.text, "logprobs": []}
             out.append(self.sse("response.output_text.delta", data))
         for c in event.tool_calls:
-            out += self._call(c.call)
-        return out
-
-    def _call(self, call: ToolCall) -> list[bytes]:
-        item_id = _id("fc")
-        out = self._open(call_item(item_id, call, "", "in_progress"))
-        where = self._where()
-        out.append(
-            self.sse("response.function_call_arguments.delta", {**where, "delta": call.arguments})
-        )
-        out.append(
-            self.sse(
-                "response.function_call_arguments.done", {**where, "arguments": call.arguments}
-            )
-        )
-        item = call_item(item_id, call, call.arguments)
-        out.append(
-            self.sse("response.output_item.done", {"output_index": len(self.output), "item": item})
-        )
-        self.output.append(item)
-        self.open = None
+            if c.id is not None:
+                call = ToolCall(id=c.id, name=c.name or "", arguments="")
+                out += self._open(call_item(_id("fc"), call, "", "in_progress"))
+            if c.arguments:
+                self.text += c.arguments
+                data = {**self._where(), "delta": c.arguments}
+                out.append(self.sse("response.function_call_arguments.delta", data))
         return out
 
     def finish(self, f: Finished) -> list[bytes]:
