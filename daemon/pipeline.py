@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import trio
@@ -82,12 +82,12 @@ class Pipeline:
     state: ServerState = ServerState.LOADING
     info: ModelInfo | None = None
     builder: Any = None  # the tokenizer actor's PromptBuilder, for count_tokens
-    _count_limiter: trio.CapacityLimiter = field(default_factory=lambda: trio.CapacityLimiter(1))
+    count_limiter: trio.CapacityLimiter | None = None  # its worker threads (tokenizer.workers)
 
     async def count_tokens(self, request: AdmittedRequest) -> int:
         """Prompt tokens of a request, rendered as it would be served (worker thread)."""
         tokens = await trio.to_thread.run_sync(
-            self.builder.tokens, request, limiter=self._count_limiter
+            self.builder.tokens, request, limiter=self.count_limiter
         )
         return len(tokens)
 

@@ -113,6 +113,7 @@ async def run_actors(
             grammars=grammars,
         )
         pipeline.builder = builder
+        pipeline.count_limiter = trio.CapacityLimiter(s.tokenizer.workers)
         await nursery.start(
             tokenizer.run,
             graph.tokenize[1],

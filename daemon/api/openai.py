@@ -342,6 +342,74 @@ def _one_prompt(prompt: str | list[str | int]) -> str | tuple[int, ...]:
 # ---- routes -------------------------------------------------------------------------------
 
 
+def completion_requests(w: wire.CompletionRequest, rid: str, v: Validator):
+    check(w.suffix is None, "suffix", "suffix (insertion) is not supported")
+    check(w.logprobs is None or w.logprobs >= 0, "logprobs", "logprobs must be >= 0")
+    sampling = sampling_from(
+        w, w.max_tokens, v, logprobs=w.logprobs is not None, top_logprobs=w.logprobs or 0
+    )
+    prompt, constraint = _one_prompt(w.prompt), response_constraint(w.response_format)
+    return [
+        CompletionRequest(
+            request_id=cid,
+            prompt=prompt,
+            sampling=choice_sampling(sampling, i),
+            arrival=time.time(),
+            constraint=constraint,
+        )
+        for i, cid in enumerate(choice_ids(rid, v.n(w.n)))
+    ]
+
+
+def text_choice(i: int, c: Choice, echo: str, logprobs: bool) -> wire.TextChoice:
+    return wire.TextChoice(
+        index=i,
+        text=echo + c.text,
+        finish_reason=c.finished.finish_reason if c.finished else None,
+        logprobs=text_logprobs(c.logprobs, len(echo)) if logprobs else None,
+    )
+
+
+async def chat(pipeline: Pipeline, v: Validator, model: str, w: wire.ChatCompletionRequest):
+    rid = f"chatcmpl-{uuid.uuid4().hex}"
+    requests = chat_requests(w, rid, v)
+    first, rest = await start(pipeline, requests)  # type: ignore[arg-type]
+    if w.stream:
+        include = bool(w.stream_options and w.stream_options.include_usage)
+        shape = ChatStream(rid, model, len(requests), include)
+        return sse_response(stream_body(shape, first, rest))
+    choices = await collect(len(requests), first, rest)
+    body = wire.ChatCompletion(
+        id=rid,
+        created=int(time.time()),
+        model=model,
+        choices=[chat_choice(i, c, bool(w.logprobs)) for i, c in enumerate(choices)],
+        usage=usage(*usage_of(choices)),
+    )
+    return json_response(body)
+
+
+async def complete(pipeline: Pipeline, v: Validator, model: str, w: wire.CompletionRequest):
+    rid = f"cmpl-{uuid.uuid4().hex}"
+    requests = completion_requests(w, rid, v)
+    first, rest = await start(pipeline, requests)  # type: ignore[arg-type]
+    # After start: token-id prompts have been checked against the vocabulary.
+    echo = _echo(requests[0].prompt, pipeline) if w.echo else ""
+    if w.stream:
+        include = bool(w.stream_options and w.stream_options.include_usage)
+        shape = TextStream(rid, model, len(requests), include, echo)
+        return sse_response(stream_body(shape, first, rest))
+    choices = await collect(len(requests), first, rest)
+    body = wire.TextCompletion(
+        id=rid,
+        created=int(time.time()),
+        model=model,
+        choices=[text_choice(i, c, echo, w.logprobs is not None) for i, c in enumerate(choices)],
+        usage=usage(*usage_of(choices)),
+    )
+    return json_response(body)
+
+
 def install(app: QuartTrio, pipeline: Pipeline, v: Validator, ready: Callable[[], str]) -> None:
     """Register the OpenAI routes on the app."""
 
@@ -350,74 +418,14 @@ def install(app: QuartTrio, pipeline: Pipeline, v: Validator, ready: Callable[[]
         w = decode(wire.chat_decoder, await request.get_data(cache=False))
         model = ready()
         v.check_model(w.model, model)
-        rid = f"chatcmpl-{uuid.uuid4().hex}"
-        requests = chat_requests(w, rid, v)
-        first, rest = await start(pipeline, requests)  # type: ignore[arg-type]
-        if w.stream:
-            include = bool(w.stream_options and w.stream_options.include_usage)
-            shape = ChatStream(rid, model, len(requests), include)
-            return sse_response(stream_body(shape, first, rest))
-        choices = await collect(len(requests), first, rest)
-        body = wire.ChatCompletion(
-            id=rid,
-            created=int(time.time()),
-            model=model,
-            choices=[chat_choice(i, c, bool(w.logprobs)) for i, c in enumerate(choices)],
-            usage=usage(*usage_of(choices)),
-        )
-        return json_response(body)
+        return await chat(pipeline, v, model, w)
 
     @app.post("/v1/completions")
     async def completions() -> Response:
         w = decode(wire.completion_decoder, await request.get_data(cache=False))
         model = ready()
         v.check_model(w.model, model)
-        check(w.suffix is None, "suffix", "suffix (insertion) is not supported")
-        check(w.logprobs is None or w.logprobs >= 0, "logprobs", "logprobs must be >= 0")
-        sampling = sampling_from(
-            w,
-            w.max_tokens,
-            v,
-            logprobs=w.logprobs is not None,
-            top_logprobs=w.logprobs or 0,
-        )
-        rid, prompt = f"cmpl-{uuid.uuid4().hex}", _one_prompt(w.prompt)
-        constraint = response_constraint(w.response_format)
-        requests = [
-            CompletionRequest(
-                request_id=cid,
-                prompt=prompt,
-                sampling=choice_sampling(sampling, i),
-                arrival=time.time(),
-                constraint=constraint,
-            )
-            for i, cid in enumerate(choice_ids(rid, v.n(w.n)))
-        ]
-        echo = _echo(prompt, pipeline) if w.echo else ""
-        first, rest = await start(pipeline, requests)  # type: ignore[arg-type]
-        if w.stream:
-            include = bool(w.stream_options and w.stream_options.include_usage)
-            shape = TextStream(rid, model, len(requests), include, echo)
-            return sse_response(stream_body(shape, first, rest))
-        choices = await collect(len(requests), first, rest)
-        body = wire.TextCompletion(
-            id=rid,
-            created=int(time.time()),
-            model=model,
-            choices=[
-                wire.TextChoice(
-                    index=i,
-                    text=echo + c.text,
-                    finish_reason=c.finished.finish_reason if c.finished else None,
-                    logprobs=text_logprobs(c.logprobs, len(echo))
-                    if w.logprobs is not None
-                    else None,
-                )
-                for i, c in enumerate(choices)
-            ],
-            usage=usage(*usage_of(choices)),
-        )
-        return json_response(body)
+        return await complete(pipeline, v, model, w)
 
     @app.get("/v1/models")
     async def models() -> Response:
