@@ -195,3 +195,46 @@ async def test_anthropic_and_responses_equal_chat(settings):  # noqa: F811
     assert resp["output"][0]["content"][0]["text"] == text
     assert msg["usage"]["input_tokens"] == ref["usage"]["prompt_tokens"] == count["input_tokens"]
     assert resp["usage"]["input_tokens"] == ref["usage"]["prompt_tokens"]
+
+
+@pytest.mark.parametrize("fmt", ["hermes", "mistral", "llama3", "json"])
+def test_forced_call_grammar_round_trips_through_each_parser(settings, fmt):  # noqa: F811
+    """For formats the small model is not trained on: the forced-call grammar of each
+    format accepts a well-formed call to an offered tool (and only that), and the format's
+    parser reads that very text back as the call."""
+    from pathlib import Path
+
+    from mlx_lm.utils import load_tokenizer
+
+    from actors.engine.runner import resolve_model_dir
+    from actors.grammar import GrammarCompiler, tool_call_lark, tool_call_schema
+    from actors.parsers import OutputParser
+    from protocol.messages import Constraint, OutputSpec, Tool
+
+    _, model_dir = resolve_model_dir("", Path(settings.model.cache_dir), lambda _line: None)
+    tokenizer = load_tokenizer(model_dir)
+    tools = (Tool(name="get_weather", parameters=WEATHER), Tool(name="other"))
+    constraint = Constraint(kind="tool_call", tool_names=("get_weather",))
+    args = '{"city":"Oslo","unit":"C"}'
+    body = '{"name":"get_weather","arguments":' + args + "}"
+    text = {
+        "hermes": f"<tool_call>\n{body}\n</tool_call>",
+        "mistral": f"[TOOL_CALLS][{body}]",
+        "llama3": body,
+        "json": body,
+    }[fmt]
+    compiler = GrammarCompiler(tokenizer)
+
+    def accepts(candidate: str) -> bool:
+        matcher = compiler.compile(constraint, tools, fmt).matcher
+        tokens = tokenizer.encode(candidate, add_special_tokens=False)
+        return matcher.consume_tokens(tokens) and matcher.is_accepting()
+
+    assert "%json" in tool_call_lark(tool_call_schema(tools, ("get_weather",)), fmt)
+    assert accepts(text)
+    assert not accepts(text.replace("get_weather", "other"))
+    assert not accepts(text.replace('"unit":"C"', '"unit":"K"'))
+    parser = OutputParser(OutputSpec(tool_format=fmt))
+    pieces = parser.feed(text).calls + parser.flush().calls
+    assert pieces[0].name == "get_weather"
+    assert json.loads("".join(p.arguments for p in pieces)) == json.loads(args)
