@@ -22,19 +22,30 @@ class Decoder(Protocol):
 
 
 class IncrementalDetokenizer:
-    """Decode a token stream into text deltas, holding back incomplete characters."""
+    """Decode a token stream into text deltas, holding back incomplete characters.
 
-    def __init__(self, tokenizer: Decoder):
+    Special tokens are hidden unless ``hidden`` is given: then exactly those ids
+    are hidden (a tool-call parser needs to see marker tokens such as
+    ``[TOOL_CALLS]`` that are special in their tokenizer).
+    """
+
+    def __init__(self, tokenizer: Decoder, hidden: frozenset[int] | None = None):
         self._tokenizer = tokenizer
+        self._hidden = hidden
         self._tokens: list[int] = []
         self._prefix_offset = 0  # start of the context window
         self._read_offset = 0  # tokens before this are emitted
 
     def _decode(self, start: int, stop: int | None = None) -> str:
-        return self._tokenizer.decode(self._tokens[start:stop], skip_special_tokens=True)
+        ids = self._tokens[start:stop]
+        if self._hidden is None:
+            return self._tokenizer.decode(ids, skip_special_tokens=True)
+        return self._tokenizer.decode(ids, skip_special_tokens=False)
 
     def add(self, tokens: list[int] | tuple[int, ...]) -> str:
         """Append tokens; return the newly completed text (maybe empty)."""
+        if self._hidden is not None:
+            tokens = [t for t in tokens if t not in self._hidden]
         self._tokens.extend(tokens)
         prefix = self._decode(self._prefix_offset, self._read_offset)
         full = self._decode(self._prefix_offset)
@@ -60,17 +71,19 @@ class StopMatcher:
         self._stops = [s for s in stops if s]
         self._held = ""
         self.stopped = False
+        self.matched: str | None = None  # the stop string that ended the text
 
     def feed(self, text: str) -> str:
         """Return the text safe to show; sets ``stopped`` when a stop string appears."""
         if self.stopped:
             return ""
         buffer = self._held + text
-        hits = [i for i in (buffer.find(s) for s in self._stops) if i >= 0]
+        hits = [(i, s) for s in self._stops if (i := buffer.find(s)) >= 0]
         if hits:
+            first, self.matched = min(hits)
             self.stopped = True
             self._held = ""
-            return buffer[: min(hits)]
+            return buffer[:first]
         keep = self._longest_partial(buffer)
         self._held = buffer[len(buffer) - keep :] if keep else ""
         return buffer[: len(buffer) - keep]
@@ -89,3 +102,63 @@ class StopMatcher:
         """The held-back tail, released when the stream ends without a stop."""
         held, self._held = self._held, ""
         return "" if self.stopped else held
+
+
+def _byte_level_table() -> dict[str, int]:
+    """GPT-2's byte-level BPE alphabet: printable stand-in character → byte."""
+    printable = [*range(33, 127), *range(161, 173), *range(174, 256)]
+    table, extra = {chr(b): b for b in printable}, 0
+    for b in range(256):
+        if b not in printable:
+            table[chr(256 + extra)] = b
+            extra += 1
+    return table
+
+
+_BYTE_LEVEL = _byte_level_table()
+
+
+class TokenTexts:
+    """Each token id as text and as its exact bytes (for logprobs); cached per id.
+
+    A token that is part of a multi-byte character decodes to U+FFFD alone; its
+    bytes come from the vocabulary entry (byte-level BPE, or ``<0xNN>`` pieces).
+    """
+
+    def __init__(self, tokenizer: Decoder):
+        self._tokenizer = tokenizer
+        self._cache: dict[int, tuple[str, tuple[int, ...]]] = {}
+
+    def __call__(self, token: int) -> tuple[str, tuple[int, ...]]:
+        hit = self._cache.get(token)
+        if hit is None:
+            hit = self._cache[token] = self._piece(token)
+        return hit
+
+    def _piece(self, token: int) -> tuple[str, tuple[int, ...]]:
+        text = self._tokenizer.decode([token], skip_special_tokens=False)
+        raw = self._vocab_bytes(token) if _REPLACEMENT in text else None
+        return text, tuple(raw if raw is not None else text.encode())
+
+    def _vocab_bytes(self, token: int) -> bytes | None:
+        convert = getattr(self._tokenizer, "convert_ids_to_tokens", None)
+        piece = convert([token])[0] if convert else None
+        if not isinstance(piece, str):
+            return None
+        if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+            return bytes([int(piece[3:5], 16)])
+        if all(ch in _BYTE_LEVEL for ch in piece):
+            return bytes(_BYTE_LEVEL[ch] for ch in piece)
+        return None
+
+
+def special_ids(tokenizer: object) -> frozenset[int]:
+    """Ids of the tokenizer's special added tokens (hidden from output text)."""
+    added = getattr(tokenizer, "added_tokens_decoder", None) or {}
+    return frozenset(i for i, t in added.items() if getattr(t, "special", False))
+
+
+def marker_ids(tokenizer: object, markers: tuple[str, ...]) -> frozenset[int]:
+    """Ids of special tokens whose text is one of ``markers``."""
+    added = getattr(tokenizer, "added_tokens_decoder", None) or {}
+    return frozenset(i for i, t in added.items() if getattr(t, "content", None) in markers)

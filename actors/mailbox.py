@@ -8,24 +8,65 @@ when done; events for an unregistered mailbox are dropped (the client is gone).
 
 from __future__ import annotations
 
+import msgspec
 import trio
 
-from protocol.messages import Failed, Finished, MailboxEvent, Started, TextDelta
+from protocol.messages import Failed, Finished, MailboxEvent, Started, TextDelta, ToolCallDelta
+
+
+class Bell:
+    """Wakes the reader of one or more mailboxes (the ``n`` choices of a request share one)."""
+
+    def __init__(self) -> None:
+        self._event = trio.Event()
+
+    def ring(self) -> None:
+        self._event.set()
+
+    async def wait(self) -> None:
+        await self._event.wait()
+
+    def reset(self) -> None:
+        if self._event.is_set():
+            self._event = trio.Event()
+
+
+def merge_calls(calls: list[ToolCallDelta]) -> tuple[ToolCallDelta, ...]:
+    """Argument pieces joined onto the delta before them when it is the same call's."""
+    out: list[ToolCallDelta] = []
+    for c in calls:
+        if out and c.id is None and out[-1].index == c.index:
+            out[-1] = msgspec.structs.replace(out[-1], arguments=out[-1].arguments + c.arguments)
+        else:
+            out.append(c)
+    return tuple(out)
+
+
+def merge_deltas(deltas: list[TextDelta]) -> TextDelta:
+    """One delta holding several in order (reasoning, content, calls and logprobs each joined)."""
+    if len(deltas) == 1:
+        return deltas[0]
+    return TextDelta(
+        text="".join(d.text for d in deltas),
+        reasoning="".join(d.reasoning for d in deltas),
+        tool_calls=merge_calls([c for d in deltas for c in d.tool_calls]),
+        logprobs=tuple(p for d in deltas for p in d.logprobs),
+        tokens=sum(d.tokens for d in deltas),
+    )
 
 
 class Mailbox:
     """Merged pending output of one request, in order: Started, text, final event."""
 
-    def __init__(self, request_id: str, stop: tuple[str, ...] = ()):
+    def __init__(self, request_id: str, stop: tuple[str, ...] = (), bell: Bell | None = None):
         self.request_id = request_id
         self.stop = stop
         self.engine_done = False  # set once the engine has ended the sequence itself
         self._started: Started | None = None
-        self._texts: list[str] = []
-        self._tokens = 0
+        self._deltas: list[TextDelta] = []
         self._final: Finished | Failed | None = None
         self._closed = False
-        self._wakeup = trio.Event()
+        self._bell = bell or Bell()
 
     def put(self, event: MailboxEvent) -> None:
         if self._closed:
@@ -33,22 +74,22 @@ class Mailbox:
         match event:
             case Started():
                 self._started = event
-            case TextDelta(text=text, tokens=tokens):
-                self._texts.append(text)
-                self._tokens += tokens
+            case TextDelta():
+                self._deltas.append(event)
             case Finished() | Failed():
                 self._final = event
                 self._closed = True
-        self._wakeup.set()
+        self._bell.ring()
 
-    def _take(self) -> list[MailboxEvent]:
+    def take(self) -> list[MailboxEvent]:
+        """Everything pending, merged, without waiting (maybe nothing)."""
         events: list[MailboxEvent] = []
         if self._started is not None:
             events.append(self._started)
             self._started = None
-        if self._texts or self._tokens:
-            events.append(TextDelta(text="".join(self._texts), tokens=self._tokens))
-            self._texts, self._tokens = [], 0
+        if self._deltas:
+            events.append(merge_deltas(self._deltas))
+            self._deltas = []
         if self._final is not None:
             events.append(self._final)
             self._final = None
@@ -57,11 +98,11 @@ class Mailbox:
     async def get(self) -> list[MailboxEvent]:
         """Wait for output; return everything pending, merged."""
         while True:
-            events = self._take()
+            self._bell.reset()
+            events = self.take()
             if events:
                 return events
-            self._wakeup = trio.Event()
-            await self._wakeup.wait()
+            await self._bell.wait()
 
 
 class Mailboxes:
@@ -84,10 +125,12 @@ class Mailboxes:
         if box is not None:
             box.put(event)
 
-    def register(self, request_id: str, stop: tuple[str, ...] = ()) -> Mailbox:
+    def register(
+        self, request_id: str, stop: tuple[str, ...] = (), bell: Bell | None = None
+    ) -> Mailbox:
         if request_id in self._open:
             raise KeyError(f"duplicate request id {request_id}")
-        box = self._open[request_id] = Mailbox(request_id, stop)
+        box = self._open[request_id] = Mailbox(request_id, stop, bell)
         return box
 
     def unregister(self, request_id: str) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+from actors.tools import template_tool_calls
 from protocol.messages import Message
 
 ChatDict = dict[str, object]
@@ -50,6 +51,17 @@ def _join(a: str | list[dict], b: str | list[dict]) -> str | list[dict]:
     return as_list(a) + as_list(b)
 
 
+def _turn(role: str, content: str | list[dict], message: Message) -> ChatDict:
+    turn: ChatDict = {"role": role, "content": content}
+    if message.name:
+        turn["name"] = message.name
+    if message.tool_calls:
+        turn["tool_calls"] = template_tool_calls(message.tool_calls)
+    if message.tool_call_id:
+        turn["tool_call_id"] = message.tool_call_id
+    return turn
+
+
 def normalize_messages(messages: Iterable[Message], *, text_only: bool = True) -> list[ChatDict]:
     """Return template-ready messages: one leading system message, no same-role runs."""
     system: str | list[dict] | None = None
@@ -61,11 +73,11 @@ def normalize_messages(messages: Iterable[Message], *, text_only: bool = True) -
             system = content if system is None else _join(system, content)
         elif turns and turns[-1]["role"] == role and role in ("user", "assistant"):
             turns[-1]["content"] = _join(turns[-1]["content"], content)  # type: ignore[arg-type]
+            if message.tool_calls:
+                calls = turns[-1].setdefault("tool_calls", [])
+                calls.extend(template_tool_calls(message.tool_calls))  # type: ignore[attr-defined]
         else:
-            turn: ChatDict = {"role": role, "content": content}
-            if message.name:
-                turn["name"] = message.name
-            turns.append(turn)
+            turns.append(_turn(role, content, message))
     if not turns and system is None:
         raise NormalizeError("messages must not be empty")
     return ([{"role": "system", "content": system}] if system is not None else []) + turns

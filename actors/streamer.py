@@ -1,8 +1,10 @@
 """Detokenizer / streamer actor: engine token steps in, text events out to mailboxes.
 
-``StreamState`` is the sync core: per-request incremental detokenizer and stop
-matcher, fed one ``EngineStep`` at a time. The actor loop only adapts it to the
-engine's outbox. It never waits on a client: mailboxes merge and never block.
+``StreamState`` is the sync core: per request an incremental detokenizer, a
+stop matcher and an output parser (reasoning blocks, tool calls: see
+``actors/parsers.py``), fed one ``EngineStep`` at a time; token logprobs become
+text pieces. The actor loop only adapts it to the engine's outbox. It never
+waits on a client: mailboxes merge and never block.
 """
 
 from __future__ import annotations
@@ -11,23 +13,44 @@ from dataclasses import dataclass
 
 import trio
 
-from actors.detokenizer import Decoder, IncrementalDetokenizer, StopMatcher
+from actors.detokenizer import (
+    Decoder,
+    IncrementalDetokenizer,
+    StopMatcher,
+    TokenTexts,
+    marker_ids,
+    special_ids,
+)
 from actors.mailbox import Mailboxes
+from actors.parsers import OutputParser, Parsed
 from protocol.messages import (
     EngineStep,
     Finished,
     FinishReason,
+    LogprobPiece,
     MailboxEvent,
+    OutputSpec,
     Started,
     TextDelta,
+    TokenLogprob,
     TokenStep,
+    ToolCallDelta,
 )
+
+# Marker tokens each parser must see even where the tokenizer marks them special.
+_TOOL_MARKERS = {
+    "hermes": ("<tool_call>", "</tool_call>"),
+    "mistral": ("[TOOL_CALLS]", "[ARGS]"),
+    "llama3": ("<|python_tag|>",),
+    "json": (),
+}
 
 
 @dataclass
 class _Request:
     detokenizer: IncrementalDetokenizer
     matcher: StopMatcher
+    parser: OutputParser
     prompt_tokens: int
     cached_tokens: int = 0
     completion_tokens: int = 0
@@ -41,6 +64,8 @@ class StreamState:
         self._tokenizer = tokenizer
         self._mailboxes = mailboxes
         self._requests: dict[str, _Request] = {}
+        self._texts = TokenTexts(tokenizer)
+        self._special = special_ids(tokenizer)
 
     def __len__(self) -> int:
         return len(self._requests)
@@ -59,13 +84,21 @@ class StreamState:
         box = self._mailboxes.get(started.request_id)
         if box is None:
             return  # client already gone; the handler has sent the abort
+        detokenizer = IncrementalDetokenizer(self._tokenizer, self._hidden(started.output))
         self._requests[started.request_id] = _Request(
-            IncrementalDetokenizer(self._tokenizer),
+            detokenizer,
             StopMatcher(box.stop),
+            OutputParser(started.output),
             started.prompt_tokens,
             started.cached_tokens,
             prefilled_tokens=started.prefilled_tokens,
         )
+
+    def _hidden(self, spec: OutputSpec) -> frozenset[int] | None:
+        """Special tokens to hide; None (the tokenizer's own rule) unless a parser needs some."""
+        markers = _TOOL_MARKERS.get(spec.tool_format or "", ()) + (spec.reasoning or ())
+        shown = marker_ids(self._tokenizer, markers) if markers else frozenset()
+        return self._special - shown if shown else None
 
     def _deliver(self, request_id: str, event: MailboxEvent) -> None:
         self._mailboxes.deliver(event, request_id)
@@ -76,30 +109,57 @@ class StreamState:
         if req is None:
             return  # finished by a stop string, or the client is gone
         req.completion_tokens += len(step.tokens)
+        ending = step.finish_reason is not None
         text = req.detokenizer.add(step.tokens)
-        if step.finish_reason is not None:
+        if ending:
             text += req.detokenizer.flush()
         shown = req.matcher.feed(text)
-        if req.matcher.stopped or step.finish_reason is not None:
+        if req.matcher.stopped or ending:
             shown += req.matcher.flush()
-        if shown:
-            self._deliver(rid, TextDelta(text=shown, tokens=len(step.tokens)))
+        parsed = req.parser.feed(shown) if shown else Parsed()
+        if req.matcher.stopped or ending:
+            parsed.extend(req.parser.flush())
+        self._deliver_parsed(rid, req, parsed, step)
         if req.matcher.stopped:
             self._finish(rid, "stop", engine_done=False)
         elif step.finish_reason is not None:
             self._finish(rid, step.finish_reason, engine_done=True)
+
+    def _deliver_parsed(self, rid: str, req: _Request, parsed: Parsed, step: TokenStep) -> None:
+        calls = tuple(
+            ToolCallDelta(index=p.index, id=p.id, name=p.name, arguments=p.arguments)
+            for p in parsed.calls
+        )
+        logprobs = tuple(self._piece(lp) for lp in step.logprobs)
+        if parsed.content or parsed.reasoning or calls or logprobs:
+            delta = TextDelta(
+                text=parsed.content,
+                reasoning=parsed.reasoning,
+                tool_calls=calls,
+                logprobs=logprobs,
+                tokens=len(step.tokens),
+            )
+            self._deliver(rid, delta)
+
+    def _piece(self, lp: TokenLogprob) -> LogprobPiece:
+        text, raw = self._texts(lp.token)
+        top = tuple((*self._texts(t), v) for t, v in lp.top)
+        return LogprobPiece(token=text, bytes=raw, logprob=lp.logprob, top=top)
 
     def _finish(self, request_id: str, reason: FinishReason, *, engine_done: bool) -> None:
         req = self._requests.pop(request_id)
         box = self._mailboxes.get(request_id)
         if box is not None:
             box.engine_done = engine_done
+        if reason == "stop" and req.parser.calls:
+            reason = "tool_calls"
         finished = Finished(
             finish_reason=reason,
             prompt_tokens=req.prompt_tokens,
             completion_tokens=req.completion_tokens,
             cached_tokens=req.cached_tokens,
             prefilled_tokens=req.prefilled_tokens,
+            stop_string=req.matcher.matched,
         )
         self._deliver(request_id, finished)
 

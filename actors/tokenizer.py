@@ -1,32 +1,45 @@
 """Tokenizer / normalizer actor: admitted requests in, token ids out to the engine.
 
-``PromptBuilder`` is the sync core: normalize messages, render the chat template,
-tokenize, check the prompt against the context window and, with the model's
-memory estimate, against the memory budget (the first stage that knows the
-token count: a request that could never fit is refused here with the numbers,
-and a defaulted ``max_tokens`` shrinks to what fits). For a vision model it
-also decodes and preprocesses the request's images with the model's processor
-(``actors/vision.py``). It runs in worker threads (templates, BPE and image
-preprocessing are CPU work) and hands only numpy arrays to the engine. Any
-failure here is a 400 for that request alone, delivered to its mailbox.
+``PromptBuilder`` is the sync core: normalize messages, render the chat template
+(with the request's tools and template variables), tokenize, check the prompt
+against the context window and, with the model's memory estimate, against the
+memory budget (the first stage that knows the token count: a request that could
+never fit is refused here with the numbers, and a defaulted ``max_tokens``
+shrinks to what fits), mark prefix-cache checkpoints, compile the request's
+output constraint (JSON schema, forced tool call) and decide how the streamer
+parses the output. For a vision model it also decodes and preprocesses the
+request's images with the model's processor (``actors/vision.py``). It runs in
+worker threads (templates, BPE, grammars and images are CPU work) and hands only
+numpy arrays to the engine. Any failure here is a 400 for that request alone,
+delivered to its mailbox.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import jinja2
 import msgspec
 import trio
 
 from actors.engine.memory import MemoryModel
+from actors.grammar import CompiledGrammar, GrammarCompiler, GrammarError
 from actors.mailbox import Mailboxes
 from actors.normalize import NormalizeError, normalize_messages
+from actors.tools import (
+    TemplateTraits,
+    history_as_text,
+    template_traits,
+    tool_dicts,
+    tool_system_prompt,
+)
 from actors.vision import ImageLimits, VisionError, VisionProcessor, load_images, split_images
 from protocol.messages import (
     AdmittedRequest,
     ChatRequest,
     Failed,
+    Message,
+    OutputSpec,
     Submit,
     TokenizedRequest,
     VisionInputs,
@@ -45,6 +58,19 @@ def _shared_prefix(a: list[int], b: list[int]) -> int:
     return n
 
 
+# Template arguments mlxd sets itself; a request's chat_template_kwargs may not override them.
+RESERVED_TEMPLATE_KWARGS = frozenset(
+    {"conversation", "messages", "tools", "add_generation_prompt", "tokenize", "documents"}
+)
+
+
+class _Prompt(NamedTuple):
+    text: str
+    tokens: list[int]
+    checkpoints: tuple[int, ...] = ()
+    vision: VisionInputs | None = None
+
+
 class PromptError(ValueError):
     """A request whose prompt cannot be built; becomes an HTTP 400."""
 
@@ -55,7 +81,7 @@ class PromptError(ValueError):
 
 
 class PromptBuilder:
-    """Chat template + tokenizer + context checks for one model."""
+    """Chat template + tokenizer + context, memory and output checks for one model."""
 
     def __init__(
         self,
@@ -69,6 +95,8 @@ class PromptBuilder:
         processor: Any = None,
         image_limits: ImageLimits | None = None,
         memory: MemoryModel | None = None,
+        traits: TemplateTraits | None = None,
+        grammars: GrammarCompiler | None = None,
     ):
         self.tokenizer = tokenizer
         self.want_checkpoints = checkpoints
@@ -79,25 +107,48 @@ class PromptBuilder:
         self.max_prompt_tokens = max_prompt_tokens or context_length
         self.vocab_size = vocab_size
         self.memory = memory
+        self.traits = traits or template_traits(tokenizer, "auto", "auto")
+        self.grammars = grammars or GrammarCompiler(None)
 
-    def _render(self, messages: list[dict], generation_prompt: bool) -> list[int]:
-        text = self.tokenizer.apply_chat_template(
-            messages, add_generation_prompt=generation_prompt, tokenize=False
-        )
-        return self.tokenizer.encode(text, add_special_tokens=False)
+    def _offers_tools(self, request: ChatRequest) -> bool:
+        return bool(request.tools) and request.tool_choice != "none"
 
-    def chat_tokens(self, request: ChatRequest) -> tuple[list[int], tuple[int, ...]]:
-        """Token ids of the rendered conversation, and its prefix-cache checkpoints."""
+    def _template_input(self, request: ChatRequest) -> tuple[list[dict], dict]:
+        """Normalized messages and extra template variables (tools, chat_template_kwargs)."""
+        messages, extra = request.messages, dict(request.template_kwargs)
+        if self._offers_tools(request):
+            if self.traits.tools_in_template:
+                extra["tools"] = tool_dicts(request.tools)
+            else:
+                system = Message(role="system", content=tool_system_prompt(request.tools))
+                messages = (*messages, system)
+        if not self.traits.tools_in_template:
+            messages = history_as_text(messages)
         try:
-            messages = normalize_messages(request.messages)
-            tokens = self._render(messages, True)
+            return normalize_messages(messages), extra
         except NormalizeError as exc:
             raise PromptError(str(exc), "messages") from exc
-        except (jinja2.TemplateError, ValueError, TypeError) as exc:
-            raise PromptError(f"chat template error: {exc}", "messages") from exc
-        return tokens, self.checkpoints(messages, tokens) if self.want_checkpoints else ()
 
-    def checkpoints(self, messages: list[dict], tokens: list[int]) -> tuple[int, ...]:
+    def _render(self, messages: list[dict], generation_prompt: bool, extra: dict) -> str:
+        return self.tokenizer.apply_chat_template(
+            messages, add_generation_prompt=generation_prompt, tokenize=False, **extra
+        )
+
+    def _encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def render_chat(self, request: ChatRequest) -> tuple[str, list[int], tuple[int, ...]]:
+        """The rendered conversation, its tokens and its prefix-cache checkpoints."""
+        messages, extra = self._template_input(request)
+        try:
+            text = self._render(messages, True, extra)
+        except (jinja2.TemplateError, ValueError, TypeError, KeyError) as exc:
+            raise PromptError(f"chat template error: {exc}", "messages") from exc
+        tokens = self._encode(text)
+        marks = self.checkpoints(messages, tokens, extra) if self.want_checkpoints else ()
+        return text, tokens, marks
+
+    def checkpoints(self, messages: list[dict], tokens: list[int], extra: dict) -> tuple[int, ...]:
         """Where the system prompt ends and where the previous turn ends, in ``tokens``.
 
         The system boundary is where this conversation's rendering stops agreeing
@@ -107,25 +158,15 @@ class PromptBuilder:
         system = [m for m in messages if m["role"] == "system"]
         marks = set()
         try:
-            probe = self._render([*system, {"role": "user", "content": _PROBE}], True)
-            marks.add(_shared_prefix(tokens, probe))
+            probe = self._render([*system, {"role": "user", "content": _PROBE}], True, extra)
+            marks.add(_shared_prefix(tokens, self._encode(probe)))
             if len(messages) > 1:
-                previous = self._render(messages[:-1], False)
+                previous = self._encode(self._render(messages[:-1], False, extra))
                 if tokens[: len(previous)] == previous:
                     marks.add(len(previous))
-        except (jinja2.TemplateError, ValueError, TypeError):
+        except (jinja2.TemplateError, ValueError, TypeError, KeyError):
             pass  # a template that needs a full conversation: no extra snapshots
         return tuple(sorted(m for m in marks if 0 < m < len(tokens) - 1))
-
-    def tokens(self, request: AdmittedRequest) -> tuple[list[int], tuple[int, ...]]:
-        if isinstance(request, ChatRequest):
-            return self.chat_tokens(request)
-        if isinstance(request.prompt, str):
-            return self.tokenizer.encode(request.prompt), ()
-        bad = [t for t in request.prompt if not 0 <= t < self.vocab_size]
-        if bad:
-            raise PromptError(f"token ids out of range [0, {self.vocab_size}): {bad[:5]}", "prompt")
-        return list(request.prompt), ()
 
     def vision_chat(self, request: ChatRequest) -> tuple[list[int], VisionInputs | None]:
         """A vision model's prompt: the whole conversation through its processor."""
@@ -136,7 +177,7 @@ class PromptBuilder:
             messages, sources = split_images(messages)
             prompt = self.vision.render(messages)
             if not sources:
-                return self.tokenizer.encode(prompt, add_special_tokens=False), None
+                return self._encode(prompt), None
             images = load_images(sources, self.image_limits)
             tokens, arrays = self.vision.encode(prompt, images)
         except (NormalizeError, VisionError) as exc:
@@ -147,31 +188,61 @@ class PromptBuilder:
             ) from exc
         return tokens, VisionInputs(images=len(images), arrays=arrays)
 
-    def encode(
-        self, request: AdmittedRequest
-    ) -> tuple[list[int], tuple[int, ...], VisionInputs | None]:
-        """Prompt tokens, prefix-cache checkpoints and (vision models) image inputs."""
+    def prompt(self, request: AdmittedRequest) -> _Prompt:
+        """Prompt text (chat only), tokens, checkpoints and image inputs of a request."""
         if isinstance(request, ChatRequest) and self.vision is not None:
             tokens, vision = self.vision_chat(request)
-            return tokens, (), vision
-        tokens, checkpoints = self.tokens(request)
-        return tokens, checkpoints, None
+            return _Prompt("", tokens, (), vision)
+        if isinstance(request, ChatRequest):
+            return _Prompt(*self.render_chat(request))
+        if isinstance(request.prompt, str):
+            return _Prompt("", self.tokenizer.encode(request.prompt))
+        bad = [t for t in request.prompt if not 0 <= t < self.vocab_size]
+        if bad:
+            raise PromptError(f"token ids out of range [0, {self.vocab_size}): {bad[:5]}", "prompt")
+        return _Prompt("", list(request.prompt))
+
+    def tokens(self, request: AdmittedRequest) -> list[int]:
+        return self.prompt(request).tokens
+
+    def output_spec(self, request: AdmittedRequest, prompt: str) -> OutputSpec:
+        """How the streamer reads this request's output (tool calls, reasoning)."""
+        if not isinstance(request, ChatRequest):
+            return OutputSpec()
+        tags = self.traits.reasoning if request.parse_reasoning else None
+        return OutputSpec(
+            tool_format=self.traits.tool_format if self._offers_tools(request) else None,
+            reasoning=tags,
+            in_reasoning=bool(tags) and prompt.rstrip().endswith(tags[0]),  # type: ignore[index]
+            single_tool_call=not request.parallel_tool_calls,
+        )
+
+    def grammar(self, request: AdmittedRequest) -> CompiledGrammar | None:
+        if request.constraint is None:
+            return None
+        tools = request.tools if isinstance(request, ChatRequest) else ()
+        try:
+            return self.grammars.compile(request.constraint, tools, self.traits.tool_format)
+        except GrammarError as exc:
+            raise PromptError(str(exc), request.constraint.param) from exc
 
     def build(self, request: AdmittedRequest) -> TokenizedRequest:
-        tokens, checkpoints, vision = self.encode(request)
-        if not tokens:
+        p = self.prompt(request)
+        if not p.tokens:
             raise PromptError("the prompt is empty", "prompt")
         sampling = request.sampling
-        max_tokens = self._max_tokens(len(tokens), sampling.max_tokens)
-        self._check_memory(len(tokens), max_tokens)
+        max_tokens = self._max_tokens(len(p.tokens), sampling.max_tokens)
+        self._check_memory(len(p.tokens), max_tokens)
         return TokenizedRequest(
             request_id=request.request_id,
-            prompt_tokens=tuple(tokens),
+            prompt_tokens=tuple(p.tokens),
             sampling=msgspec.structs.replace(sampling, max_tokens=max_tokens),
-            checkpoints=checkpoints,
-            vision=vision,
+            checkpoints=p.checkpoints,
+            vision=p.vision,
             priority=request.priority,
             deadline=request.deadline,
+            output=self.output_spec(request, p.text),
+            grammar=self.grammar(request),
         )
 
     def _max_tokens(self, prompt: int, asked: int | None) -> int:

@@ -20,13 +20,14 @@ import math
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import msgspec
 import trio
 
 from actors.admission import AdmissionPolicy
 from actors.engine.types import ModelInfo
-from actors.mailbox import Mailbox, Mailboxes
+from actors.mailbox import Bell, Mailbox, Mailboxes
 from daemon.telemetry import RequestTrace, Telemetry
 from protocol.messages import (
     Abort,
@@ -90,6 +91,15 @@ class Session:
         finally:
             await self.close()
 
+    def take(self) -> list[MailboxEvent]:
+        """Pending events without waiting (or the deadline's failure), seen by the trace."""
+        events = self.mailbox.take()
+        if not events and trio.current_time() >= self.deadline:
+            events = [self._deadline_passed()]
+        if events:
+            self.trace.observe(events, trio.current_time())
+        return events
+
     async def _next_batch(self) -> list[MailboxEvent]:
         # Checked first: get() returns without a checkpoint while output keeps coming.
         if trio.current_time() < self.deadline:
@@ -127,6 +137,16 @@ class Pipeline:
     sessions: dict[str, Session] = field(default_factory=dict)
     telemetry: Telemetry = field(default_factory=Telemetry)
 
+    builder: Any = None  # the tokenizer actor's PromptBuilder, for count_tokens
+    count_limiter: trio.CapacityLimiter | None = None  # its worker threads (tokenizer.workers)
+
+    async def count_tokens(self, request: AdmittedRequest) -> int:
+        """Prompt tokens of a request, rendered as it would be served (worker thread)."""
+        tokens = await trio.to_thread.run_sync(
+            self.builder.tokens, request, limiter=self.count_limiter
+        )
+        return len(tokens)
+
     def __post_init__(self) -> None:
         self.telemetry.watch(self)
 
@@ -134,12 +154,13 @@ class Pipeline:
         """The engine's snapshot after each step (called on the trio thread)."""
         self.engine_stats = stats
 
-    async def submit(self, request: AdmittedRequest) -> Session:
+    async def submit(self, request: AdmittedRequest, bell: Bell | None = None) -> Session:
+        """Register the request's mailbox (sharing ``bell`` with its siblings) and admit it."""
         if self.request_timeout_s > 0:  # the engine's copy of the deadline, on its clock
             deadline = time.monotonic() + self.request_timeout_s
             request = msgspec.structs.replace(request, deadline=deadline)
         stop = request.sampling.stop
-        mailbox = self.mailboxes.register(request.request_id, stop)
+        mailbox = self.mailboxes.register(request.request_id, stop, bell)
         session = self.sessions[request.request_id] = Session(self, mailbox, self.request_timeout_s)
         try:
             await self.admission.send(Admit(request=request))

@@ -64,6 +64,8 @@ class MemorySettings(_Section):
 class TokenizerSettings(_Section):
     workers: Positive = 2
     max_messages: Positive = 1000
+    tool_format: str = "auto"
+    reasoning_tags: str = "auto"
 
 
 class EngineSettings(_Section):
@@ -74,6 +76,8 @@ class EngineSettings(_Section):
     max_prompt_tokens: NonNegative = 0
     max_stop_strings: NonNegative = 16
     max_stop_length: Positive = 256
+    max_n: Positive = 8
+    max_top_logprobs: NonNegative = 20
 
 
 class PrefixCacheSettings(_Section):

@@ -27,9 +27,11 @@ from actors import admission, streamer, tokenizer
 from actors.admission import AdmissionPolicy
 from actors.engine import actor as engine
 from actors.engine.actor import EngineOptions, RunnerFactory
+from actors.grammar import GrammarCompiler
 from actors.mailbox import Mailboxes
 from actors.streamer import StreamState
 from actors.tokenizer import PromptBuilder
+from actors.tools import template_traits
 from actors.vision import ImageLimits
 from daemon.app import create_app
 from daemon.pipeline import Pipeline, ServerState
@@ -116,6 +118,8 @@ async def run_actors(
         info = await nursery.start(engine.run, graph.engine[1], graph.steps[0], factory, options)
         pipeline.info = info
         await nursery.start(streamer.run, graph.steps[1], StreamState(info.tokenizer, mailboxes))
+        # Reading the vocabulary into llguidance takes a moment: not on the trio thread.
+        grammars = await trio.to_thread.run_sync(GrammarCompiler, info.tokenizer)
         builder = PromptBuilder(
             info.tokenizer,
             info.context_length,
@@ -126,7 +130,13 @@ async def run_actors(
             processor=info.processor,
             image_limits=ImageLimits.from_settings(s.vision),
             memory=info.memory,
+            traits=template_traits(
+                info.tokenizer, s.tokenizer.tool_format, s.tokenizer.reasoning_tags
+            ),
+            grammars=grammars,
         )
+        pipeline.builder = builder
+        pipeline.count_limiter = trio.CapacityLimiter(s.tokenizer.workers)
         await nursery.start(
             tokenizer.run,
             graph.tokenize[1],

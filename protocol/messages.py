@@ -14,7 +14,7 @@ from typing import Any, Literal
 
 import msgspec
 
-FinishReason = Literal["stop", "length", "error", "abort"]
+FinishReason = Literal["stop", "length", "error", "abort", "tool_calls"]
 
 
 class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
@@ -39,18 +39,55 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     # ``spec_prefill`` None follows the server's ``[spec_prefill]`` settings.
     speculative: bool = True
     spec_prefill: bool | None = None
+    logprobs: bool = False  # return the sampled token's log-probability
+    top_logprobs: int = 0  # and this many most likely alternatives
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
 
+class ToolCall(msgspec.Struct, frozen=True, kw_only=True):
+    """A function call the assistant made (in a request's history, or parsed from output)."""
+
+    id: str
+    name: str
+    arguments: str  # JSON text, as the OpenAI API carries it
+
+
 class Message(msgspec.Struct, frozen=True, kw_only=True):
-    """One chat message after wire decoding; ``content`` is text or a list of parts."""
+    """One chat message after wire decoding; ``content`` is text or a list of parts.
+
+    Assistant turns may carry ``tool_calls``; ``tool`` turns answer the call
+    named by ``tool_call_id``.
+    """
 
     role: str
     content: str | list[dict] | None = None
     name: str | None = None
+    tool_calls: tuple[ToolCall, ...] = ()
+    tool_call_id: str | None = None
+
+
+class Tool(msgspec.Struct, frozen=True, kw_only=True):
+    """A function the model may call: its name, description and JSON-schema parameters."""
+
+    name: str
+    description: str = ""
+    parameters: dict = {}
+
+
+class Constraint(msgspec.Struct, frozen=True, kw_only=True):
+    """Token-level constraint on the output: ``json_schema`` / ``json_object`` or a tool call.
+
+    ``tool_names`` set: the output must be one call (in the model's tool-call
+    format) to one of these tools, with arguments matching its schema.
+    """
+
+    kind: Literal["json_schema", "json_object", "tool_call"]
+    schema: dict | None = None
+    tool_names: tuple[str, ...] = ()
+    param: str = "response_format"  # the request field it came from, for a 400
 
 
 class ChatRequest(msgspec.Struct, frozen=True, kw_only=True):
@@ -59,6 +96,11 @@ class ChatRequest(msgspec.Struct, frozen=True, kw_only=True):
     ``priority``: lower runs first (only when ``admission.priority`` is on;
     otherwise every request has 0 and the order is first come, first served).
     ``deadline``: ``time.monotonic()`` by which it must end (``inf``: none).
+
+    ``tools`` are offered to the model (through its template, or a system-prompt
+    description when the template has no tool support); ``tool_choice`` is
+    ``auto`` / ``none`` / ``required`` or a tool name. ``template_kwargs`` go to
+    the chat template as extra variables (e.g. ``enable_thinking``).
     """
 
     request_id: str
@@ -67,6 +109,12 @@ class ChatRequest(msgspec.Struct, frozen=True, kw_only=True):
     arrival: float = 0.0
     priority: int = 0
     deadline: float = math.inf
+    tools: tuple[Tool, ...] = ()
+    tool_choice: str = "auto"
+    parallel_tool_calls: bool = True
+    template_kwargs: dict = {}
+    constraint: Constraint | None = None
+    parse_reasoning: bool = True
 
 
 class CompletionRequest(msgspec.Struct, frozen=True, kw_only=True):
@@ -78,6 +126,7 @@ class CompletionRequest(msgspec.Struct, frozen=True, kw_only=True):
     arrival: float = 0.0
     priority: int = 0
     deadline: float = math.inf
+    constraint: Constraint | None = None
 
 
 AdmittedRequest = ChatRequest | CompletionRequest
@@ -96,8 +145,26 @@ class VisionInputs(msgspec.Struct, frozen=True, kw_only=True):
     arrays: dict[str, Any]
 
 
+class OutputSpec(msgspec.Struct, frozen=True, kw_only=True):
+    """How the streamer reads a request's output text.
+
+    ``tool_format`` names the tool-call parser (None: no tool parsing);
+    ``reasoning`` is the (open, close) tag pair of the reasoning block (None: no
+    reasoning parsing); ``in_reasoning`` says the prompt already opened it.
+    """
+
+    tool_format: str | None = None
+    reasoning: tuple[str, str] | None = None
+    in_reasoning: bool = False
+    single_tool_call: bool = False
+
+
 class TokenizedRequest(msgspec.Struct, frozen=True, kw_only=True):
-    """A request ready for the generation actor (``max_tokens`` always set; ``vision`` when it has images)."""
+    """A request ready for the generation actor (``max_tokens`` always set).
+
+    ``vision`` is set when it has images; ``grammar`` is the compiled token-level
+    constraint (an llguidance matcher, built off the engine thread), or None.
+    """
 
     request_id: str
     prompt_tokens: tuple[int, ...]
@@ -108,6 +175,8 @@ class TokenizedRequest(msgspec.Struct, frozen=True, kw_only=True):
     vision: VisionInputs | None = None
     priority: int = 0
     deadline: float = math.inf  # time.monotonic(); the engine fails it (504) once passed
+    output: OutputSpec = OutputSpec()
+    grammar: object | None = None
 
 
 # ---- admission inbox ----------------------------------------------------------------
@@ -165,14 +234,27 @@ class Started(msgspec.Struct, frozen=True, kw_only=True):
     prompt_tokens: int
     cached_tokens: int = 0  # prompt tokens reused from the prefix cache
     prefilled_tokens: int = -1
+    output: OutputSpec = OutputSpec()
+
+
+class TokenLogprob(msgspec.Struct, frozen=True, kw_only=True, array_like=True):
+    """A sampled token's log-probability and the ``top`` most likely (token, logprob) pairs."""
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
 
 
 class TokenStep(msgspec.Struct, frozen=True, kw_only=True):
-    """New tokens of one request in one step; ``finish_reason`` set on its last."""
+    """New tokens of one request in one step; ``finish_reason`` set on its last.
+
+    ``logprobs`` (one per token) only for requests that asked for them.
+    """
 
     request_id: str
     tokens: tuple[int, ...]
     finish_reason: FinishReason | None = None
+    logprobs: tuple[TokenLogprob, ...] = ()
 
 
 class Failed(msgspec.Struct, frozen=True, kw_only=True):
@@ -226,21 +308,48 @@ class EngineStats(msgspec.Struct, frozen=True, kw_only=True):
 # ---- mailbox events (detokenizer → HTTP handler) ------------------------------------
 
 
+class ToolCallDelta(msgspec.Struct, frozen=True, kw_only=True):
+    """A tool call parsed from the output, or more of its arguments.
+
+    Calls are numbered from 0 within the request; a call's first delta carries
+    its ``id`` and ``name``, later ones (same ``index``) continue ``arguments``.
+    """
+
+    index: int
+    arguments: str
+    id: str | None = None
+    name: str | None = None
+
+
+class LogprobPiece(msgspec.Struct, frozen=True, kw_only=True):
+    """One generated token as text, with its log-probability and the top alternatives."""
+
+    token: str
+    bytes: tuple[int, ...]
+    logprob: float
+    top: tuple[tuple[str, tuple[int, ...], float], ...] = ()
+
+
 class TextDelta(msgspec.Struct, frozen=True, kw_only=True):
-    """Text produced since the last delta (always whole UTF-8 characters)."""
+    """Output since the last delta: content text (always whole UTF-8 characters),
+    reasoning text, completed tool calls and per-token logprobs."""
 
     text: str
     tokens: int
+    reasoning: str = ""
+    tool_calls: tuple[ToolCallDelta, ...] = ()
+    logprobs: tuple[LogprobPiece, ...] = ()
 
 
 class Finished(msgspec.Struct, frozen=True, kw_only=True):
-    """The request ended normally."""
+    """The request ended normally; ``stop_string`` names the stop string that ended it."""
 
     finish_reason: FinishReason
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int = 0
     prefilled_tokens: int = -1  # as in ``Started``
+    stop_string: str | None = None
 
 
 MailboxEvent = Started | TextDelta | Finished | Failed

@@ -12,14 +12,60 @@ from typing import Any
 import msgspec
 
 
+class WireFunctionCall(msgspec.Struct, kw_only=True):
+    name: str
+    arguments: str = "{}"
+
+
+class WireToolCall(msgspec.Struct, kw_only=True):
+    function: WireFunctionCall
+    id: str = ""
+    type: str = "function"
+
+
 class WireMessage(msgspec.Struct, kw_only=True):
     role: str
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
+    tool_calls: list[WireToolCall] | None = None
+    tool_call_id: str | None = None
 
 
 class StreamOptions(msgspec.Struct, kw_only=True):
     include_usage: bool = False
+
+
+class FunctionDef(msgspec.Struct, kw_only=True):
+    name: str
+    description: str = ""
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None  # schemas are always enforced when a call is forced
+
+
+class WireTool(msgspec.Struct, kw_only=True):
+    function: FunctionDef
+    type: str = "function"
+
+
+class NamedFunction(msgspec.Struct, kw_only=True):
+    name: str
+
+
+class NamedToolChoice(msgspec.Struct, kw_only=True):
+    function: NamedFunction
+    type: str = "function"
+
+
+class JsonSchemaFormat(msgspec.Struct, kw_only=True):
+    name: str = "response"
+    schema: dict[str, Any] | None = None
+    strict: bool | None = None
+    description: str | None = None
+
+
+class ResponseFormat(msgspec.Struct, kw_only=True):
+    type: str
+    json_schema: JsonSchemaFormat | None = None
 
 
 class _SamplingFields(msgspec.Struct, kw_only=True):
@@ -38,27 +84,29 @@ class _SamplingFields(msgspec.Struct, kw_only=True):
     n: int = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
-    user: str | None = None
+    user: str | None = None  # an end-user id for the operator's logs; no effect on output
     priority: int | None = None  # lower runs first; honoured when admission.priority is on
     # mlxd extensions (README "Speculative decoding"): false opts this request out of
     # drafting; spec_prefill true/false overrides the server's SpecPrefill default.
     speculative: bool | None = None
     spec_prefill: bool | None = None
-    # Accepted so that they can be refused by name instead of silently ignored.
-    logprobs: bool | int | None = None
-    tools: list[dict[str, Any]] | None = None
-    response_format: dict[str, Any] | None = None
+    response_format: ResponseFormat | None = None
 
 
 class ChatCompletionRequest(_SamplingFields, kw_only=True):
     messages: list[WireMessage]
     max_completion_tokens: int | None = None
+    logprobs: bool | None = None
     top_logprobs: int | None = None
-    tool_choice: str | dict[str, Any] | None = None
+    tools: list[WireTool] | None = None
+    tool_choice: str | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class CompletionRequest(_SamplingFields, kw_only=True):
     prompt: str | list[str | int]
+    logprobs: int | None = None
     echo: bool = False
     suffix: str | None = None
 
@@ -81,16 +129,41 @@ class Usage(msgspec.Struct, kw_only=True):
     prompt_tokens_details: PromptTokensDetails | None = None
 
 
-class AssistantMessage(msgspec.Struct, kw_only=True):
-    role: str = "assistant"
-    content: str = ""
+class OutToolCall(msgspec.Struct, kw_only=True):
+    id: str
+    function: WireFunctionCall
+    type: str = "function"
+
+
+class AssistantMessage(msgspec.Struct, kw_only=True, omit_defaults=True):
+    role: str  # no default, so omit_defaults keeps it
+    content: str | None
+    reasoning_content: str | None = None
+    tool_calls: list[OutToolCall] | None = None
+
+
+class TopLogprob(msgspec.Struct, kw_only=True):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class ContentLogprob(msgspec.Struct, kw_only=True):
+    token: str
+    logprob: float
+    bytes: list[int]
+    top_logprobs: list[TopLogprob]
+
+
+class ChoiceLogprobs(msgspec.Struct, kw_only=True):
+    content: list[ContentLogprob]
 
 
 class ChatChoice(msgspec.Struct, kw_only=True):
     index: int
     message: AssistantMessage
     finish_reason: str | None
-    logprobs: None = None
+    logprobs: ChoiceLogprobs | None = None
 
 
 class ChatCompletion(msgspec.Struct, kw_only=True):
@@ -102,16 +175,32 @@ class ChatCompletion(msgspec.Struct, kw_only=True):
     object: str = "chat.completion"
 
 
+class DeltaFunction(msgspec.Struct, kw_only=True, omit_defaults=True):
+    arguments: str
+    name: str | None = None
+
+
+class DeltaToolCall(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """A call's first delta has ``id``, ``type`` and ``function.name``; later ones only arguments."""
+
+    index: int
+    function: DeltaFunction
+    id: str | None = None
+    type: str | None = None
+
+
 class Delta(msgspec.Struct, kw_only=True, omit_defaults=True):
     role: str | None = None
     content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChunkChoice(msgspec.Struct, kw_only=True):
     index: int
     delta: Delta
     finish_reason: str | None = None
-    logprobs: None = None
+    logprobs: ChoiceLogprobs | None = None
 
 
 class ChatCompletionChunk(msgspec.Struct, kw_only=True):
@@ -123,11 +212,18 @@ class ChatCompletionChunk(msgspec.Struct, kw_only=True):
     object: str = "chat.completion.chunk"
 
 
+class TextLogprobs(msgspec.Struct, kw_only=True):
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]]
+    text_offset: list[int]
+
+
 class TextChoice(msgspec.Struct, kw_only=True):
     index: int
     text: str
     finish_reason: str | None = None
-    logprobs: None = None
+    logprobs: TextLogprobs | None = None
 
 
 class TextCompletion(msgspec.Struct, kw_only=True):

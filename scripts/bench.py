@@ -116,13 +116,14 @@ class LevelResult:
 # ---- server mode (HTTP, trio + httpx) ---------------------------------------------------
 
 
-def _chat_body(prompt: str, max_tokens: int) -> dict:
+def _chat_body(prompt: str, max_tokens: int, extra: dict | None = None) -> dict:
     return {
         "messages": [{"role": "user", "content": prompt}],
         "stream": True,
         "stream_options": {"include_usage": True},
         "temperature": 0,
         "max_tokens": max_tokens,
+        **(extra or {}),
     }
 
 
@@ -155,7 +156,9 @@ async def _read_stream(response, result: RequestResult, t0: float) -> None:
         _on_event(result, json.loads(data), t0, last)
 
 
-async def stream_one(client, url: str, prompt: str, max_tokens: int) -> RequestResult:
+async def stream_one(
+    client, url: str, prompt: str, max_tokens: int, extra: dict | None = None
+) -> RequestResult:
     """One streaming chat request; HTTP and protocol failures become ``error``."""
     import httpx
 
@@ -163,7 +166,7 @@ async def stream_one(client, url: str, prompt: str, max_tokens: int) -> RequestR
     t0 = time.perf_counter()
     try:
         async with client.stream(
-            "POST", f"{url}/v1/chat/completions", json=_chat_body(prompt, max_tokens)
+            "POST", f"{url}/v1/chat/completions", json=_chat_body(prompt, max_tokens, extra)
         ) as response:
             if response.status_code != 200:
                 body = (await response.aread()).decode(errors="replace")
@@ -178,13 +181,15 @@ async def stream_one(client, url: str, prompt: str, max_tokens: int) -> RequestR
     return result
 
 
-async def _server_level(client, url: str, concurrency: int, max_tokens: int) -> LevelResult:
+async def _server_level(
+    client, url: str, concurrency: int, max_tokens: int, extra: dict | None
+) -> LevelResult:
     import trio
 
     results: list[RequestResult] = []
 
     async def one(prompt: str) -> None:
-        results.append(await stream_one(client, url, prompt, max_tokens))
+        results.append(await stream_one(client, url, prompt, max_tokens, extra))
 
     t0 = time.perf_counter()
     async with trio.open_nursery() as nursery:
@@ -194,22 +199,24 @@ async def _server_level(client, url: str, concurrency: int, max_tokens: int) -> 
 
 
 async def _server_all(
-    url: str, levels: list[int], max_tokens: int, timeout_s: float
+    url: str, levels: list[int], max_tokens: int, timeout_s: float, extra: dict | None
 ) -> list[LevelResult]:
     import httpx
 
     limits = httpx.Limits(max_connections=max(levels) + 4, max_keepalive_connections=max(levels))
     async with httpx.AsyncClient(timeout=timeout_s, limits=limits) as client:
-        warm = await stream_one(client, url, prompts(1)[0], max_tokens)
+        warm = await stream_one(client, url, prompts(1)[0], max_tokens, extra)
         if warm.error:
             raise SystemExit(f"bench: warm-up request to {url} failed: {warm.error}")
-        return [await _server_level(client, url, c, max_tokens) for c in levels]
+        return [await _server_level(client, url, c, max_tokens, extra) for c in levels]
 
 
-def run_server(url: str, levels: list[int], max_tokens: int, timeout: float) -> list[LevelResult]:
+def run_server(
+    url: str, levels: list[int], max_tokens: int, timeout: float, extra: dict | None = None
+) -> list[LevelResult]:
     import trio
 
-    return trio.run(_server_all, url.rstrip("/"), levels, max_tokens, timeout)
+    return trio.run(_server_all, url.rstrip("/"), levels, max_tokens, timeout, extra)
 
 
 # ---- engine mode (in-process, no HTTP) --------------------------------------------------
@@ -367,6 +374,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=float, default=600.0, help="HTTP timeout, seconds")
     p.add_argument("--config", type=Path, help="TOML settings for engine mode")
     p.add_argument("--json", action="store_true", help="print machine-readable results")
+    p.add_argument(
+        "--body",
+        type=json.loads,
+        default=None,
+        help='extra chat request fields as JSON, e.g. \'{"logprobs": true, "top_logprobs": 5}\'',
+    )
     return p
 
 
@@ -378,7 +391,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.engine or args.both:
         results += run_engine(args.concurrency, args.max_tokens, args.config)
     if not args.engine:
-        results += run_server(args.url, args.concurrency, args.max_tokens, args.timeout)
+        results += run_server(args.url, args.concurrency, args.max_tokens, args.timeout, args.body)
     print(as_json(results) if args.json else report(results))
     failed = sum(len(r.requests) - len(r.ok) for r in results)
     return 1 if failed else 0

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from actors.engine.memory import AttentionLayer, MemoryModel
 from actors.engine.types import Decoded, ModelInfo
-from protocol.messages import TokenizedRequest
+from protocol.messages import TokenizedRequest, TokenLogprob
 
 EOS = 0
 
@@ -17,6 +17,7 @@ class CharTokenizer:
     """One token per character (id = code point); id 0 is EOS."""
 
     eos_token_ids = {EOS}
+    grammar_check_only = True  # constraints are validated, not enforced (see actors/grammar.py)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return [ord(c) for c in text]
@@ -24,19 +25,26 @@ class CharTokenizer:
     def decode(self, ids, skip_special_tokens: bool = True) -> str:
         return "".join(chr(i) for i in ids if i != EOS)
 
-    def apply_chat_template(self, messages, add_generation_prompt=True, tokenize=False):
+    def apply_chat_template(self, messages, add_generation_prompt=True, tokenize=False, **extra):
         for m in messages:
             if m["role"] not in ("system", "user", "assistant"):
                 raise ValueError(f"role {m['role']} not supported by this template")
-        text = "".join(f"<{m['role']}>{m['content']}" for m in messages)
+        text = "".join(f"<{k}={v}>" for k, v in sorted(extra.items()))
+        text += "".join(f"<{m['role']}>{m['content']}" for m in messages)
         return text + ("<assistant>" if add_generation_prompt else "")
 
 
 def reply_for(prompt: tuple[int, ...]) -> str:
-    """The fake model's answer: the last user turn, upper-cased, then EOS."""
+    """The fake model's answer: the last user turn upper-cased (verbatim after a leading ``!``)."""
     text = "".join(chr(t) for t in prompt)
     last = text.rsplit("<user>", 1)[-1].removesuffix("<assistant>")
-    return last.upper()
+    return last[1:] if last.startswith("!") else last.upper()
+
+
+def fake_logprob(token: int, top: int) -> TokenLogprob:
+    """Scripted logprobs: the sampled token is the likeliest, alternatives follow it."""
+    alternatives = tuple((token + i, -0.25 - i) for i in range(top))
+    return TokenLogprob(token=token, logprob=-0.25, top=alternatives)
 
 
 @dataclass
@@ -109,7 +117,9 @@ class FakeRunner:
             reason = "stop" if token == EOS else None
             if reason is None and seq.emitted >= seq.request.sampling.max_tokens:
                 reason = "length"
-            out.append(Decoded(rid, token, reason))
+            params = seq.request.sampling
+            lp = fake_logprob(token, params.top_logprobs) if params.logprobs else None
+            out.append(Decoded(rid, token, reason, lp))
             if reason:
                 del self.running[rid]
         return out

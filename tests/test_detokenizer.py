@@ -63,3 +63,31 @@ def test_no_stops_passes_through():
     matcher = StopMatcher([])
     assert matcher.feed("abc") == "abc"
     assert matcher.flush() == ""
+
+
+class _ByteLevel:
+    """Byte-level BPE in miniature: token 1 = "é" as its two bytes' stand-ins, 2 = first byte alone."""
+
+    pieces = {1: "Ã©", 2: "Ã", 3: "<0xE2>"}
+
+    def decode(self, ids, skip_special_tokens=True):
+        raw = b"".join({1: b"\xc3\xa9", 2: b"\xc3", 3: b"\xe2"}[i] for i in ids)
+        return raw.decode("utf-8", errors="replace")
+
+    def convert_ids_to_tokens(self, ids):
+        return [self.pieces[i] for i in ids]
+
+
+def test_token_texts_give_exact_bytes_of_partial_characters():
+    from actors.detokenizer import TokenTexts
+
+    texts = TokenTexts(_ByteLevel())
+    assert texts(1) == ("é", (0xC3, 0xA9))
+    assert texts(2) == ("\ufffd", (0xC3,))  # half a character: its real byte, not U+FFFD's
+    assert texts(3) == ("\ufffd", (0xE2,))  # SentencePiece byte-fallback piece
+
+
+def test_stop_matcher_names_the_stop_that_matched():
+    m = StopMatcher(["zz", "b"])
+    assert m.feed("aab") == "aa"
+    assert m.matched == "b"

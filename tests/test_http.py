@@ -133,16 +133,42 @@ async def test_wrong_types_name_the_field(body, param):
         assert "messages" in err["message"]
 
 
+F = [{"type": "function", "function": {"name": "f"}}]
+
+
 @pytest.mark.parametrize(
     ("extra", "param"),
     [
-        ({"n": 2}, "n"),
+        ({"n": 100}, "n"),
+        ({"n": 0}, "n"),
         ({"temperature": 5}, "temperature"),
         ({"max_tokens": 0}, "max_tokens"),
         ({"max_tokens": 10**7}, "max_tokens"),
-        ({"logprobs": True}, "logprobs"),
-        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
-        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"top_logprobs": 3}, "top_logprobs"),  # without logprobs: true
+        ({"logprobs": True, "top_logprobs": 50}, "top_logprobs"),
+        (
+            {"tools": F, "tool_choice": {"type": "function", "function": {"name": "g"}}},
+            "tool_choice",
+        ),
+        ({"tool_choice": "required"}, "tool_choice"),
+        ({"tools": F, "tool_choice": "sometimes"}, "tool_choice"),
+        ({"tools": F + F}, "tools"),
+        ({"response_format": {"type": "xml"}}, "response_format"),
+        ({"response_format": {"type": "json_schema"}}, "response_format"),
+        (
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"schema": {"type": "wat"}},
+                }
+            },
+            "response_format",
+        ),
+        (
+            {"tools": F, "tool_choice": "required", "response_format": {"type": "json_object"}},
+            "response_format",
+        ),
+        ({"chat_template_kwargs": {"tools": []}}, "chat_template_kwargs"),
         ({"stop": ["x"] * 100}, "stop"),
         ({"logit_bias": {"abc": 1}}, "logit_bias"),
     ],
@@ -439,9 +465,9 @@ async def test_deadline_mid_stream_ends_with_an_error_event():
 
 
 def test_priority_field_is_honoured_only_when_enabled():
-    from daemon.app import Validator
+    from daemon.api.common import Validator
     from protocol import openai as wire
 
     w = wire.chat_decoder.decode(b'{"messages": [], "priority": -5}')
-    assert Validator(load_settings()).priority(w) == 0
-    assert Validator(settings_with(admission={"priority": True})).priority(w) == -5
+    assert Validator(load_settings()).priority(w.priority) == 0
+    assert Validator(settings_with(admission={"priority": True})).priority(w.priority) == -5

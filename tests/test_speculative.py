@@ -222,7 +222,9 @@ async def test_status_and_metrics_report_acceptance_per_drafter():
     import json
 
     from actors.engine.speculative import SpecStats
-    from daemon.app import Validator, create_app
+    from daemon.api.common import Validator
+    from daemon.api.openai import sampling_from
+    from daemon.app import create_app
     from daemon.settings import load_settings
     from protocol import openai
     from tests.conftest import metric, running_graph
@@ -247,6 +249,6 @@ async def test_status_and_metrics_report_acceptance_per_drafter():
     assert metric(text, "mlxd_spec_drafted_tokens_total", 'drafter="tiny"') == 10
     assert metric(text, "mlxd_spec_accepted_tokens_total", 'drafter="tiny"') == 7
     body = openai.chat_decoder.decode(b'{"messages": [], "speculative": false}')
-    assert not Validator(settings).sampling(body, None).speculative
+    assert not sampling_from(body, None, Validator(settings)).speculative
     body = openai.chat_decoder.decode(b'{"messages": []}')
-    assert Validator(settings).sampling(body, None).speculative
+    assert sampling_from(body, None, Validator(settings)).speculative

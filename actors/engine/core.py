@@ -36,6 +36,7 @@ from protocol.messages import (
     FinishReason,
     Started,
     TokenizedRequest,
+    TokenLogprob,
     TokenStep,
 )
 
@@ -207,6 +208,7 @@ class EngineCore:
                 prompt_tokens=prompt,
                 cached_tokens=cached,
                 prefilled_tokens=prefilled,
+                output=request.output,
             )
         )
 
@@ -270,19 +272,28 @@ class EngineCore:
             self._fail_batch(exc, failed)
             return []
         tokens: dict[str, list[int]] = {}
+        logprobs: dict[str, list[TokenLogprob]] = {}
         finished: dict[str, FinishReason] = {}
         for d in decoded:
             if d.request_id not in self.decoding:
                 continue
             tokens.setdefault(d.request_id, [])
+            logprobs.setdefault(d.request_id, [])
             if d.finish_reason != "stop":  # the stop token (EOS) is not part of the completion
                 tokens[d.request_id].append(d.token)
+                if d.logprob is not None:
+                    logprobs[d.request_id].append(d.logprob)
             if d.finish_reason is not None:
                 finished[d.request_id] = d.finish_reason
                 del self.decoding[d.request_id]
                 self._release(d.request_id)
         return [
-            TokenStep(request_id=rid, tokens=tuple(t), finish_reason=finished.get(rid))
+            TokenStep(
+                request_id=rid,
+                tokens=tuple(t),
+                finish_reason=finished.get(rid),
+                logprobs=tuple(logprobs[rid]),
+            )
             for rid, t in tokens.items()
         ]
 

@@ -38,9 +38,11 @@ from mlx_lm.utils import load as mlx_lm_load
 
 from actors.engine import caches
 from actors.engine.caches import check_batchable, layer_kinds
+from actors.engine.logits import GrammarProcessor, token_logprobs
 from actors.engine.memory import AttentionLayer, Layer, MemoryModel, StateLayer, kv_budget
 from actors.engine.prefix_cache import PrefixCache
 from actors.engine.types import Decoded, ModelInfo, model_kind
+from actors.grammar import CompiledGrammar
 from protocol.messages import SamplingParams, TokenizedRequest
 
 log = logging.getLogger("mlxd.runner")
@@ -71,8 +73,9 @@ def make_sampler(params: SamplingParams):
     return sample
 
 
-def make_processors(params: SamplingParams) -> list:
-    return make_logits_processors(
+def make_processors(params: SamplingParams, grammar: object | None = None) -> list:
+    """Penalties and bias from mlx-lm; a grammar mask last, so nothing can undo it."""
+    processors = make_logits_processors(
         logit_bias=params.logit_bias or None,
         repetition_penalty=params.repetition_penalty if params.repetition_penalty != 1.0 else None,
         repetition_context_size=_PENALTY_CONTEXT,
@@ -81,6 +84,9 @@ def make_processors(params: SamplingParams) -> list:
         frequency_penalty=params.frequency_penalty or None,
         frequency_context_size=_PENALTY_CONTEXT,
     )
+    if isinstance(grammar, CompiledGrammar):
+        processors.append(GrammarProcessor(grammar))
+    return processors
 
 
 def backend() -> str:
@@ -151,6 +157,7 @@ class MlxRunner:
         self._pending: dict[str, Pending] = {}
         self._uid_to_rid: dict[int, str] = {}
         self._rid_to_uid: dict[str, int] = {}
+        self._top: dict[str, int] = {}  # requests that want logprobs → how many alternatives
 
     def _new_generator(self) -> BatchGenerator:
         return BatchGenerator(
@@ -269,22 +276,26 @@ class MlxRunner:
             caches=[self._batch_cache(pending)],
             all_tokens=[list(request.prompt_tokens[:-1])],
             samplers=[make_sampler(params)],
-            logits_processors=[make_processors(params)],
+            logits_processors=[make_processors(params, request.grammar)],
         )
         self._uid_to_rid[uid] = request.request_id
         self._rid_to_uid[request.request_id] = uid
+        if params.logprobs:
+            self._top[request.request_id] = params.top_logprobs
 
     def decode(self) -> list[Decoded]:
         if not self._rid_to_uid:
             return []
         _, responses = self.generator.next()
+        logprobs = self._logprobs(responses)
         out = []
         for r in responses:
             rid = self._uid_to_rid[r.uid]
-            out.append(Decoded(rid, r.token, r.finish_reason))
+            out.append(Decoded(rid, r.token, r.finish_reason, logprobs.get(r.uid)))
             if r.finish_reason is not None:
                 del self._uid_to_rid[r.uid], self._rid_to_uid[rid]
                 self._remember_finished(rid, r.all_tokens, r.prompt_cache)  # a fresh copy
+                self._top.pop(rid, None)
         return out
 
     def _remember_finished(self, request_id: str, tokens: Any, cache: Any) -> None:
@@ -294,8 +305,18 @@ class MlxRunner:
         else:
             self._remember(tokens, cache)
 
+    def _logprobs(self, responses: list) -> dict:
+        """Logprobs for the responses whose requests asked, in one batched computation."""
+        want = [r for r in responses if self._uid_to_rid[r.uid] in self._top]
+        if not want:
+            return {}
+        tops = [self._top[self._uid_to_rid[r.uid]] for r in want]
+        found = token_logprobs([r.logprobs for r in want], [r.token for r in want], tops)
+        return {r.uid: lp for r, lp in zip(want, found, strict=True)}
+
     def remove(self, request_id: str) -> None:
         self._pending.pop(request_id, None)
+        self._top.pop(request_id, None)
         uid = self._rid_to_uid.pop(request_id, None)
         if uid is not None:
             del self._uid_to_rid[uid]

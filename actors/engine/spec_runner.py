@@ -102,6 +102,12 @@ class SpeculativeRunner(MlxRunner):
 
     def _join_batch(self, pending: Pending) -> None:
         request = pending.request
+        if request.grammar is not None or request.sampling.logprobs:
+            # A grammar matcher advances once per token and cannot be rolled back per row.
+            raise ValueError(
+                "structured output, forced tool calls and logprobs are not available "
+                "while speculative decoding is on (speculative.enabled)"
+            )
         prompt = list(request.prompt_tokens)
         cache = self._joining(pending)
         with mx.stream(self._stream):

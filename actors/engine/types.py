@@ -7,16 +7,17 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from actors.engine.memory import MemoryModel
-from protocol.messages import FinishReason, TokenizedRequest
+from protocol.messages import FinishReason, TokenizedRequest, TokenLogprob
 
 
 @dataclass(frozen=True)
 class Decoded:
-    """One request's output from one decode step."""
+    """One request's output from one decode step (``logprob`` only if the request asked)."""
 
     request_id: str
     token: int
     finish_reason: FinishReason | None
+    logprob: TokenLogprob | None = None
 
 
 class Runner(Protocol):

@@ -1,0 +1,131 @@
+"""Structured output: JSON schemas and tool calls compiled to llguidance grammars.
+
+Why llguidance: it installs from PyPI as one wheel with no dependencies (no
+torch, unlike xgrammar), builds its token trie straight from the HF tokenizer,
+computes a mask in tens of microseconds on the CPU (the mask is applied with
+MLX, so it works on Metal, CUDA and CPU alike), compiles JSON schemas lazily
+(no up-front regex/FSM index over the vocabulary as outlines-core builds), and
+has Lark grammars, which tool calls in a model's own markup need.
+
+``GrammarCompiler`` runs in the tokenizer actor's worker threads: compiling is
+CPU work and, for big schemas, slow, so it never blocks the engine thread. The
+``CompiledGrammar`` (a fresh matcher per sequence) travels in the request.
+No trio, no mlx.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+import llguidance
+import llguidance.hf
+
+from protocol.messages import Constraint, Tool
+
+
+class GrammarError(ValueError):
+    """A schema or grammar that does not compile; becomes an HTTP 400."""
+
+
+@dataclass
+class CompiledGrammar:
+    """A matcher ready for one sequence, with what the logits processor needs to size masks."""
+
+    matcher: Any  # llguidance.LLMatcher
+    vocab_size: int
+    eos_ids: tuple[int, ...]
+
+
+def _strict(params: dict) -> dict:
+    """Object parameters take no properties beyond those named, as in OpenAI's strict mode."""
+    if params.get("type") == "object" and "additionalProperties" not in params:
+        return {**params, "additionalProperties": not params.get("properties")}
+    return params
+
+
+def tool_call_schema(tools: tuple[Tool, ...], names: tuple[str, ...]) -> dict:
+    """JSON schema of one call ``{"name": …, "arguments": {…}}`` to one of ``names``.
+
+    Forced calls are compact (no free whitespace) and strict, so that even a
+    small model cannot wander off into extra keys before closing the call.
+    """
+    options = []
+    for tool in tools:
+        if tool.name not in names:
+            continue
+        params = _strict(tool.parameters or {"type": "object"})
+        options.append(
+            {
+                "type": "object",
+                "properties": {"name": {"const": tool.name}, "arguments": params},
+                "required": ["name", "arguments"],
+                "additionalProperties": False,
+            }
+        )
+    schema = options[0] if len(options) == 1 else {"anyOf": options}
+    return {**schema, "x-guidance": {"whitespace_flexible": False}}
+
+
+def tool_call_lark(schema: dict, fmt: str) -> str:
+    """A Lark grammar for one call in the model's tool-call markup (see ``actors/parsers.py``)."""
+    body = "%json " + json.dumps(schema)
+    if fmt == "hermes":
+        return f'start: "<tool_call>\\n" call "\\n</tool_call>"\ncall: {body}\n'
+    if fmt == "mistral":
+        return f'start: "[TOOL_CALLS][" call "]"\ncall: {body}\n'
+    return f"start: call\ncall: {body}\n"  # llama3 / json: the bare object
+
+
+class GrammarCompiler:
+    """Compiles constraints against one tokenizer.
+
+    A tokenizer llguidance cannot read (not an HF fast tokenizer) makes every
+    constraint a 400, except for test doubles that set ``grammar_check_only``:
+    their constraints are validated, then left to the fake runner.
+    """
+
+    def __init__(self, tokenizer: Any | None):
+        self._llt = _llg_tokenizer(tokenizer) if tokenizer is not None else None
+        self._check_only = bool(getattr(tokenizer, "grammar_check_only", False))
+
+    def grammar_text(self, constraint: Constraint, tools: tuple[Tool, ...], fmt: str) -> str:
+        if constraint.kind == "json_object":
+            return llguidance.LLMatcher.grammar_from_json_schema({"type": "object"})
+        if constraint.kind == "json_schema":
+            try:
+                return llguidance.LLMatcher.grammar_from_json_schema(constraint.schema or {})
+            except ValueError as exc:
+                raise GrammarError(f"invalid JSON schema: {exc}") from exc
+        schema = tool_call_schema(tools, constraint.tool_names)
+        return llguidance.LLMatcher.grammar_from_lark(tool_call_lark(schema, fmt))
+
+    def validate(self, grammar: str) -> None:
+        error = llguidance.LLMatcher.validate_grammar(grammar, self._llt)
+        if error:
+            raise GrammarError(f"invalid schema: {error}")
+
+    def compile(
+        self, constraint: Constraint, tools: tuple[Tool, ...] = (), fmt: str = "hermes"
+    ) -> CompiledGrammar | None:
+        """A matcher for the constraint (None for a check-only test tokenizer)."""
+        grammar = self.grammar_text(constraint, tools, fmt)
+        self.validate(grammar)
+        if self._llt is None:
+            if self._check_only:
+                return None
+            raise GrammarError("structured output is not available for this model's tokenizer")
+        matcher = llguidance.LLMatcher(self._llt, grammar, log_level=0)
+        if matcher.is_error():
+            raise GrammarError(f"invalid schema: {matcher.get_error()}")
+        return CompiledGrammar(matcher, self._llt.vocab_size, tuple(self._llt.eos_tokens))
+
+
+def _llg_tokenizer(tokenizer: Any) -> Any | None:
+    """llguidance's view of an HF fast tokenizer (mlx-lm's wrapper unwrapped); None if unsupported."""
+    hf = getattr(tokenizer, "_tokenizer", tokenizer)
+    if not hasattr(hf, "backend_tokenizer"):
+        return None
+    eos = sorted(getattr(tokenizer, "eos_token_ids", None) or [hf.eos_token_id])
+    return llguidance.hf.from_tokenizer(hf, eos_token=eos)

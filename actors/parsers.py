@@ -1,0 +1,463 @@
+"""Incremental output parsers: reasoning blocks and tool calls, split out of streamed text.
+
+The streamer feeds each request's text deltas (after stop strings) through one
+``OutputParser``, which yields content, reasoning text and complete tool calls.
+Like the stop matcher, every parser holds back any tail that could still start
+its markup, so raw markup never leaks out as content whatever the chunk
+boundaries. Formats:
+
+- reasoning: ``<think>…</think>`` (or another tag pair) at the start of the output;
+- ``hermes``: ``<tool_call>{"name": …, "arguments": {…}}</tool_call>`` (Hermes, Qwen);
+  once the name is out, the arguments stream as they are generated;
+- ``mistral``: ``[TOOL_CALLS]`` then a JSON list of calls, or ``name[ARGS]{…}`` items
+  (text before the marker is content);
+- ``llama3``: output that is ``<|python_tag|>`` or a JSON object
+  ``{"name": …, "parameters": {…}}`` (several separated by ``;``);
+- ``json``: output that is a JSON call object or a list of them (generic fallback).
+
+Calls come out as ``CallPiece``s: a call's first piece has its id and name,
+later pieces continue its arguments. A call whose JSON does not parse is given
+back as content, never dropped (except arguments already streamed).
+Pure Python: no trio, no mlx.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from protocol.messages import OutputSpec, ToolCall
+
+TOOL_FORMATS = ("hermes", "mistral", "llama3", "json")
+IdFactory = Callable[[], str]
+
+
+def new_call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+def partial_suffix(buffer: str, markers: tuple[str, ...]) -> int:
+    """Length of the longest suffix of ``buffer`` that is a proper prefix of a marker."""
+    best = 0
+    for marker in markers:
+        for n in range(min(len(marker) - 1, len(buffer)), best, -1):
+            if buffer.endswith(marker[:n]):
+                best = n
+                break
+    return best
+
+
+@dataclass(frozen=True)
+class CallPiece:
+    """A tool call or a piece of one: ``id`` and ``name`` are set on a call's first piece.
+
+    ``index`` numbers the calls of a request (set by ``OutputParser``).
+    """
+
+    arguments: str
+    id: str | None = None
+    name: str | None = None
+    index: int = -1
+
+
+def whole(call: ToolCall) -> CallPiece:
+    return CallPiece(arguments=call.arguments, id=call.id, name=call.name)
+
+
+@dataclass
+class Parsed:
+    """What one chunk of output text turned out to be."""
+
+    content: str = ""
+    reasoning: str = ""
+    calls: list[CallPiece] = field(default_factory=list)
+
+    def extend(self, other: Parsed) -> None:
+        self.content += other.content
+        self.reasoning += other.reasoning
+        self.calls.extend(other.calls)
+
+
+# ---- reasoning ------------------------------------------------------------------------
+
+
+class ReasoningParser:
+    """Splits a leading ``open…close`` block off as reasoning.
+
+    The block counts only at the start of the output (after whitespace), or from
+    the first character when the prompt already opened it. Whitespace right
+    after the closing tag is dropped.
+    """
+
+    def __init__(self, open_tag: str, close_tag: str, *, inside: bool = False):
+        self._open, self._close = open_tag, close_tag
+        self._state = "inside" if inside else "start"  # start | inside | content
+        self._held = ""
+        self._strip = False
+
+    def feed(self, text: str) -> Parsed:
+        out = Parsed()
+        buffer, self._held = self._held + text, ""
+        while buffer:
+            buffer = getattr(self, f"_{self._state}")(buffer, out)
+        return out
+
+    def _start(self, buffer: str, out: Parsed) -> str:
+        stripped = buffer.lstrip()
+        if stripped.startswith(self._open):
+            self._state = "inside"
+            return stripped[len(self._open) :]
+        if not stripped or self._open.startswith(stripped):
+            self._held = buffer  # could still become the opening tag
+            return ""
+        self._state = "content"
+        return buffer
+
+    def _inside(self, buffer: str, out: Parsed) -> str:
+        end = buffer.find(self._close)
+        if end >= 0:
+            out.reasoning += buffer[:end]
+            self._state, self._strip = "content", True
+            return buffer[end + len(self._close) :]
+        keep = partial_suffix(buffer, (self._close,))
+        out.reasoning += buffer[: len(buffer) - keep]
+        self._held = buffer[len(buffer) - keep :]
+        return ""
+
+    def _content(self, buffer: str, out: Parsed) -> str:
+        if self._strip:
+            buffer = buffer.lstrip()
+            self._strip = not buffer
+        out.content += buffer
+        return ""
+
+    def flush(self) -> Parsed:
+        held, self._held = self._held, ""
+        if self._state == "inside":
+            return Parsed(reasoning=held)
+        return Parsed(content=held)
+
+
+# ---- tool calls -----------------------------------------------------------------------
+
+
+def _arguments_text(args: object) -> str | None:
+    """Arguments as JSON object text; a JSON string holding an object is accepted too."""
+    if isinstance(args, str):
+        try:
+            args = json.loads(args)
+        except ValueError:
+            return None
+    if not isinstance(args, dict):
+        return None
+    return json.dumps(args, ensure_ascii=False)
+
+
+def call_from_json(obj: object, make_id: IdFactory) -> ToolCall | None:
+    """``{"name": …, "arguments"|"parameters": {…}}`` → a ToolCall, or None."""
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+        return None
+    args = obj.get("arguments", obj.get("parameters", {}))
+    text = _arguments_text(args)
+    if text is None:
+        return None
+    return ToolCall(id=make_id(), name=obj["name"], arguments=text)
+
+
+def _json_values(text: str, separators: str = "") -> list[object] | None:
+    """Consecutive JSON values separated by whitespace (and ``separators``); None if not."""
+    decoder, values, pos = json.JSONDecoder(), [], 0
+    while True:
+        while pos < len(text) and (text[pos].isspace() or text[pos] in separators):
+            pos += 1
+        if pos == len(text):
+            return values
+        try:
+            value, pos = decoder.raw_decode(text, pos)
+        except ValueError:
+            return None
+        values.append(value)
+
+
+def calls_from_values(values: list[object] | None, make_id: IdFactory) -> list[ToolCall] | None:
+    """Calls from JSON values (objects, or lists of objects); None unless all are calls."""
+    if not values:
+        return None
+    flat = [v for value in values for v in (value if isinstance(value, list) else [value])]
+    calls = [call_from_json(v, make_id) for v in flat]
+    if not calls or any(c is None for c in calls):
+        return None
+    return calls  # type: ignore[return-value]
+
+
+_HERMES_HEADER = re.compile(
+    r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"arguments"\s*:\s*(?=\{)'
+)
+_ARGS_TAIL = re.compile(r"\s*\}?\s*$")  # what may still close the call object
+
+
+class TaggedToolParser:
+    """Hermes / Qwen: each call is a JSON object between ``<tool_call>`` and ``</tool_call>``.
+
+    Text outside the tags is content; whitespace between or after calls is
+    dropped. When a call starts ``{"name": …, "arguments": {`` its arguments
+    stream as they come (holding back what may be the call object's closing
+    brace); otherwise the call is parsed whole at its closing tag.
+    """
+
+    def __init__(self, make_id: IdFactory, open_tag="<tool_call>", close_tag="</tool_call>"):
+        self._open, self._close = open_tag, close_tag
+        self._make_id = make_id
+        self._inside = False
+        self._streaming = False  # inside a call whose arguments are streaming
+        self._held = ""
+        self._space = ""  # whitespace after a call, shown only if content follows
+        self._called = False
+
+    def feed(self, text: str) -> Parsed:
+        out = Parsed()
+        buffer, self._held = self._held + text, ""
+        while buffer:
+            if self._streaming:
+                buffer = self._in_args(buffer, out)
+            elif self._inside:
+                buffer = self._in_call(buffer, out)
+            else:
+                buffer = self._in_text(buffer, out)
+        return out
+
+    def _in_text(self, buffer: str, out: Parsed) -> str:
+        start = buffer.find(self._open)
+        cut = start if start >= 0 else len(buffer) - partial_suffix(buffer, (self._open,))
+        self._emit(buffer[:cut], out)
+        if start >= 0:
+            self._inside = True
+            return buffer[start + len(self._open) :]
+        self._held = buffer[cut:]
+        return ""
+
+    def _emit(self, text: str, out: Parsed) -> None:
+        if self._called and not text.strip():
+            self._space += text
+            return
+        out.content += self._space + text
+        self._space = ""
+
+    def _in_call(self, buffer: str, out: Parsed) -> str:
+        end = buffer.find(self._close)
+        header = _HERMES_HEADER.match(buffer)
+        if header is not None and (end < 0 or header.end() <= end):
+            name = json.loads(f'"{header.group(1)}"')
+            out.calls.append(CallPiece(arguments="", id=self._make_id(), name=name))
+            self._streaming, self._called, self._space = True, True, ""
+            return buffer[header.end() :]
+        if end < 0:
+            self._held = buffer
+            return ""
+        self._inside = False
+        self._finish_call(buffer[:end], out, closed=True)
+        return buffer[end + len(self._close) :]
+
+    def _in_args(self, buffer: str, out: Parsed) -> str:
+        end = buffer.find(self._close)
+        if end >= 0:
+            self._end_args(buffer[:end], out)
+            return buffer[end + len(self._close) :]
+        body = buffer[: len(buffer) - partial_suffix(buffer, (self._close,))]
+        cut = _ARGS_TAIL.search(body).start()  # type: ignore[union-attr]
+        if cut:
+            out.calls.append(CallPiece(arguments=body[:cut]))
+        self._held = buffer[cut:]
+        return ""
+
+    def _end_args(self, rest: str, out: Parsed) -> None:
+        """The last of the arguments: ``rest`` less the call object's closing brace."""
+        rest = rest.rstrip()
+        rest = rest[:-1].rstrip() if rest.endswith("}") else rest
+        if rest:
+            out.calls.append(CallPiece(arguments=rest))
+        self._inside = self._streaming = False
+
+    def _finish_call(self, body: str, out: Parsed, *, closed: bool) -> None:
+        calls = calls_from_values(_json_values(body), self._make_id)
+        if calls is None:
+            raw = self._open + body + (self._close if closed else "")
+            self._emit(raw, out)
+            return
+        out.calls.extend(whole(c) for c in calls)
+        self._called, self._space = True, ""
+
+    def flush(self) -> Parsed:
+        out = Parsed()
+        held, self._held = self._held, ""
+        if self._streaming:
+            self._end_args(held, out)
+        elif self._inside:
+            self._inside = False
+            self._finish_call(held, out, closed=False)
+        elif held:
+            self._emit(held, out)
+        return out
+
+
+class LeadingToolParser:
+    """Output that *starts* with tool-call markup is buffered to the end and parsed whole.
+
+    ``prefixes``: the openings that mark a call (a marker token, ``{``, ``[``).
+    ``parse`` turns the whole output into calls, or None (then it is content).
+    Output that starts with anything else streams through as content.
+    """
+
+    def __init__(self, prefixes: tuple[str, ...], parse: Callable[[str], list[ToolCall] | None]):
+        self._prefixes = prefixes
+        self._parse = parse
+        self._state = "start"  # start | call | content
+        self._held = ""
+
+    def feed(self, text: str) -> Parsed:
+        if self._state == "content":
+            return Parsed(content=text)
+        buffer = self._held + text
+        if self._state == "call":
+            self._held = buffer
+            return Parsed()
+        stripped = buffer.lstrip()
+        if any(stripped.startswith(p) for p in self._prefixes):
+            self._state, self._held = "call", buffer
+            return Parsed()
+        if not stripped or any(p.startswith(stripped) for p in self._prefixes):
+            self._held = buffer
+            return Parsed()
+        self._state, self._held = "content", ""
+        return Parsed(content=buffer)
+
+    def flush(self) -> Parsed:
+        held, self._held = self._held, ""
+        if self._state == "call":
+            calls = self._parse(held)
+            if calls is not None:
+                return Parsed(calls=[whole(c) for c in calls])
+        return Parsed(content=held)
+
+
+class MarkerToolParser:
+    """Content until a marker (Mistral's ``[TOOL_CALLS]``); from the marker on, calls to the end.
+
+    The calls are parsed whole when the output ends; if they do not parse, the
+    text from the marker on is content after all.
+    """
+
+    def __init__(self, marker: str, parse: Callable[[str], list[ToolCall] | None]):
+        self._marker = marker
+        self._parse = parse
+        self._calls = False
+        self._held = ""
+
+    def feed(self, text: str) -> Parsed:
+        buffer, self._held = self._held + text, ""
+        if self._calls:
+            self._held = buffer
+            return Parsed()
+        at = buffer.find(self._marker)
+        if at >= 0:
+            self._calls, self._held = True, buffer[at:]
+            return Parsed(content=buffer[:at])
+        keep = partial_suffix(buffer, (self._marker,))
+        self._held = buffer[len(buffer) - keep :]
+        return Parsed(content=buffer[: len(buffer) - keep])
+
+    def flush(self) -> Parsed:
+        held, self._held = self._held, ""
+        calls = self._parse(held) if self._calls else None
+        if calls is None:
+            return Parsed(content=held)
+        return Parsed(calls=[whole(c) for c in calls])
+
+
+_MISTRAL_ITEM = re.compile(r"\s*([A-Za-z0-9_.\-]+)\s*\[ARGS\]")
+
+
+def parse_mistral(text: str, make_id: IdFactory) -> list[ToolCall] | None:
+    """``[TOOL_CALLS] [{…}, …]`` (v3) or ``[TOOL_CALLS]name[ARGS]{…}`` items (v11)."""
+    parts = [p for p in text.split("[TOOL_CALLS]") if p.strip()]
+    if not parts:
+        return None
+    calls: list[ToolCall] = []
+    for part in parts:
+        item = _MISTRAL_ITEM.match(part)
+        if item is None:
+            found = calls_from_values(_json_values(part), make_id)
+        else:
+            args = _json_values(part[item.end() :])
+            found = None
+            if args and len(args) == 1 and isinstance(args[0], dict):
+                found = [call_from_json({"name": item.group(1), "arguments": args[0]}, make_id)]
+        if not found or None in found:
+            return None
+        calls.extend(found)  # type: ignore[arg-type]
+    return calls
+
+
+def make_tool_parser(fmt: str, make_id: IdFactory = new_call_id):
+    """The incremental parser for one tool-call format (see ``TOOL_FORMATS``)."""
+    if fmt == "hermes":
+        return TaggedToolParser(make_id)
+    if fmt == "mistral":
+        return MarkerToolParser("[TOOL_CALLS]", lambda t: parse_mistral(t, make_id))
+    if fmt == "llama3":
+        return LeadingToolParser(
+            ("<|python_tag|>", "{"),
+            lambda t: calls_from_values(
+                _json_values(t.strip().removeprefix("<|python_tag|>"), ";"), make_id
+            ),
+        )
+    if fmt == "json":
+        return LeadingToolParser(("{", "["), lambda t: calls_from_values(_json_values(t), make_id))
+    raise ValueError(f"unknown tool-call format {fmt!r}; known: {', '.join(TOOL_FORMATS)}")
+
+
+# ---- the composite ------------------------------------------------------------------------
+
+
+class OutputParser:
+    """Reasoning first, then tool calls in what remains; as one request's spec says."""
+
+    def __init__(self, spec: OutputSpec, make_id: IdFactory = new_call_id):
+        self._reasoning = (
+            ReasoningParser(*spec.reasoning, inside=spec.in_reasoning) if spec.reasoning else None
+        )
+        self._tools = make_tool_parser(spec.tool_format, make_id) if spec.tool_format else None
+        self._single = spec.single_tool_call
+        self.calls = 0
+
+    @property
+    def active(self) -> bool:
+        return self._reasoning is not None or self._tools is not None
+
+    def feed(self, text: str) -> Parsed:
+        stage = self._reasoning.feed(text) if self._reasoning else Parsed(content=text)
+        return self._tool_stage(stage, final=False)
+
+    def flush(self) -> Parsed:
+        stage = self._reasoning.flush() if self._reasoning else Parsed()
+        return self._tool_stage(stage, final=True)
+
+    def _tool_stage(self, stage: Parsed, *, final: bool) -> Parsed:
+        if self._tools is None:
+            return stage
+        out = Parsed(reasoning=stage.reasoning)
+        out.extend(self._tools.feed(stage.content) if stage.content else Parsed())
+        if final:
+            out.extend(self._tools.flush())
+        out.calls = [p for p in map(self._number, out.calls) if not (self._single and p.index)]
+        return out
+
+    def _number(self, piece: CallPiece) -> CallPiece:
+        """Index the piece: a first piece starts the next call, others continue the last."""
+        if piece.id is not None:
+            self.calls += 1
+        return dataclasses.replace(piece, index=self.calls - 1)

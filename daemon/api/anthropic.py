@@ -1,0 +1,343 @@
+"""Anthropic Messages API: ``POST /v1/messages`` and ``/v1/messages/count_tokens``.
+
+Requests become the same ``ChatRequest`` as OpenAI chat (``tool_use`` blocks
+→ assistant tool calls, ``tool_result`` blocks → ``tool`` turns, ``system`` →
+a system turn), so the output is the same; it is shaped into content blocks
+(``thinking``, ``text``, ``tool_use``) and, streaming, into Anthropic's exact
+event sequence: ``message_start``, ``ping``, per block
+``content_block_start`` / ``content_block_delta`` / ``content_block_stop``,
+``message_delta`` (stop reason, usage), ``message_stop``. ``x-api-key`` and
+``anthropic-version`` headers are accepted (mlxd has no keys). Errors use
+``{"type": "error", "error": {"type", "message"}}``.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+
+from quart import Response, request
+from quart_trio import QuartTrio
+
+from actors.tokenizer import PromptError
+from daemon.api.common import (
+    ApiError,
+    Choice,
+    ChoiceEvent,
+    Validator,
+    check,
+    check_tools,
+    collect,
+    decode,
+    json_response,
+    sse_response,
+    start,
+    tool_choice,
+)
+from daemon.pipeline import Pipeline
+from protocol import anthropic as wire
+from protocol.messages import (
+    ChatRequest,
+    Failed,
+    Finished,
+    Message,
+    SamplingParams,
+    Started,
+    TextDelta,
+    Tool,
+    ToolCall,
+)
+
+
+def _text(content: str | list) -> str:
+    if isinstance(content, str):
+        return content
+    check(
+        all(isinstance(b, wire.TextBlock) for b in content),
+        "messages",
+        "tool_result content must be text for this text model",
+    )
+    return "\n".join(b.text for b in content)
+
+
+def _user_turns(content: list[wire.Block]) -> list[Message]:
+    """Tool results first (as ``tool`` turns), then the user's own text and images."""
+    turns = [
+        Message(
+            role="tool",
+            tool_call_id=b.tool_use_id,
+            content=("Error: " if b.is_error else "") + _text(b.content),
+        )
+        for b in content
+        if isinstance(b, wire.ToolResultBlock)
+    ]
+    parts: list[dict] = []
+    for b in content:
+        if isinstance(b, wire.TextBlock):
+            parts.append({"type": "text", "text": b.text})
+        elif isinstance(b, wire.ImageBlock):
+            parts.append({"type": "image", "source": b.source})
+        elif isinstance(b, wire.ToolUseBlock):
+            raise ApiError(400, "tool_use blocks belong in assistant turns", param="messages")
+    if parts or not turns:
+        turns.append(Message(role="user", content=parts))
+    return turns
+
+
+def _assistant_turn(content: list[wire.Block]) -> Message:
+    """Text and tool calls; earlier thinking is not sent back to the template."""
+    text = "".join(b.text for b in content if isinstance(b, wire.TextBlock))
+    calls = tuple(
+        ToolCall(id=b.id, name=b.name, arguments=json.dumps(b.input, ensure_ascii=False))
+        for b in content
+        if isinstance(b, wire.ToolUseBlock)
+    )
+    check(
+        not any(isinstance(b, wire.ToolResultBlock | wire.ImageBlock) for b in content),
+        "messages",
+        "assistant turns hold text, thinking and tool_use blocks only",
+    )
+    return Message(role="assistant", content=text, tool_calls=calls)
+
+
+def messages_of(w: wire.CountTokensRequest) -> tuple[Message, ...]:
+    out: list[Message] = []
+    if w.system:
+        system = w.system if isinstance(w.system, str) else "\n".join(b.text for b in w.system)
+        out.append(Message(role="system", content=system))
+    for m in w.messages:
+        if isinstance(m.content, str):
+            out.append(Message(role=m.role, content=m.content))
+        elif m.role == "user":
+            out += _user_turns(m.content)
+        else:
+            out.append(_assistant_turn(m.content))
+    return tuple(out)
+
+
+def _tools(w: wire.CountTokensRequest):
+    defs = w.tools or []
+    check(
+        all(t.type in (None, "custom") for t in defs),
+        "tools",
+        "only custom tools are supported (no Anthropic server tools)",
+    )
+    tools = check_tools(
+        tuple(Tool(name=t.name, description=t.description, parameters=t.input_schema) for t in defs)
+    )
+    c = w.tool_choice
+    plain = None if c is None or c.type == "tool" else {"any": "required"}.get(c.type, c.type)
+    if c is not None and c.type == "tool":
+        check(c.name is not None, "tool_choice", "tool_choice type 'tool' needs a name")
+    named = c.name if c is not None and c.type == "tool" else None
+    choice, forced = tool_choice(plain, tools, named, "tool_choice")
+    parallel = not (c is not None and c.disable_parallel_tool_use)
+    return tools, choice, forced, parallel
+
+
+def _thinking(w: wire.CountTokensRequest, max_tokens: int | None) -> dict:
+    """``thinking`` → the template's ``enable_thinking`` switch (Qwen-style templates)."""
+    t = w.thinking
+    if t is None:
+        return {}
+    if t.type == "enabled":
+        budget = t.budget_tokens
+        check(budget is not None and budget >= 1024, "thinking.budget_tokens", "must be >= 1024")
+        check(
+            max_tokens is None or budget < max_tokens,  # type: ignore[operator]
+            "thinking.budget_tokens",
+            "must be less than max_tokens",
+        )
+    return {"enable_thinking": t.type == "enabled"}
+
+
+def chat_request(w: wire.CountTokensRequest, rid: str, v: Validator) -> ChatRequest:
+    max_tokens = getattr(w, "max_tokens", None)
+    tools, choice, forced, parallel = _tools(w)
+    sampling = SamplingParams()
+    if isinstance(w, wire.MessagesRequest):
+        sampling = v.sampling(
+            SamplingParams(
+                max_tokens=w.max_tokens,
+                temperature=w.temperature,
+                top_p=w.top_p,
+                top_k=w.top_k,
+                stop=v.stops(w.stop_sequences, "stop_sequences"),
+            )
+        )
+    messages = messages_of(w)
+    v.messages(len(messages))
+    return ChatRequest(
+        request_id=rid,
+        messages=messages,
+        sampling=sampling,
+        arrival=time.time(),
+        tools=tools,
+        tool_choice=choice,
+        parallel_tool_calls=parallel,
+        template_kwargs=_thinking(w, max_tokens),
+        constraint=forced,
+    )
+
+
+def stop_reason(f: Finished) -> str:
+    if f.finish_reason == "length":
+        return "max_tokens"
+    if f.finish_reason == "tool_calls":
+        return "tool_use"
+    return "stop_sequence" if f.stop_string is not None else "end_turn"
+
+
+def _input(arguments: str) -> dict:
+    """The call's arguments as an object (streamed arguments that went wrong: under ``_raw``)."""
+    try:
+        value = json.loads(arguments)
+    except ValueError:
+        return {"_raw": arguments}
+    return value if isinstance(value, dict) else {"_raw": arguments}
+
+
+def message_body(rid: str, model: str, c: Choice) -> wire.Message:
+    assert c.finished is not None
+    content: list = []
+    if c.reasoning:
+        content.append(wire.OutThinking(thinking=c.reasoning))
+    if c.text:
+        content.append(wire.OutText(text=c.text))
+    content += [wire.OutToolUse(id=t.id, name=t.name, input=_input(t.arguments)) for t in c.calls]
+    f = c.finished
+    return wire.Message(
+        id=rid,
+        model=model,
+        content=content,
+        stop_reason=stop_reason(f),
+        stop_sequence=f.stop_string,
+        usage=wire.Usage(input_tokens=f.prompt_tokens, output_tokens=f.completion_tokens),
+    )
+
+
+def sse(kind: str, data: dict) -> bytes:
+    return b"event: " + kind.encode() + b"\ndata: " + wire.encoder.encode(data) + b"\n\n"
+
+
+class MessageStream:
+    """Anthropic stream events from mailbox events; one content block open at a time."""
+
+    def __init__(self, rid: str, model: str):
+        self.rid, self.model = rid, model
+        self.index = -1
+        self.open: str | None = None  # kind of the open block
+
+    def start(self, prompt_tokens: int) -> list[bytes]:
+        message = wire.Message(
+            id=self.rid,
+            model=self.model,
+            content=[],
+            stop_reason=None,
+            stop_sequence=None,
+            usage=wire.Usage(input_tokens=prompt_tokens, output_tokens=0),
+        )
+        return [
+            sse("message_start", {"type": "message_start", "message": message}),
+            sse("ping", {"type": "ping"}),
+        ]
+
+    def _block(self, kind: str, block: dict) -> list[bytes]:
+        out = self._close()
+        self.index += 1
+        self.open = kind
+        start = {"type": "content_block_start", "index": self.index, "content_block": block}
+        return out + [sse("content_block_start", start)]
+
+    def _close(self) -> list[bytes]:
+        if self.open is None:
+            return []
+        self.open = None
+        return [sse("content_block_stop", {"type": "content_block_stop", "index": self.index})]
+
+    def _delta(self, delta: dict) -> bytes:
+        body = {"type": "content_block_delta", "index": self.index, "delta": delta}
+        return sse("content_block_delta", body)
+
+    def delta(self, event: TextDelta) -> list[bytes]:
+        out: list[bytes] = []
+        if event.reasoning:
+            if self.open != "thinking":
+                out += self._block(
+                    "thinking", {"type": "thinking", "thinking": "", "signature": ""}
+                )
+            out.append(self._delta({"type": "thinking_delta", "thinking": event.reasoning}))
+        if event.text:
+            if self.open != "text":
+                out += self._block("text", {"type": "text", "text": ""})
+            out.append(self._delta({"type": "text_delta", "text": event.text}))
+        for c in event.tool_calls:
+            if c.id is not None:
+                out += self._block(
+                    "tool_use", {"type": "tool_use", "id": c.id, "name": c.name, "input": {}}
+                )
+            if c.arguments:
+                out.append(self._delta({"type": "input_json_delta", "partial_json": c.arguments}))
+        return out
+
+    def finish(self, f: Finished) -> list[bytes]:
+        delta = {"stop_reason": stop_reason(f), "stop_sequence": f.stop_string}
+        usage = {"output_tokens": f.completion_tokens}
+        return self._close() + [
+            sse("message_delta", {"type": "message_delta", "delta": delta, "usage": usage}),
+            sse("message_stop", {"type": "message_stop"}),
+        ]
+
+
+async def stream_events(
+    shape: MessageStream, first: list[ChoiceEvent], rest: AsyncIterator[list[ChoiceEvent]]
+) -> AsyncIterator[bytes]:
+    try:
+        batch: list[ChoiceEvent] | None = first
+        while batch is not None:
+            for _, event in batch:
+                match event:
+                    case Started():
+                        frames = shape.start(event.prompt_tokens)
+                    case TextDelta():
+                        frames = shape.delta(event)
+                    case Finished():
+                        frames = shape.finish(event)
+                    case Failed():
+                        body = json.loads(ApiError.from_failed(event).anthropic_body())
+                        frames = [sse("error", body)]
+                for frame in frames:
+                    yield frame
+            batch = await anext(rest, None)
+    finally:
+        await rest.aclose()  # type: ignore[attr-defined]
+
+
+def install(app: QuartTrio, pipeline: Pipeline, v: Validator, ready: Callable[[], str]) -> None:
+    """Register the Anthropic routes on the app."""
+
+    @app.post("/v1/messages")
+    async def messages() -> Response:
+        w = decode(wire.messages_decoder, await request.get_data(cache=False))
+        model = ready()
+        v.check_model(w.model, model)
+        rid = f"msg_{uuid.uuid4().hex}"
+        first, rest = await start(pipeline, [chat_request(w, rid, v)])
+        if w.stream:
+            return sse_response(stream_events(MessageStream(rid, model), first, rest))
+        (choice,) = await collect(1, first, rest)
+        return json_response(message_body(rid, model, choice))
+
+    @app.post("/v1/messages/count_tokens")
+    async def count_tokens() -> Response:
+        w = decode(wire.count_decoder, await request.get_data(cache=False))
+        model = ready()
+        v.check_model(w.model, model)
+        req = chat_request(w, f"count_{uuid.uuid4().hex}", v)
+        try:
+            n = await pipeline.count_tokens(req)
+        except PromptError as exc:
+            raise ApiError(400, str(exc), param=exc.param) from exc
+        return json_response({"input_tokens": n})

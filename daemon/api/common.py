@@ -1,0 +1,385 @@
+"""What every HTTP API shares: errors, decoding, validation and the request's sessions.
+
+Each API module (``openai.py``, ``anthropic.py``, ``responses.py``) decodes its
+wire request, builds internal requests through the ``Validator`` (every limit
+from the settings; a field that cannot be honoured is a 400, never dropped),
+runs them with ``start`` and shapes the merged ``(choice index, event)``
+stream into its own JSON or Server-Sent Events.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import msgspec
+import trio
+from quart import Response
+
+from actors.mailbox import Bell
+from actors.tokenizer import RESERVED_TEMPLATE_KWARGS
+from daemon.pipeline import Pipeline, Session
+from daemon.settings import Settings
+from protocol import openai as wire
+from protocol.messages import (
+    AdmittedRequest,
+    Constraint,
+    Failed,
+    Finished,
+    LogprobPiece,
+    MailboxEvent,
+    SamplingParams,
+    TextDelta,
+    Tool,
+    ToolCall,
+)
+
+_OPENAI_TYPES = {
+    400: "invalid_request_error",
+    401: "invalid_request_error",
+    404: "not_found_error",
+    413: "invalid_request_error",
+}
+_ANTHROPIC_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    503: "overloaded_error",
+}
+
+ChoiceEvent = tuple[int, MailboxEvent]
+
+
+class ApiError(Exception):
+    """An error answered in the calling API's error format."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        param: str | None = None,
+        kind: str | None = None,
+        code: str | None = None,
+        retry_after: float | None = None,
+        headers: dict[str, str] | None = None,
+    ):
+        super().__init__(message)
+        self.status, self.param, self.code, self.retry_after = status, param, code, retry_after
+        self.kind = kind or _OPENAI_TYPES.get(status, "server_error")
+        self.headers = headers or {}
+        self.in_session = False  # counted and logged by its session, not the error handler
+
+    @classmethod
+    def from_failed(cls, failed: Failed) -> ApiError:
+        error = cls(
+            failed.status,
+            failed.message,
+            param=failed.param,
+            kind=failed.kind,
+            code=failed.code,
+            retry_after=failed.retry_after,
+        )
+        error.in_session = True
+        return error
+
+    def body(self) -> bytes:
+        """The OpenAI error object."""
+        err = wire.ErrorBody(message=str(self), type=self.kind, param=self.param, code=self.code)
+        return wire.encoder.encode(wire.ErrorResponse(error=err))
+
+    def anthropic_body(self) -> bytes:
+        """Anthropic's ``{"type": "error", "error": {"type", "message"}}``."""
+        kind = _ANTHROPIC_TYPES.get(self.status, "api_error")
+        message = f"{self.param}: {self}" if self.param else str(self)
+        return wire.encoder.encode({"type": "error", "error": {"type": kind, "message": message}})
+
+    def response(self, anthropic: bool = False) -> Response:
+        headers = dict(self.headers)
+        if self.retry_after:
+            headers["Retry-After"] = str(int(self.retry_after))
+        body = self.anthropic_body() if anthropic else self.body()
+        return Response(body, status=self.status, headers=headers, content_type="application/json")
+
+
+def check(ok: bool, param: str, message: str) -> None:
+    if not ok:
+        raise ApiError(400, message, param=param)
+
+
+def json_response(obj: object, status: int = 200) -> Response:
+    return Response(wire.encoder.encode(obj), status=status, content_type="application/json")
+
+
+def sse_response(body: AsyncIterator[bytes]) -> Response:
+    return Response(
+        body,
+        content_type="text/event-stream",
+        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+    )
+
+
+def decode(decoder: msgspec.json.Decoder, body: bytes):
+    try:
+        return decoder.decode(body)
+    except msgspec.ValidationError as exc:
+        raise ApiError(400, f"invalid request: {exc}", param=wire.error_param(exc)) from exc
+    except msgspec.DecodeError as exc:
+        raise ApiError(400, f"invalid JSON: {exc}") from exc
+
+
+# ---- validation -------------------------------------------------------------------------
+
+
+class Validator:
+    """Wire fields → internal structs, enforcing every limit in the settings."""
+
+    def __init__(self, settings: Settings):
+        self.engine = settings.engine
+        self.model = settings.model
+        self.max_messages = settings.tokenizer.max_messages
+        self.priority_enabled = settings.admission.priority
+
+    def messages(self, count: int, param: str = "messages") -> None:
+        check(
+            count <= self.max_messages,
+            param,
+            f"at most {self.max_messages} messages per request (tokenizer.max_messages); "
+            f"got {count}",
+        )
+
+    def priority(self, priority: int | None) -> int:
+        """The request's priority when ``admission.priority`` is on; otherwise all are equal."""
+        return (priority or 0) if self.priority_enabled else 0
+
+    def check_model(self, requested: str | None, served: str) -> None:
+        if requested and requested != served and not self.model.accept_other_ids:
+            raise ApiError(
+                404,
+                f"model '{requested}' not found; this server serves '{served}'",
+                param="model",
+                code="model_not_found",
+            )
+
+    def sampling(self, params: SamplingParams, *, max_tokens_param: str = "max_tokens"):
+        """Range checks on sampling options already taken from the wire."""
+        e = self.engine
+        check(
+            params.max_tokens is None or 1 <= params.max_tokens <= e.max_tokens_cap,
+            max_tokens_param,
+            f"{max_tokens_param} must be between 1 and {e.max_tokens_cap} (engine.max_tokens_cap)",
+        )
+        check(0.0 <= params.temperature <= 2.0, "temperature", "temperature must be in [0, 2]")
+        check(0.0 < params.top_p <= 1.0, "top_p", "top_p must be in (0, 1]")
+        check(params.top_k >= 0, "top_k", "top_k must be >= 0")
+        check(0.0 <= params.min_p <= 1.0, "min_p", "min_p must be in [0, 1]")
+        check(-2.0 <= params.presence_penalty <= 2.0, "presence_penalty", "must be in [-2, 2]")
+        check(-2.0 <= params.frequency_penalty <= 2.0, "frequency_penalty", "must be in [-2, 2]")
+        check(params.repetition_penalty > 0.0, "repetition_penalty", "must be > 0")
+        check(
+            0 <= params.top_logprobs <= e.max_top_logprobs,
+            "top_logprobs",
+            f"top_logprobs must be between 0 and {e.max_top_logprobs}",
+        )
+        return params
+
+    def n(self, n: int) -> int:
+        check(1 <= n <= self.engine.max_n, "n", f"n must be between 1 and {self.engine.max_n}")
+        return n
+
+    def stops(self, stop: str | list[str] | None, param: str = "stop") -> tuple[str, ...]:
+        stops = [stop] if isinstance(stop, str) else list(stop or [])
+        e = self.engine
+        check(
+            len(stops) <= e.max_stop_strings,
+            param,
+            f"at most {e.max_stop_strings} stop strings (engine.max_stop_strings)",
+        )
+        check(
+            all(len(s) <= e.max_stop_length for s in stops),
+            param,
+            f"stop strings must be at most {e.max_stop_length} characters (engine.max_stop_length)",
+        )
+        return tuple(s for s in stops if s)
+
+    @staticmethod
+    def logit_bias(bias: dict[str, float] | None) -> dict[int, float]:
+        try:
+            return {int(k): max(-100.0, min(100.0, v)) for k, v in (bias or {}).items()}
+        except ValueError as exc:
+            raise ApiError(400, "logit_bias keys must be token ids", param="logit_bias") from exc
+
+
+def json_constraint(kind: str, schema: dict | None, param: str) -> Constraint | None:
+    """``text`` / ``json_object`` / ``json_schema`` → a constraint (None for plain text)."""
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return Constraint(kind="json_object", param=param)
+    check(kind == "json_schema", param, "type must be text, json_object or json_schema")
+    check(isinstance(schema, dict), param, "json_schema needs a schema object")
+    return Constraint(kind="json_schema", schema=schema, param=param)
+
+
+def tool_choice(choice: str | None, tools: tuple[Tool, ...], named: str | None, param: str):
+    """(choice for the template, forcing constraint or None) from a validated tool choice.
+
+    ``required`` and a named tool are enforced at the token level: the output
+    must be a well-formed call to an offered tool.
+    """
+    names = tuple(t.name for t in tools)
+    if named is not None:
+        check(named in names, param, f"tool_choice names '{named}', which is not in tools")
+        return "required", Constraint(kind="tool_call", tool_names=(named,), param=param)
+    choice = choice or "auto"
+    check(choice in ("auto", "none", "required"), param, "must be auto, none, required or a tool")
+    if choice == "required":
+        check(bool(tools), param, "tool_choice 'required' needs tools")
+        return choice, Constraint(kind="tool_call", tool_names=names, param=param)
+    return choice, None
+
+
+def check_tools(tools: tuple[Tool, ...], param: str = "tools") -> tuple[Tool, ...]:
+    names = [t.name for t in tools]
+    check(all(names), param, "every tool needs a name")
+    check(len(set(names)) == len(names), param, "tool names must be unique")
+    return tools
+
+
+def template_kwargs(kwargs: dict | None, param: str = "chat_template_kwargs") -> dict:
+    kwargs = dict(kwargs or {})
+    clash = sorted(RESERVED_TEMPLATE_KWARGS & kwargs.keys())
+    check(not clash, param, f"{', '.join(clash)} cannot be set through {param}")
+    return kwargs
+
+
+def both_constraints(a: Constraint | None, b: Constraint | None) -> Constraint | None:
+    check(a is None or b is None, "response_format", "cannot be combined with a forced tool call")
+    return a or b
+
+
+# ---- running the request ------------------------------------------------------------------
+
+
+async def _events(sessions: list[Session], bell: Bell) -> AsyncIterator[list[ChoiceEvent]]:
+    """The choices' events as they come, merged; every session closed at the end."""
+    done: set[int] = set()
+    try:
+        while len(done) < len(sessions):
+            bell.reset()
+            batch: list[ChoiceEvent] = []
+            for i, session in enumerate(sessions):
+                if i in done:
+                    continue
+                events = session.take()
+                batch += [(i, e) for e in events]
+                if events and isinstance(events[-1], Finished | Failed):
+                    done.add(i)
+                    await session.close()
+            if batch:
+                yield batch
+            else:
+                deadline = min(s.deadline for i, s in enumerate(sessions) if i not in done)
+                with trio.move_on_at(deadline):  # a passed deadline is an event too
+                    await bell.wait()
+    finally:
+        for session in sessions:
+            await session.close()
+
+
+async def start(
+    pipeline: Pipeline, requests: list[AdmittedRequest]
+) -> tuple[list[ChoiceEvent], AsyncIterator[list[ChoiceEvent]]]:
+    """Submit the request's choices; wait until each has begun (or failed: then raise).
+
+    The returned iterator is started, so its cleanup (closing every session,
+    which aborts unfinished sequences) runs even if the caller never reads it.
+    """
+    bell, sessions = Bell(), []
+    try:
+        for request in requests:
+            sessions.append(await pipeline.submit(request, bell))
+    except BaseException:
+        for session in sessions:
+            await session.close()
+        raise
+    events = _events(sessions, bell)
+    first: list[ChoiceEvent] = []
+    try:
+        while {i for i, _ in first} != set(range(len(requests))):
+            first += await anext(events)  # waits through queueing and tokenization
+            failed = next((e for _, e in first if isinstance(e, Failed)), None)
+            if failed is not None:
+                raise ApiError.from_failed(failed)
+    except BaseException:
+        await events.aclose()
+        raise
+    return first, events
+
+
+@dataclass
+class Choice:
+    """One choice's whole output, for non-streaming answers."""
+
+    text: str = ""
+    reasoning: str = ""
+    calls: list[ToolCall] = field(default_factory=list)
+    logprobs: list[LogprobPiece] = field(default_factory=list)
+    finished: Finished | None = None
+
+    def add(self, delta: TextDelta) -> None:
+        self.text += delta.text
+        self.reasoning += delta.reasoning
+        for c in delta.tool_calls:
+            if c.id is not None:
+                self.calls.append(ToolCall(id=c.id, name=c.name or "", arguments=c.arguments))
+            else:
+                last = self.calls[c.index]
+                self.calls[c.index] = msgspec.structs.replace(
+                    last, arguments=last.arguments + c.arguments
+                )
+        self.logprobs += delta.logprobs
+
+
+async def collect(
+    n: int, first: list[ChoiceEvent], rest: AsyncIterator[list[ChoiceEvent]]
+) -> list[Choice]:
+    """Every choice to its end; an error in any is this request's error."""
+    choices = [Choice() for _ in range(n)]
+    batch: list[ChoiceEvent] | None = first
+    try:
+        while batch is not None:
+            for i, event in batch:
+                match event:
+                    case TextDelta():
+                        choices[i].add(event)
+                    case Finished():
+                        choices[i].finished = event
+                    case Failed():
+                        raise ApiError.from_failed(event)
+            batch = await anext(rest, None)
+    finally:
+        await rest.aclose()  # type: ignore[attr-defined]
+    if any(c.finished is None for c in choices):
+        raise ApiError(500, "the request ended without a result")
+    return choices
+
+
+def usage_of(choices: list[Choice]) -> tuple[int, int]:
+    """(prompt tokens, completion tokens) over all choices; the prompt is counted once."""
+    finished = [c.finished for c in choices if c.finished is not None]
+    prompt = finished[0].prompt_tokens if finished else 0
+    return prompt, sum(f.completion_tokens for f in finished)
+
+
+def prompt_details(choices: list[Choice]) -> tuple[int, int | None]:
+    """(cached prompt tokens, prefilled prompt tokens if SpecPrefill skipped some)."""
+    f = next((c.finished for c in choices if c.finished is not None), None)
+    if f is None:
+        return 0, None
+    full = f.prompt_tokens - f.cached_tokens
+    return f.cached_tokens, (f.prefilled_tokens if 0 <= f.prefilled_tokens < full else None)

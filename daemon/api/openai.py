@@ -1,0 +1,463 @@
+"""OpenAI API: ``/v1/chat/completions``, ``/v1/completions`` and ``/v1/models``.
+
+Chat answers carry ``reasoning_content`` (a leading ``<think>`` block),
+``tool_calls`` (parsed from the model's markup; streamed as one delta per
+complete call) and ``logprobs``; ``n`` choices run as ``n`` sequences of the
+batch and are merged here, in the order their output arrives.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+
+import msgspec
+from quart import Response, request
+from quart_trio import QuartTrio
+
+from daemon.api.common import (
+    ApiError,
+    Choice,
+    ChoiceEvent,
+    Validator,
+    both_constraints,
+    check,
+    check_tools,
+    collect,
+    decode,
+    json_constraint,
+    json_response,
+    prompt_details,
+    sse_response,
+    start,
+    template_kwargs,
+    tool_choice,
+    usage_of,
+)
+from daemon.pipeline import Pipeline
+from protocol import openai as wire
+from protocol.messages import (
+    ChatRequest,
+    CompletionRequest,
+    Constraint,
+    Failed,
+    Finished,
+    LogprobPiece,
+    Message,
+    SamplingParams,
+    TextDelta,
+    Tool,
+    ToolCall,
+    ToolCallDelta,
+)
+
+
+def sampling_from(w: wire._SamplingFields, max_tokens: int | None, v: Validator, **extra):
+    """The OpenAI sampling fields as internal params (range-checked)."""
+    params = SamplingParams(
+        max_tokens=max_tokens,
+        temperature=w.temperature,
+        top_p=w.top_p,
+        top_k=w.top_k,
+        min_p=w.min_p,
+        presence_penalty=w.presence_penalty,
+        frequency_penalty=w.frequency_penalty,
+        repetition_penalty=w.repetition_penalty,
+        logit_bias=v.logit_bias(w.logit_bias),
+        seed=w.seed,
+        stop=v.stops(w.stop),
+        speculative=w.speculative is not False,
+        spec_prefill=w.spec_prefill,
+        **extra,
+    )
+    return v.sampling(params)
+
+
+def choice_ids(rid: str, n: int) -> list[str]:
+    return [rid] if n == 1 else [f"{rid}-{i}" for i in range(n)]
+
+
+def choice_sampling(sampling: SamplingParams, i: int) -> SamplingParams:
+    """Choice ``i`` of a seeded request draws with ``seed + i``: distinct, reproducible."""
+    if sampling.seed is None or i == 0:
+        return sampling
+    return msgspec.structs.replace(sampling, seed=sampling.seed + i)
+
+
+def response_constraint(fmt: wire.ResponseFormat | None) -> Constraint | None:
+    if fmt is None:
+        return None
+    schema = fmt.json_schema.schema if fmt.json_schema else None
+    return json_constraint(fmt.type, schema, "response_format")
+
+
+def _message(m: wire.WireMessage) -> Message:
+    calls = tuple(
+        ToolCall(id=c.id, name=c.function.name, arguments=c.function.arguments)
+        for c in m.tool_calls or ()
+    )
+    return Message(
+        role=m.role, content=m.content, name=m.name, tool_calls=calls, tool_call_id=m.tool_call_id
+    )
+
+
+def chat_requests(w: wire.ChatCompletionRequest, rid: str, v: Validator) -> list[ChatRequest]:
+    n = v.n(w.n)
+    tools = check_tools(
+        tuple(
+            Tool(
+                name=t.function.name,
+                description=t.function.description,
+                parameters=t.function.parameters or {},
+            )
+            for t in w.tools or ()
+        )
+    )
+    named = w.tool_choice.function.name if isinstance(w.tool_choice, wire.NamedToolChoice) else None
+    plain = w.tool_choice if isinstance(w.tool_choice, str) else None
+    choice, forced = tool_choice(plain, tools, named, "tool_choice")
+    constraint = both_constraints(response_constraint(w.response_format), forced)
+    check(not w.top_logprobs or bool(w.logprobs), "top_logprobs", "needs logprobs: true")
+    sampling = sampling_from(
+        w,
+        w.max_completion_tokens or w.max_tokens,
+        v,
+        logprobs=bool(w.logprobs),
+        top_logprobs=w.top_logprobs or 0,
+    )
+    v.messages(len(w.messages))
+    messages = tuple(_message(m) for m in w.messages)
+    kwargs = template_kwargs(w.chat_template_kwargs)
+    return [
+        ChatRequest(
+            request_id=cid,
+            messages=messages,
+            sampling=choice_sampling(sampling, i),
+            arrival=time.time(),
+            tools=tools,
+            tool_choice=choice,
+            parallel_tool_calls=w.parallel_tool_calls,
+            template_kwargs=kwargs,
+            constraint=constraint,
+            priority=v.priority(w.priority),
+        )
+        for i, cid in enumerate(choice_ids(rid, n))
+    ]
+
+
+# ---- chat shaping -------------------------------------------------------------------------
+
+
+def usage(prompt: int, completion: int, cached: int = 0, prefilled: int | None = None):
+    return wire.Usage(
+        prompt_tokens=prompt,
+        completion_tokens=completion,
+        total_tokens=prompt + completion,
+        prompt_tokens_details=wire.PromptTokensDetails(
+            cached_tokens=cached, prefilled_tokens=prefilled
+        ),
+    )
+
+
+def chat_logprobs(pieces: list[LogprobPiece] | tuple[LogprobPiece, ...]):
+    if not pieces:
+        return None
+    return wire.ChoiceLogprobs(
+        content=[
+            wire.ContentLogprob(
+                token=p.token,
+                logprob=p.logprob,
+                bytes=list(p.bytes),
+                top_logprobs=[
+                    wire.TopLogprob(token=t, bytes=list(b), logprob=lp) for t, b, lp in p.top
+                ],
+            )
+            for p in pieces
+        ]
+    )
+
+
+def _out_call(call: ToolCall) -> wire.OutToolCall:
+    return wire.OutToolCall(
+        id=call.id, function=wire.WireFunctionCall(name=call.name, arguments=call.arguments)
+    )
+
+
+def _delta_calls(calls: tuple[ToolCallDelta, ...]) -> list[wire.DeltaToolCall] | None:
+    if not calls:
+        return None
+    return [
+        wire.DeltaToolCall(
+            index=c.index,
+            id=c.id,
+            type="function" if c.id is not None else None,
+            function=wire.DeltaFunction(name=c.name, arguments=c.arguments),
+        )
+        for c in calls
+    ]
+
+
+def chat_choice(i: int, c: Choice, logprobs: bool) -> wire.ChatChoice:
+    assert c.finished is not None
+    message = wire.AssistantMessage(
+        role="assistant",
+        content=c.text if c.text or not c.calls else None,
+        reasoning_content=c.reasoning or None,
+        tool_calls=[_out_call(call) for call in c.calls] or None,
+    )
+    return wire.ChatChoice(
+        index=i,
+        message=message,
+        finish_reason=c.finished.finish_reason,
+        logprobs=chat_logprobs(c.logprobs) if logprobs else None,
+    )
+
+
+class ChatStream:
+    """Chat completion chunks for one request's merged choice events."""
+
+    def __init__(self, rid: str, model: str, n: int, include_usage: bool):
+        self.rid, self.model, self.n, self.include_usage = rid, model, n, include_usage
+        self.created = int(time.time())
+        self.finished: list[Finished] = []
+
+    def chunk(self, choices: list[wire.ChunkChoice], usage: wire.Usage | None = None) -> bytes:
+        obj = wire.ChatCompletionChunk(
+            id=self.rid, created=self.created, model=self.model, choices=choices, usage=usage
+        )
+        return b"data: " + wire.encoder.encode(obj) + b"\n\n"
+
+    def opening(self) -> list[bytes]:
+        delta = wire.Delta(role="assistant", content="")
+        return [self.chunk([wire.ChunkChoice(index=i, delta=delta)]) for i in range(self.n)]
+
+    def event(self, i: int, event) -> list[bytes]:
+        match event:
+            case TextDelta():
+                delta = wire.Delta(
+                    content=event.text or None,
+                    reasoning_content=event.reasoning or None,
+                    tool_calls=_delta_calls(event.tool_calls),
+                )
+                lp = chat_logprobs(event.logprobs)
+                return [self.chunk([wire.ChunkChoice(index=i, delta=delta, logprobs=lp)])]
+            case Finished():
+                self.finished.append(event)
+                end = wire.ChunkChoice(
+                    index=i, delta=wire.Delta(), finish_reason=event.finish_reason
+                )
+                return [self.chunk([end])]
+            case Failed():
+                return [b"data: " + ApiError.from_failed(event).body() + b"\n\n"]
+        return []
+
+    def closing(self) -> list[bytes]:
+        out = []
+        if self.include_usage and self.finished:
+            prompt = self.finished[0].prompt_tokens
+            done = sum(f.completion_tokens for f in self.finished)
+            f = self.finished[0]
+            full = f.prompt_tokens - f.cached_tokens
+            prefilled = f.prefilled_tokens if 0 <= f.prefilled_tokens < full else None
+            out.append(self.chunk([], usage=usage(prompt, done, f.cached_tokens, prefilled)))
+        return out + [b"data: [DONE]\n\n"]
+
+
+async def stream_body(
+    shape, first: list[ChoiceEvent], rest: AsyncIterator[list[ChoiceEvent]]
+) -> AsyncIterator[bytes]:
+    """SSE frames from a shape's ``opening`` / ``event`` / ``closing``; stops at an error."""
+    try:
+        for frame in shape.opening():
+            yield frame
+        batch: list[ChoiceEvent] | None = first
+        while batch is not None:
+            for i, event in batch:
+                for frame in shape.event(i, event):
+                    yield frame
+                if isinstance(event, Failed):
+                    yield b"data: [DONE]\n\n"
+                    return
+            batch = await anext(rest, None)
+        for frame in shape.closing():
+            yield frame
+    finally:
+        await rest.aclose()  # type: ignore[attr-defined]
+
+
+# ---- completions shaping ------------------------------------------------------------------
+
+
+def text_logprobs(pieces: list[LogprobPiece] | tuple[LogprobPiece, ...], offset: int = 0):
+    if not pieces:
+        return None
+    offsets, at = [], offset
+    for p in pieces:
+        offsets.append(at)
+        at += len(p.token)
+    return wire.TextLogprobs(
+        tokens=[p.token for p in pieces],
+        token_logprobs=[p.logprob for p in pieces],
+        top_logprobs=[{t: lp for t, _, lp in p.top} for p in pieces],
+        text_offset=offsets,
+    )
+
+
+class TextStream:
+    """Text completion chunks; ``echo`` puts the prompt text first."""
+
+    def __init__(self, rid: str, model: str, n: int, include_usage: bool, echo: str):
+        self.rid, self.model, self.n, self.include_usage = rid, model, n, include_usage
+        self.created = int(time.time())
+        self.finished: list[Finished] = []
+        self.echo = echo
+
+    def chunk(self, choices: list[wire.TextChoice], usage: wire.Usage | None = None) -> bytes:
+        obj = wire.TextCompletion(
+            id=self.rid, created=self.created, model=self.model, choices=choices, usage=usage
+        )
+        return b"data: " + wire.encoder.encode(obj) + b"\n\n"
+
+    def opening(self) -> list[bytes]:
+        if not self.echo:
+            return []
+        return [self.chunk([wire.TextChoice(index=i, text=self.echo)]) for i in range(self.n)]
+
+    def event(self, i: int, event) -> list[bytes]:
+        match event:
+            case TextDelta():
+                lp = text_logprobs(event.logprobs)
+                return [self.chunk([wire.TextChoice(index=i, text=event.text, logprobs=lp)])]
+            case Finished():
+                self.finished.append(event)
+                end = wire.TextChoice(index=i, text="", finish_reason=event.finish_reason)
+                return [self.chunk([end])]
+            case Failed():
+                return [b"data: " + ApiError.from_failed(event).body() + b"\n\n"]
+        return []
+
+    closing = ChatStream.closing
+
+
+def _one_prompt(prompt: str | list[str | int]) -> str | tuple[int, ...]:
+    if isinstance(prompt, str):
+        return prompt
+    if prompt and all(isinstance(p, int) for p in prompt):
+        return tuple(prompt)  # type: ignore[arg-type]
+    if len(prompt) == 1 and isinstance(prompt[0], str):
+        return prompt[0]
+    raise ApiError(
+        400, "prompt must be a string, a list of token ids or a list of one string", param="prompt"
+    )
+
+
+# ---- routes -------------------------------------------------------------------------------
+
+
+def completion_requests(w: wire.CompletionRequest, rid: str, v: Validator):
+    check(w.suffix is None, "suffix", "suffix (insertion) is not supported")
+    check(w.logprobs is None or w.logprobs >= 0, "logprobs", "logprobs must be >= 0")
+    sampling = sampling_from(
+        w, w.max_tokens, v, logprobs=w.logprobs is not None, top_logprobs=w.logprobs or 0
+    )
+    prompt, constraint = _one_prompt(w.prompt), response_constraint(w.response_format)
+    return [
+        CompletionRequest(
+            request_id=cid,
+            prompt=prompt,
+            sampling=choice_sampling(sampling, i),
+            arrival=time.time(),
+            constraint=constraint,
+            priority=v.priority(w.priority),
+        )
+        for i, cid in enumerate(choice_ids(rid, v.n(w.n)))
+    ]
+
+
+def text_choice(i: int, c: Choice, echo: str, logprobs: bool) -> wire.TextChoice:
+    return wire.TextChoice(
+        index=i,
+        text=echo + c.text,
+        finish_reason=c.finished.finish_reason if c.finished else None,
+        logprobs=text_logprobs(c.logprobs, len(echo)) if logprobs else None,
+    )
+
+
+async def chat(pipeline: Pipeline, v: Validator, model: str, w: wire.ChatCompletionRequest):
+    rid = f"chatcmpl-{uuid.uuid4().hex}"
+    requests = chat_requests(w, rid, v)
+    first, rest = await start(pipeline, requests)  # type: ignore[arg-type]
+    if w.stream:
+        include = bool(w.stream_options and w.stream_options.include_usage)
+        shape = ChatStream(rid, model, len(requests), include)
+        return sse_response(stream_body(shape, first, rest))
+    choices = await collect(len(requests), first, rest)
+    body = wire.ChatCompletion(
+        id=rid,
+        created=int(time.time()),
+        model=model,
+        choices=[chat_choice(i, c, bool(w.logprobs)) for i, c in enumerate(choices)],
+        usage=usage(*usage_of(choices), *prompt_details(choices)),
+    )
+    return json_response(body)
+
+
+async def complete(pipeline: Pipeline, v: Validator, model: str, w: wire.CompletionRequest):
+    rid = f"cmpl-{uuid.uuid4().hex}"
+    requests = completion_requests(w, rid, v)
+    first, rest = await start(pipeline, requests)  # type: ignore[arg-type]
+    # After start: token-id prompts have been checked against the vocabulary.
+    echo = _echo(requests[0].prompt, pipeline) if w.echo else ""
+    if w.stream:
+        include = bool(w.stream_options and w.stream_options.include_usage)
+        shape = TextStream(rid, model, len(requests), include, echo)
+        return sse_response(stream_body(shape, first, rest))
+    choices = await collect(len(requests), first, rest)
+    body = wire.TextCompletion(
+        id=rid,
+        created=int(time.time()),
+        model=model,
+        choices=[text_choice(i, c, echo, w.logprobs is not None) for i, c in enumerate(choices)],
+        usage=usage(*usage_of(choices), *prompt_details(choices)),
+    )
+    return json_response(body)
+
+
+def install(app: QuartTrio, pipeline: Pipeline, v: Validator, ready: Callable[[], str]) -> None:
+    """Register the OpenAI routes on the app."""
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions() -> Response:
+        w = decode(wire.chat_decoder, await request.get_data(cache=False))
+        model = ready()
+        v.check_model(w.model, model)
+        return await chat(pipeline, v, model, w)
+
+    @app.post("/v1/completions")
+    async def completions() -> Response:
+        w = decode(wire.completion_decoder, await request.get_data(cache=False))
+        model = ready()
+        v.check_model(w.model, model)
+        return await complete(pipeline, v, model, w)
+
+    @app.get("/v1/models")
+    async def models() -> Response:
+        model = ready()
+        return json_response(wire.ModelList(data=[wire.ModelCard(id=model, created=0)]))
+
+    @app.get("/v1/models/<path:model_id>")
+    async def model(model_id: str) -> Response:
+        served = ready()
+        if model_id != served and not v.model.accept_other_ids:
+            raise ApiError(
+                404, f"model '{model_id}' not found", param="model", code="model_not_found"
+            )
+        return json_response(wire.ModelCard(id=model_id, created=0))
+
+
+def _echo(prompt: str | tuple[int, ...], pipeline: Pipeline) -> str:
+    if isinstance(prompt, str):
+        return prompt
+    assert pipeline.info is not None
+    return pipeline.info.tokenizer.decode(list(prompt))

@@ -1,0 +1,375 @@
+"""OpenAI Responses API (stateless): ``POST /v1/responses``.
+
+``input`` items become the same ``ChatRequest`` as OpenAI chat:
+``instructions`` and ``developer`` turns → the system turn, ``function_call``
+items → assistant tool calls, ``function_call_output`` → ``tool`` turns
+(earlier ``reasoning`` items are not sent back to the template). The answer
+is a list of output items (``reasoning``, ``message``, ``function_call``);
+streaming sends the Responses event types (``response.created``,
+``response.output_item.added``, ``response.output_text.delta``, …,
+``response.completed``), each with a ``sequence_number``.
+``previous_response_id`` is a 400: nothing is stored.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import msgspec
+from quart import Response, request
+from quart_trio import QuartTrio
+
+from daemon.api.common import (
+    ApiError,
+    Choice,
+    ChoiceEvent,
+    Validator,
+    check,
+    check_tools,
+    collect,
+    decode,
+    json_constraint,
+    json_response,
+    sse_response,
+    start,
+    tool_choice,
+)
+from daemon.pipeline import Pipeline
+from protocol import responses as wire
+from protocol.messages import (
+    ChatRequest,
+    Failed,
+    Finished,
+    Message,
+    SamplingParams,
+    TextDelta,
+    Tool,
+    ToolCall,
+)
+
+_THINKING_OFF = ("none", "minimal")
+
+
+def _items(raw: str | list[dict[str, Any]]) -> list[wire.InputItem]:
+    if isinstance(raw, str):
+        return [wire.MessageItem(role="user", content=raw)]
+    items = []
+    for i, item in enumerate(raw):
+        typed = item if "type" in item else {**item, "type": "message"}
+        try:
+            items.append(msgspec.convert(typed, type=wire.InputItem))
+        except msgspec.ValidationError as exc:
+            raise ApiError(400, f"invalid input item: {exc}", param=f"input[{i}]") from exc
+    return items
+
+
+def _content(content: str | list[wire.Part]) -> str | list[dict]:
+    if isinstance(content, str):
+        return content
+    parts: list[dict] = []
+    for p in content:
+        if isinstance(p, wire.InputImage):
+            parts.append({"type": "image_url", "image_url": p.image_url})
+        else:
+            parts.append({"type": "text", "text": p.text})
+    return parts
+
+
+def messages_of(w: wire.ResponsesRequest) -> tuple[Message, ...]:
+    out = [Message(role="system", content=w.instructions)] if w.instructions else []
+    for item in _items(w.input):
+        match item:
+            case wire.MessageItem():
+                out.append(Message(role=item.role, content=_content(item.content)))
+            case wire.FunctionCallItem():
+                call = ToolCall(id=item.call_id, name=item.name, arguments=item.arguments)
+                out.append(Message(role="assistant", content="", tool_calls=(call,)))
+            case wire.FunctionCallOutputItem():
+                out.append(
+                    Message(role="tool", tool_call_id=item.call_id, content=_content(item.output))
+                )
+    return tuple(out)
+
+
+def _tools(w: wire.ResponsesRequest):
+    defs = w.tools or []
+    check(all(t.type == "function" for t in defs), "tools", "only function tools are supported")
+    tools = check_tools(
+        tuple(
+            Tool(name=t.name, description=t.description, parameters=t.parameters or {})
+            for t in defs
+        )
+    )
+    named = w.tool_choice.name if isinstance(w.tool_choice, wire.NamedFunction) else None
+    plain = w.tool_choice if isinstance(w.tool_choice, str) else None
+    return tools, *tool_choice(plain, tools, named, "tool_choice")
+
+
+def chat_request(w: wire.ResponsesRequest, rid: str, v: Validator) -> ChatRequest:
+    check(w.previous_response_id is None, "previous_response_id", "mlxd is stateless")
+    tools, choice, forced = _tools(w)
+    fmt = w.text.format if w.text and w.text.format else None
+    constraint = json_constraint(fmt.type, fmt.schema, "text.format") if fmt else None
+    check(constraint is None or forced is None, "text.format", "cannot combine with a forced call")
+    effort = w.reasoning.effort if w.reasoning else None
+    kwargs = {} if effort is None else {"enable_thinking": effort not in _THINKING_OFF}
+    sampling = SamplingParams(
+        max_tokens=w.max_output_tokens, temperature=w.temperature, top_p=w.top_p
+    )
+    messages = messages_of(w)
+    v.messages(len(messages), "input")
+    return ChatRequest(
+        request_id=rid,
+        messages=messages,
+        sampling=v.sampling(sampling, max_tokens_param="max_output_tokens"),
+        arrival=time.time(),
+        tools=tools,
+        tool_choice=choice,
+        parallel_tool_calls=w.parallel_tool_calls,
+        template_kwargs=kwargs,
+        constraint=constraint or forced,
+    )
+
+
+# ---- output items ------------------------------------------------------------------------
+
+
+def _id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex}"
+
+
+def reasoning_item(item_id: str, text: str) -> dict:
+    return {
+        "type": "reasoning",
+        "id": item_id,
+        "summary": [],
+        "content": [{"type": "reasoning_text", "text": text}] if text else [],
+    }
+
+
+def text_part(text: str) -> dict:
+    return {"type": "output_text", "text": text, "annotations": []}
+
+
+def message_item(item_id: str, text: str | None, status: str = "completed") -> dict:
+    content = [] if text is None else [text_part(text)]
+    return {
+        "type": "message",
+        "id": item_id,
+        "status": status,
+        "role": "assistant",
+        "content": content,
+    }
+
+
+def call_item(item_id: str, call: ToolCall, arguments: str, status: str = "completed") -> dict:
+    return {
+        "type": "function_call",
+        "id": item_id,
+        "call_id": call.id,
+        "name": call.name,
+        "arguments": arguments,
+        "status": status,
+    }
+
+
+def output_items(c: Choice) -> list[dict]:
+    items = [reasoning_item(_id("rs"), c.reasoning)] if c.reasoning else []
+    if c.text or not c.calls:
+        items.append(message_item(_id("msg"), c.text))
+    items += [call_item(_id("fc"), call, call.arguments) for call in c.calls]
+    return items
+
+
+class Envelope:
+    """The response object around the output items."""
+
+    def __init__(self, rid: str, model: str, w: wire.ResponsesRequest):
+        self.rid, self.model, self.w = rid, model, w
+        self.created = int(time.time())
+
+    def body(self, status: str, output: list[dict], f: Finished | None = None) -> dict:
+        if f is not None and f.finish_reason == "length":
+            status = "incomplete"
+        usage = None
+        if f is not None:
+            usage = {
+                "input_tokens": f.prompt_tokens,
+                "output_tokens": f.completion_tokens,
+                "total_tokens": f.prompt_tokens + f.completion_tokens,
+                "input_tokens_details": {"cached_tokens": 0},
+                "output_tokens_details": {"reasoning_tokens": 0},
+            }
+        w = self.w
+        return {
+            "id": self.rid,
+            "object": "response",
+            "created_at": self.created,
+            "status": status,
+            "model": self.model,
+            "output": output,
+            "usage": usage,
+            "error": None,
+            "incomplete_details": {"reason": "max_output_tokens"}
+            if status == "incomplete"
+            else None,
+            "instructions": w.instructions,
+            "max_output_tokens": w.max_output_tokens,
+            "temperature": w.temperature,
+            "top_p": w.top_p,
+            "parallel_tool_calls": w.parallel_tool_calls,
+            "tool_choice": w.tool_choice or "auto",
+            "tools": w.tools or [],
+            "text": w.text or {"format": {"type": "text"}},
+            "store": False,
+            "previous_response_id": None,
+        }
+
+
+class ResponseStream:
+    """Responses streaming events; one output item open at a time."""
+
+    def __init__(self, env: Envelope):
+        self.env = env
+        self.seq = 0
+        self.output: list[dict] = []
+        self.open: dict | None = None  # the item being streamed
+        self.text = ""
+
+    def sse(self, kind: str, data: dict) -> bytes:
+        body = {"type": kind, "sequence_number": self.seq, **data}
+        self.seq += 1
+        return b"event: " + kind.encode() + b"\ndata: " + wire.encoder.encode(body) + b"\n\n"
+
+    def opening(self) -> list[bytes]:
+        response = self.env.body("in_progress", [])
+        return [
+            self.sse("response.created", {"response": response}),
+            self.sse("response.in_progress", {"response": response}),
+        ]
+
+    def _where(self) -> dict:
+        assert self.open is not None
+        return {"item_id": self.open["id"], "output_index": len(self.output)}
+
+    def _open(self, item: dict) -> list[bytes]:
+        out = self._close()
+        self.open, self.text = item, ""
+        added = self.sse(
+            "response.output_item.added", {"output_index": len(self.output), "item": item}
+        )
+        if item["type"] != "message":
+            return out + [added]
+        part = {**self._where(), "content_index": 0, "part": text_part("")}
+        return out + [added, self.sse("response.content_part.added", part)]
+
+    def _close(self) -> list[bytes]:
+        item = self.open
+        if item is None:
+            return []
+        where, out = self._where(), []
+        if item["type"] == "function_call":
+            args = {**where, "arguments": self.text}
+            out.append(self.sse("response.function_call_arguments.done", args))
+            item = {**item, "arguments": self.text, "status": "completed"}
+        elif item["type"] == "message":
+            done = {**where, "content_index": 0}
+            out.append(
+                self.sse("response.output_text.done", {**done, "text": self.text, "logprobs": []})
+            )
+            out.append(
+                self.sse("response.content_part.done", {**done, "part": text_part(self.text)})
+            )
+            item = message_item(item["id"], self.text)
+        elif item["type"] == "reasoning":
+            done = {**where, "content_index": 0, "text": self.text}
+            out.append(self.sse("response.reasoning_text.done", done))
+            item = reasoning_item(item["id"], self.text)
+        done_item = {"output_index": len(self.output), "item": item}
+        out.append(self.sse("response.output_item.done", done_item))
+        self.output.append(item)
+        self.open = None
+        return out
+
+    def delta(self, event: TextDelta) -> list[bytes]:
+        out: list[bytes] = []
+        if event.reasoning:
+            if self.open is None or self.open["type"] != "reasoning":
+                out += self._open(reasoning_item(_id("rs"), ""))
+            self.text += event.reasoning
+            data = {**self._where(), "content_index": 0, "delta": event.reasoning}
+            out.append(self.sse("response.reasoning_text.delta", data))
+        if event.text:
+            if self.open is None or self.open["type"] != "message":
+                out += self._open(message_item(_id("msg"), None, "in_progress"))
+            self.text += event.text
+            data = {**self._where(), "content_index": 0, "delta": event.text, "logprobs": []}
+            out.append(self.sse("response.output_text.delta", data))
+        for c in event.tool_calls:
+            if c.id is not None:
+                call = ToolCall(id=c.id, name=c.name or "", arguments="")
+                out += self._open(call_item(_id("fc"), call, "", "in_progress"))
+            if c.arguments:
+                self.text += c.arguments
+                data = {**self._where(), "delta": c.arguments}
+                out.append(self.sse("response.function_call_arguments.delta", data))
+        return out
+
+    def finish(self, f: Finished) -> list[bytes]:
+        out = self._close()
+        response = self.env.body("completed", self.output, f)
+        kind = "response.incomplete" if response["status"] == "incomplete" else "response.completed"
+        return out + [self.sse(kind, {"response": response})]
+
+    def failed(self, event: Failed) -> list[bytes]:
+        error = {"code": event.kind, "message": event.message, "param": event.param}
+        response = {
+            **self.env.body("failed", self.output),
+            "error": {"code": event.kind, "message": event.message},
+        }
+        return [self.sse("error", error), self.sse("response.failed", {"response": response})]
+
+
+async def stream_events(
+    shape: ResponseStream, first: list[ChoiceEvent], rest: AsyncIterator[list[ChoiceEvent]]
+) -> AsyncIterator[bytes]:
+    try:
+        for frame in shape.opening():
+            yield frame
+        batch: list[ChoiceEvent] | None = first
+        while batch is not None:
+            for _, event in batch:
+                frames: list[bytes] = []
+                match event:
+                    case TextDelta():
+                        frames = shape.delta(event)
+                    case Finished():
+                        frames = shape.finish(event)
+                    case Failed():
+                        frames = shape.failed(event)
+                for frame in frames:
+                    yield frame
+            batch = await anext(rest, None)
+    finally:
+        await rest.aclose()  # type: ignore[attr-defined]
+
+
+def install(app: QuartTrio, pipeline: Pipeline, v: Validator, ready: Callable[[], str]) -> None:
+    """Register the Responses route on the app."""
+
+    @app.post("/v1/responses")
+    async def responses() -> Response:
+        w = decode(wire.decoder, await request.get_data(cache=False))
+        model = ready()
+        v.check_model(w.model, model)
+        rid = _id("resp")
+        env = Envelope(rid, model, w)
+        first, rest = await start(pipeline, [chat_request(w, rid, v)])
+        if w.stream:
+            return sse_response(stream_events(ResponseStream(env), first, rest))
+        (choice,) = await collect(1, first, rest)
+        assert choice.finished is not None
+        return json_response(env.body("completed", output_items(choice), choice.finished))

@@ -1,0 +1,184 @@
+"""Anthropic Messages over the scripted fake runner: bodies, the exact event sequence, errors."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.conftest import settings_with
+from tests.test_http import client
+from tests.test_openai_features import CALL, read_stream
+
+MSG = "/v1/messages"
+HEADERS = {"x-api-key": "anything", "anthropic-version": "2023-06-01"}
+TOOLS = [
+    {
+        "name": "get_weather",
+        "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}},
+    }
+]
+
+
+def ask(text, **extra):
+    return {"messages": [{"role": "user", "content": text}], "max_tokens": 100, **extra}
+
+
+async def post(c, body, status=200):
+    r = await c.post(MSG, json=body, headers=HEADERS)
+    data = json.loads(await r.get_data())
+    assert r.status_code == status, data
+    return data
+
+
+def events(raw: bytes) -> list[dict]:
+    """Each SSE frame's data, checking that its ``event:`` line names the data's type."""
+    out = []
+    for frame in raw.decode().split("\n\n"):
+        if not frame:
+            continue
+        event_line, data_line = frame.split("\n")
+        data = json.loads(data_line.removeprefix("data: "))
+        assert event_line == f"event: {data['type']}"
+        out.append(data)
+    return out
+
+
+async def stream(c, body):
+    return events(await read_stream(c, MSG, body, HEADERS))
+
+
+async def test_message_body():
+    async with client() as (c, _, _):
+        body = await post(
+            c, ask("hello", system="be brief", temperature=0, top_k=5, metadata={"user_id": "u"})
+        )
+    assert body["type"] == "message" and body["role"] == "assistant"
+    assert body["content"] == [{"type": "text", "text": "HELLO"}]
+    assert body["stop_reason"] == "end_turn" and body["stop_sequence"] is None
+    assert body["usage"]["output_tokens"] == 5
+
+
+async def test_stream_event_sequence():
+    async with client() as (c, _, _):
+        evs = await stream(c, ask("hey"))
+    kinds = [e["type"] for e in evs]
+    assert kinds[:3] == ["message_start", "ping", "content_block_start"]
+    assert kinds[-3:] == ["content_block_stop", "message_delta", "message_stop"]
+    assert set(kinds[3:-3]) == {"content_block_delta"}
+    assert evs[0]["message"]["content"] == [] and evs[0]["message"]["usage"]["input_tokens"] > 0
+    assert evs[2]["content_block"] == {"type": "text", "text": ""}
+    assert "".join(e["delta"]["text"] for e in evs[3:-3]) == "HEY"
+    assert evs[-2]["delta"] == {"stop_reason": "end_turn", "stop_sequence": None}
+    assert evs[-2]["usage"]["output_tokens"] == 3
+
+
+async def test_stop_sequence_and_max_tokens():
+    async with client() as (c, _, _):
+        stopped = await post(c, ask("one two", stop_sequences=["TWO"]))
+        cut = await post(c, {**ask("abcdef"), "max_tokens": 2})
+    assert stopped["stop_reason"] == "stop_sequence" and stopped["stop_sequence"] == "TWO"
+    assert stopped["content"][0]["text"] == "ONE "
+    assert cut["stop_reason"] == "max_tokens"
+
+
+async def test_tool_use_streaming_and_not():
+    body = ask("!Sure. " + CALL, tools=TOOLS)
+    async with client() as (c, _, _):
+        full = await post(c, body)
+        evs = await stream(c, body)
+    assert full["stop_reason"] == "tool_use"
+    text, use = full["content"]
+    assert text == {"type": "text", "text": "Sure. "}
+    assert (
+        use["type"] == "tool_use"
+        and use["name"] == "get_weather"
+        and use["input"] == {"city": "Paris"}
+    )
+    starts = [e["content_block"]["type"] for e in evs if e["type"] == "content_block_start"]
+    assert starts == ["text", "tool_use"]
+    deltas = [e["delta"] for e in evs if e["type"] == "content_block_delta"]
+    partial = [d["partial_json"] for d in deltas if d["type"] == "input_json_delta"]
+    assert json.loads("".join(partial)) == {"city": "Paris"}
+    assert [e["index"] for e in evs if e["type"] == "content_block_stop"] == [0, 1]
+    assert evs[-2]["delta"]["stop_reason"] == "tool_use"
+
+
+async def test_thinking_block_first():
+    settings = settings_with(tokenizer={"reasoning_tags": "<think>,</think>"})
+    body = ask(
+        "!<think>hmm</think>Done.",
+        thinking={"type": "enabled", "budget_tokens": 1024},
+        max_tokens=2000,
+    )
+    async with client(settings) as (c, _, _):
+        full = await post(c, body)
+        evs = await stream(c, body)
+    assert full["content"] == [
+        {"type": "thinking", "thinking": "hmm", "signature": ""},
+        {"type": "text", "text": "Done."},
+    ]
+    starts = [e["content_block"]["type"] for e in evs if e["type"] == "content_block_start"]
+    assert starts == ["thinking", "text"]
+
+
+async def test_tool_result_history_and_count_tokens():
+    messages = [
+        {"role": "user", "content": "weather?"},
+        {
+            "role": "assistant",
+            "content": [
+                {"type": "tool_use", "id": "t1", "name": "get_weather", "input": {"city": "Paris"}}
+            ],
+        },
+        {
+            "role": "user",
+            "content": [{"type": "tool_result", "tool_use_id": "t1", "content": "sunny"}],
+        },
+    ]
+    async with client() as (c, _, _):
+        body = await post(c, {"messages": messages, "max_tokens": 50, "tools": TOOLS})
+        r = await c.post(
+            MSG + "/count_tokens", json={"messages": messages, "tools": TOOLS}, headers=HEADERS
+        )
+        counted = json.loads(await r.get_data())
+    assert "SUNNY" in body["content"][0]["text"]
+    assert counted == {"input_tokens": body["usage"]["input_tokens"]}
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "kind"),
+    [
+        (
+            {"messages": [{"role": "user", "content": "x"}]},
+            400,
+            "invalid_request_error",
+        ),  # no max_tokens
+        (ask([{"type": "video", "url": "x"}]), 400, "invalid_request_error"),
+        (
+            ask([{"type": "image", "source": {"type": "base64", "data": ""}}]),
+            400,
+            "invalid_request_error",
+        ),
+        (ask("x", model="claude-9"), 404, "not_found_error"),
+        (ask("x", temperature=9), 400, "invalid_request_error"),
+        (
+            ask("x", tools=TOOLS, tool_choice={"type": "tool", "name": "nope"}),
+            400,
+            "invalid_request_error",
+        ),
+        (ask("x", thinking={"type": "enabled", "budget_tokens": 10}), 400, "invalid_request_error"),
+    ],
+)
+async def test_errors_in_anthropic_format(body, status, kind):
+    async with client() as (c, _, _):
+        err = await post(c, body, status)
+    assert err["type"] == "error"
+    assert err["error"]["type"] == kind
+    assert set(err["error"]) == {"type", "message"}
+
+
+async def test_oversized_body_is_request_too_large():
+    async with client(settings_with(server={"max_body_bytes": 1000})) as (c, _, _):
+        err = await post(c, ask("x" * 5000), 413)
+    assert err["error"]["type"] == "request_too_large"

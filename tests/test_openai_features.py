@@ -1,0 +1,206 @@
+"""OpenAI features over the scripted fake runner: n, logprobs, tool calls, reasoning, echo.
+
+The fake model answers the last user turn upper-cased, or verbatim after a
+leading ``!``: that is how these tests make it emit model-specific markup.
+"""
+
+from __future__ import annotations
+
+import json
+
+import trio
+
+from tests.conftest import settings_with
+from tests.test_http import CHAT, client, sse_events, user
+
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+        },
+    }
+]
+CALL = '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'
+
+
+async def post_json(c, path, body):
+    r = await c.post(path, json=body)
+    assert r.status_code == 200, await r.get_data()
+    return json.loads(await r.get_data())
+
+
+async def read_stream(c, path, body, headers=None) -> bytes:
+    """A streamed body read as it comes (the test client's ``post`` holds 10 frames at most)."""
+    headers = {"content-type": "application/json", **(headers or {})}
+    async with c.request(path, method="POST", headers=headers) as conn:
+        await conn.send(json.dumps({**body, "stream": True}).encode())
+        await conn.send_complete()
+        data = b""
+        while True:
+            try:
+                data += await conn.receive()
+            except (trio.EndOfChannel, trio.ClosedResourceError):
+                break
+    assert conn.status_code == 200, data
+    return data
+
+
+async def post_stream(c, path, body):
+    frames = sse_events(await read_stream(c, path, body))
+    assert frames[-1] == "[DONE]"
+    return [json.loads(f) for f in frames[:-1]]
+
+
+async def test_n_choices_streaming_and_not():
+    async with client() as (c, _, _):
+        body = await post_json(c, CHAT, user("hello", n=3))
+        chunks = await post_stream(c, CHAT, user("hey", n=2))
+    assert [ch["index"] for ch in body["choices"]] == [0, 1, 2]
+    assert all(ch["message"]["content"] == "HELLO" for ch in body["choices"])
+    assert body["usage"]["completion_tokens"] == 15
+    for i in (0, 1):
+        mine = [ch["choices"][0] for ch in chunks if ch["choices"][0]["index"] == i]
+        assert mine[0]["delta"]["role"] == "assistant"
+        assert "".join(m["delta"].get("content") or "" for m in mine) == "HEY"
+        assert [m["finish_reason"] for m in mine if m["finish_reason"]] == ["stop"]
+
+
+async def test_chat_logprobs_streaming_and_not():
+    async with client() as (c, _, _):
+        body = await post_json(c, CHAT, user("abc", logprobs=True, top_logprobs=3))
+        chunks = await post_stream(c, CHAT, user("abc", logprobs=True))
+        plain = await post_json(c, CHAT, user("abc"))
+    content = body["choices"][0]["logprobs"]["content"]
+    assert [p["token"] for p in content] == ["A", "B", "C"]
+    for p in content:
+        tops = [t["logprob"] for t in p["top_logprobs"]]
+        assert len(tops) == 3 and tops == sorted(tops, reverse=True)
+        assert p["bytes"] == list(p["token"].encode())
+    streamed = [
+        p
+        for ch in chunks
+        if ch["choices"] and ch["choices"][0].get("logprobs")
+        for p in ch["choices"][0]["logprobs"]["content"]
+    ]
+    assert [p["token"] for p in streamed] == ["A", "B", "C"]
+    assert all(p["top_logprobs"] == [] for p in streamed)
+    assert plain["choices"][0]["logprobs"] is None
+
+
+async def test_completion_logprobs_and_echo():
+    async with client() as (c, _, _):
+        body = await post_json(c, "/v1/completions", {"prompt": "xy", "logprobs": 2, "echo": True})
+    choice = body["choices"][0]
+    assert choice["text"] == "xyXY"
+    lp = choice["logprobs"]
+    assert lp["tokens"] == ["X", "Y"]
+    assert lp["text_offset"] == [2, 3]
+    assert all(len(top) == 2 for top in lp["top_logprobs"])
+
+
+async def test_completion_suffix_is_refused():
+    async with client() as (c, _, _):
+        r = await c.post("/v1/completions", json={"prompt": "x", "suffix": "y"})
+    assert r.status_code == 400
+    assert json.loads(await r.get_data())["error"]["param"] == "suffix"
+
+
+async def test_tool_call_is_parsed_not_leaked():
+    req = user("!Checking. " + CALL, tools=TOOLS)
+    async with client() as (c, _, _):
+        body = await post_json(c, CHAT, req)
+        chunks = await post_stream(c, CHAT, req)
+    choice = body["choices"][0]
+    assert choice["finish_reason"] == "tool_calls"
+    assert choice["message"]["content"] == "Checking. "
+    (call,) = choice["message"]["tool_calls"]
+    assert call["type"] == "function" and call["id"].startswith("call_")
+    assert call["function"]["name"] == "get_weather"
+    assert json.loads(call["function"]["arguments"]) == {"city": "Paris"}
+    deltas = [ch["choices"][0]["delta"] for ch in chunks if ch["choices"]]
+    assert "".join(d.get("content") or "" for d in deltas) == "Checking. "
+    pieces = [tc for d in deltas for tc in d.get("tool_calls") or []]
+    assert pieces[0]["id"].startswith("call_") and pieces[0]["type"] == "function"
+    assert [p["function"].get("name") for p in pieces if "id" in p] == ["get_weather"]
+    assert {p["index"] for p in pieces} == {0}
+    arguments = "".join(p["function"]["arguments"] for p in pieces)
+    assert json.loads(arguments) == {"city": "Paris"}
+    assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
+
+
+async def test_without_tools_markup_is_plain_content():
+    async with client() as (c, _, _):
+        body = await post_json(c, CHAT, user("!" + CALL))
+        none = await post_json(c, CHAT, user("!" + CALL, tools=TOOLS, tool_choice="none"))
+    assert body["choices"][0]["message"]["content"] == CALL
+    assert none["choices"][0]["message"]["content"] == CALL
+
+
+async def test_tool_history_round_trip_renders():
+    messages = [
+        {"role": "user", "content": "weather?"},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "c1",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": "c1", "content": "sunny"},
+    ]
+    async with client() as (c, _, _):
+        body = await post_json(c, CHAT, {"messages": messages, "tools": TOOLS, "temperature": 0})
+    # The fake template has no tool support: the result went in as a user turn.
+    assert "SUNNY" in body["choices"][0]["message"]["content"]
+
+
+async def test_reasoning_is_split_streaming_and_not():
+    settings = settings_with(tokenizer={"reasoning_tags": "<think>,</think>"})
+    req = user("!<think>Let me see.</think>\n\nIt is 4.")
+    async with client(settings) as (c, _, _):
+        body = await post_json(c, CHAT, req)
+        chunks = await post_stream(c, CHAT, req)
+    message = body["choices"][0]["message"]
+    assert message["reasoning_content"] == "Let me see."
+    assert message["content"] == "It is 4."
+    deltas = [ch["choices"][0]["delta"] for ch in chunks if ch["choices"]]
+    assert "".join(d.get("reasoning_content") or "" for d in deltas) == "Let me see."
+    assert "".join(d.get("content") or "" for d in deltas) == "It is 4."
+
+
+async def test_chat_template_kwargs_reach_the_template():
+    async with client() as (c, _, _):
+        plain = await post_json(c, CHAT, user("hi"))
+        kw = await post_json(c, CHAT, user("hi", chat_template_kwargs={"enable_thinking": False}))
+    # The fake template renders each extra variable into the prompt.
+    assert kw["usage"]["prompt_tokens"] == plain["usage"]["prompt_tokens"] + len(
+        "<enable_thinking=False>"
+    )
+
+
+async def test_json_response_format_is_accepted():
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}
+    async with client() as (c, _, _):
+        body = await post_json(c, CHAT, user('!{"a": 1}', response_format=fmt))
+    assert json.loads(body["choices"][0]["message"]["content"]) == {"a": 1}
+
+
+async def test_model_by_id():
+    async with client() as (c, _, _):
+        card = await post_model(c, "/v1/models/fake-model", 200)
+        missing = await post_model(c, "/v1/models/other", 404)
+    assert card["id"] == "fake-model"
+    assert missing["error"]["code"] == "model_not_found"
+
+
+async def post_model(c, path, status):
+    r = await c.get(path)
+    assert r.status_code == status
+    return json.loads(await r.get_data())

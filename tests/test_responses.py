@@ -1,0 +1,134 @@
+"""OpenAI Responses API over the scripted fake runner: items in and out, the event stream."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.test_http import client
+from tests.test_openai_features import CALL, read_stream
+
+RESP = "/v1/responses"
+TOOLS = [
+    {
+        "type": "function",
+        "name": "get_weather",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+    }
+]
+
+
+async def post(c, body, status=200):
+    r = await c.post(RESP, json=body)
+    data = json.loads(await r.get_data())
+    assert r.status_code == status, data
+    return data
+
+
+def events(raw: bytes) -> list[dict]:
+    out = []
+    for frame in raw.decode().split("\n\n"):
+        if frame:
+            event_line, data_line = frame.split("\n")
+            data = json.loads(data_line.removeprefix("data: "))
+            assert event_line == f"event: {data['type']}"
+            out.append(data)
+    assert [e["sequence_number"] for e in out] == list(range(len(out)))
+    return out
+
+
+async def test_string_input():
+    async with client() as (c, _, _):
+        body = await post(c, {"input": "hello", "instructions": "be brief", "temperature": 0})
+    assert body["object"] == "response" and body["status"] == "completed"
+    (item,) = body["output"]
+    assert item["type"] == "message" and item["role"] == "assistant"
+    assert item["content"] == [{"type": "output_text", "text": "HELLO", "annotations": []}]
+    assert body["usage"]["output_tokens"] == 5
+
+
+async def test_items_with_developer_role_and_function_results():
+    items = [
+        {"role": "developer", "content": "use tools"},
+        {
+            "type": "message",
+            "role": "user",
+            "content": [{"type": "input_text", "text": "weather?"}],
+        },
+        {
+            "type": "function_call",
+            "call_id": "c1",
+            "name": "get_weather",
+            "arguments": '{"city": "Paris"}',
+        },
+        {"type": "function_call_output", "call_id": "c1", "output": "sunny"},
+    ]
+    async with client() as (c, _, _):
+        body = await post(c, {"input": items, "tools": TOOLS})
+    assert "SUNNY" in body["output"][0]["content"][0]["text"]
+
+
+async def test_stream_event_sequence():
+    async with client() as (c, _, _):
+        evs = events(await read_stream(c, RESP, {"input": "hey"}))
+    kinds = [e["type"] for e in evs]
+    assert kinds[:4] == [
+        "response.created",
+        "response.in_progress",
+        "response.output_item.added",
+        "response.content_part.added",
+    ]
+    assert kinds[-4:] == [
+        "response.output_text.done",
+        "response.content_part.done",
+        "response.output_item.done",
+        "response.completed",
+    ]
+    assert set(kinds[4:-4]) == {"response.output_text.delta"}
+    assert "".join(e["delta"] for e in evs[4:-4]) == "HEY"
+    assert evs[-4]["text"] == "HEY"
+    final = evs[-1]["response"]
+    assert final["output"][0]["content"][0]["text"] == "HEY"
+    assert final["usage"]["output_tokens"] == 3
+
+
+async def test_function_call_streaming_and_not():
+    body = {"input": "!" + CALL, "tools": TOOLS}
+    async with client() as (c, _, _):
+        full = await post(c, body)
+        evs = events(await read_stream(c, RESP, body))
+    (call,) = full["output"]
+    assert call["type"] == "function_call" and call["name"] == "get_weather"
+    assert json.loads(call["arguments"]) == {"city": "Paris"}
+    kinds = [e["type"] for e in evs]
+    assert "response.function_call_arguments.delta" in kinds
+    done = next(e for e in evs if e["type"] == "response.function_call_arguments.done")
+    assert json.loads(done["arguments"]) == {"city": "Paris"}
+    assert evs[-1]["response"]["output"][0]["name"] == "get_weather"
+
+
+async def test_max_output_tokens_is_incomplete():
+    async with client() as (c, _, _):
+        body = await post(c, {"input": "abcdef", "max_output_tokens": 2})
+    assert body["status"] == "incomplete"
+    assert body["incomplete_details"] == {"reason": "max_output_tokens"}
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"input": "x", "previous_response_id": "resp_1"}, "previous_response_id"),
+        (
+            {"input": "x", "text": {"format": {"type": "json_schema", "schema": {"type": "nope"}}}},
+            "text.format",
+        ),
+        ({"input": "x", "tools": [{"type": "web_search"}]}, "tools"),
+        ({"input": [{"type": "mystery"}]}, "input[0]"),
+        ({"input": "x", "max_output_tokens": 0}, "max_output_tokens"),
+    ],
+)
+async def test_errors(body, param):
+    async with client() as (c, _, _):
+        err = await post(c, body, 400)
+    assert err["error"]["param"] == param

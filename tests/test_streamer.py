@@ -1,0 +1,76 @@
+"""The streamer's sync core: parsers, special marker tokens and logprob pieces per request."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from actors.mailbox import Mailboxes
+from actors.streamer import StreamState
+from protocol.messages import (
+    EngineStep,
+    Finished,
+    OutputSpec,
+    Started,
+    TextDelta,
+    TokenLogprob,
+    TokenStep,
+)
+
+
+@dataclass
+class Added:
+    content: str
+    special: bool
+
+
+class SpecialTokenizer:
+    """Characters are their code points; ids 1 and 2 are special tokens, as in Mistral's."""
+
+    added_tokens_decoder = {1: Added("[TOOL_CALLS]", True), 2: Added("<s>", True)}
+
+    def decode(self, ids, skip_special_tokens=True):
+        specials = {i: a.content for i, a in self.added_tokens_decoder.items()}
+        return "".join(
+            "" if (i in specials and skip_special_tokens) else specials.get(i, chr(i)) for i in ids
+        )
+
+
+def run(spec: OutputSpec, tokens: list[int], logprobs: bool = False):
+    boxes = Mailboxes()
+    box = boxes.register("r")
+    state = StreamState(SpecialTokenizer(), boxes)
+    state.on_step(EngineStep(started=(Started(request_id="r", prompt_tokens=3, output=spec),)))
+    for i, t in enumerate(tokens):
+        last = i == len(tokens) - 1
+        lp = (TokenLogprob(token=t, logprob=-1.0, top=((t, -1.0), (65, -2.0))),) if logprobs else ()
+        step = TokenStep(
+            request_id="r", tokens=(t,), finish_reason="length" if last else None, logprobs=lp
+        )
+        state.on_step(EngineStep(tokens=(step,)))
+    events = box.take()
+    assert len(state) == 0
+    return [e for e in events if isinstance(e, TextDelta)], events[-1]
+
+
+def codes(text: str) -> list[int]:
+    return [ord(c) for c in text]
+
+
+def test_special_marker_reaches_the_parser_other_specials_stay_hidden():
+    tokens = [2, *codes("ok"), 1, *codes('[{"name": "f", "arguments": {"a": 1}}]')]
+    (delta,), finished = run(OutputSpec(tool_format="mistral"), tokens)
+    assert delta.text == "ok"  # "<s>" hidden
+    # The text before the marker is content; the calls come whole at the end.
+    assert [c.name for c in delta.tool_calls] == ["f"]
+    assert isinstance(finished, Finished) and finished.finish_reason == "length"
+
+
+def test_without_a_parser_special_tokens_are_hidden():
+    (delta,), _ = run(OutputSpec(), [2, *codes("hi"), 1])
+    assert delta.text == "hi" and delta.tool_calls == ()
+
+
+def test_logprob_pieces_follow_their_tokens():
+    (delta,), _ = run(OutputSpec(), codes("hey"), logprobs=True)
+    assert [p.token for p in delta.logprobs] == ["h", "e", "y"]
+    assert delta.logprobs[0].top == (("h", (104,), -1.0), ("A", (65,), -2.0))
