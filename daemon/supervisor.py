@@ -27,6 +27,7 @@ from actors import admission, streamer, tokenizer
 from actors.admission import AdmissionPolicy
 from actors.engine import actor as engine
 from actors.engine.actor import EngineOptions, RunnerFactory
+from actors.engine.types import ModelInfo
 from actors.grammar import GrammarCompiler
 from actors.mailbox import Mailboxes
 from actors.streamer import StreamState
@@ -98,6 +99,23 @@ def open_graph(s: Settings) -> Graph:
     )
 
 
+def _prompt_builder(info: ModelInfo, s: Settings, grammars: GrammarCompiler) -> PromptBuilder:
+    """The tokenizer actor's sync core, configured for the loaded model."""
+    return PromptBuilder(
+        info.tokenizer,
+        info.context_length,
+        default_max_tokens=s.engine.default_max_tokens,
+        max_prompt_tokens=s.engine.max_prompt_tokens,
+        vocab_size=info.vocab_size,
+        checkpoints=s.prefix_cache.enabled and s.prefix_cache.system_prompt,
+        processor=info.processor,
+        image_limits=ImageLimits.from_settings(s.vision),
+        memory=info.memory,
+        traits=template_traits(info.tokenizer, s.tokenizer.tool_format, s.tokenizer.reasoning_tags),
+        grammars=grammars,
+    )
+
+
 async def run_actors(
     graph: Graph,
     settings: Settings,
@@ -120,21 +138,7 @@ async def run_actors(
         await nursery.start(streamer.run, graph.steps[1], StreamState(info.tokenizer, mailboxes))
         # Reading the vocabulary into llguidance takes a moment: not on the trio thread.
         grammars = await trio.to_thread.run_sync(GrammarCompiler, info.tokenizer)
-        builder = PromptBuilder(
-            info.tokenizer,
-            info.context_length,
-            default_max_tokens=s.engine.default_max_tokens,
-            max_prompt_tokens=s.engine.max_prompt_tokens,
-            vocab_size=info.vocab_size,
-            checkpoints=s.prefix_cache.enabled and s.prefix_cache.system_prompt,
-            processor=info.processor,
-            image_limits=ImageLimits.from_settings(s.vision),
-            memory=info.memory,
-            traits=template_traits(
-                info.tokenizer, s.tokenizer.tool_format, s.tokenizer.reasoning_tags
-            ),
-            grammars=grammars,
-        )
+        builder = _prompt_builder(info, s, grammars)
         pipeline.builder = builder
         pipeline.count_limiter = trio.CapacityLimiter(s.tokenizer.workers)
         await nursery.start(

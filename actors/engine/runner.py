@@ -482,6 +482,48 @@ def load_draft(
     return load_model(draft_dir, dequantize_on_cpu=dequantize_on_cpu)[0], draft_id
 
 
+def _enabled(section: Any) -> bool:
+    return section is not None and section.enabled
+
+
+def _load_vision(
+    model_id: str, model_dir: Path, max_batch: int, dequantize_on_cpu: bool, extras: dict
+) -> tuple[MlxRunner, ModelInfo]:
+    """A vision model: no speculation or SpecPrefill yet, and the status says so."""
+    from actors.engine.vlm_runner import load_vlm_runner
+
+    runner, info = load_vlm_runner(
+        model_id, model_dir, max_batch=max_batch, dequantize_on_cpu=dequantize_on_cpu
+    )
+    info = dataclasses.replace(info, memory=memory_model(runner, extras["memory"]))
+    if _enabled(extras["speculative"]):
+        log.warning("speculative decoding is not implemented for vision models: off")
+        info = dataclasses.replace(info, spec_stats=_off("vision models decode without it"))
+    if _enabled(extras["spec_prefill"]):
+        log.warning("SpecPrefill is not implemented for vision models: off")
+        info = dataclasses.replace(
+            info, spec_prefill_stats=_prefill_off("vision models prefill in full")
+        )
+    return runner, info
+
+
+def _helpers(model, model_id, cache_dir, dequantize_on_cpu, speculative, spec_prefill):
+    """The draft model (speculation) and the SpecPrefill scorer, sharing one load when they can."""
+    draft, drafter = None, ""
+    if _enabled(speculative):
+        draft, drafter = load_draft(
+            speculative.draft_model, cache_dir, model, model_id, dequantize_on_cpu
+        )
+    sparse = None
+    if _enabled(spec_prefill):
+        scorer = (draft, drafter) if draft is not None and not spec_prefill.scorer_model else None
+        scorer = scorer or load_draft(
+            spec_prefill.scorer_model, cache_dir, model, model_id, dequantize_on_cpu
+        )
+        sparse = make_spec_prefill(model, scorer, spec_prefill)
+    return draft, drafter, sparse
+
+
 def load_runner(
     path: str,
     cache_dir: Path,
@@ -505,21 +547,8 @@ def load_runner(
     kind = model_kind(config, kind)
     log.info("loading %s model %s from %s (MLX backend: %s)", kind, model_id, model_dir, backend())
     if kind == "vision":
-        from actors.engine.vlm_runner import load_vlm_runner
-
-        runner, info = load_vlm_runner(
-            model_id, model_dir, max_batch=max_batch, dequantize_on_cpu=dequantize_on_cpu
-        )
-        info = dataclasses.replace(info, memory=memory_model(runner, memory))
-        if speculative is not None and speculative.enabled:
-            log.warning("speculative decoding is not implemented for vision models: off")
-            info = dataclasses.replace(info, spec_stats=_off("vision models decode without it"))
-        if spec_prefill is not None and spec_prefill.enabled:
-            log.warning("SpecPrefill is not implemented for vision models: off")
-            info = dataclasses.replace(
-                info, spec_prefill_stats=_prefill_off("vision models prefill in full")
-            )
-        return runner, info
+        extras = {"memory": memory, "speculative": speculative, "spec_prefill": spec_prefill}
+        return _load_vision(model_id, model_dir, max_batch, dequantize_on_cpu, extras)
     model, tokenizer, config = load_model(model_dir, dequantize_on_cpu=dequantize_on_cpu)
     info = ModelInfo(
         model_id=model_id,
@@ -531,20 +560,11 @@ def load_runner(
     )
     cache = make_prefix_cache(prefix_cache)
     stops = sorted(tokenizer.eos_token_ids)
-    runner: MlxRunner
-    draft, drafter = None, ""
-    if speculative is not None and speculative.enabled:
-        draft, drafter = load_draft(
-            speculative.draft_model, cache_dir, model, model_id, dequantize_on_cpu
-        )
-    sparse = None
-    if spec_prefill is not None and spec_prefill.enabled:
-        scorer = (draft, drafter) if draft is not None and not spec_prefill.scorer_model else None
-        scorer = scorer or load_draft(
-            spec_prefill.scorer_model, cache_dir, model, model_id, dequantize_on_cpu
-        )
-        sparse = make_spec_prefill(model, scorer, spec_prefill)
+    draft, drafter, sparse = _helpers(
+        model, model_id, cache_dir, dequantize_on_cpu, speculative, spec_prefill
+    )
     on = sparse if sparse is not None and sparse.stats.enabled else None
+    runner: MlxRunner
     if draft is not None:
         from actors.engine.spec_runner import make_speculative_runner
 
