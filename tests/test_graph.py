@@ -247,11 +247,14 @@ async def test_deadline_also_covers_waiting_in_the_queue():
 async def test_allocation_failure_in_a_step_fails_its_requests_and_serving_goes_on():
     async with running_graph() as (pipeline, runner):
         runner.step_delay = 0.005
-        victims = [
-            await pipeline.submit(chat("v1", "a" * 50)),
-            await pipeline.submit(chat("v2", "OOM")),
-        ]
-        failures = [(await collect(s))[-1] for s in victims]
+        first = await pipeline.submit(chat("v1", "a" * 50))
+        v1_events = first.events()
+        seen = await anext(v1_events)
+        while not any(isinstance(e, TextDelta) for e in seen):  # v1 is decoding
+            seen = await anext(v1_events)
+        second = await pipeline.submit(chat("v2", "OOM"))  # joins v1's decode batch
+        v1_rest = [e async for batch in v1_events for e in batch]
+        failures = [(seen + v1_rest)[-1], (await collect(second))[-1]]
         after = await collect(await pipeline.submit(chat("after", "still here")))
     assert all(isinstance(f, Failed) and f.code == "out_of_memory" for f in failures)
     assert all(f.status == 503 and f.retry_after for f in failures)

@@ -8,6 +8,7 @@ different counts, so caches are rewound by different amounts), never, or always.
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 
 from tests.engine_driver import alone, drive, load, request
@@ -252,3 +253,26 @@ async def test_status_and_metrics_report_acceptance_per_drafter():
     assert not sampling_from(body, None, Validator(settings)).speculative
     body = openai.chat_decoder.decode(b'{"messages": []}')
     assert sampling_from(body, None, Validator(settings)).speculative
+
+
+def test_grammar_and_logprobs_are_a_400_while_speculating():
+    from types import SimpleNamespace
+
+    from daemon.api.common import ApiError, _check_speculation
+    from protocol.messages import CompletionRequest, Constraint, SamplingParams
+
+    def pipeline(enabled):
+        return SimpleNamespace(info=SimpleNamespace(spec_stats=SimpleNamespace(enabled=enabled)))
+
+    plain = CompletionRequest(request_id="p", prompt="x", sampling=SamplingParams())
+    schema = msgspec.structs.replace(
+        plain, constraint=Constraint(kind="json_object", param="response_format")
+    )
+    logprobs = msgspec.structs.replace(plain, sampling=SamplingParams(logprobs=True))
+    _check_speculation(pipeline(True), [plain])
+    _check_speculation(pipeline(False), [schema, logprobs])
+    for refused, param in [(schema, "response_format"), (logprobs, "logprobs")]:
+        with pytest.raises(ApiError) as err:
+            _check_speculation(pipeline(True), [refused])
+        assert err.value.status == 400
+        assert err.value.param == param

@@ -291,6 +291,21 @@ async def _events(sessions: list[Session], bell: Bell) -> AsyncIterator[list[Cho
             await session.close()
 
 
+def _check_speculation(pipeline: Pipeline, requests: list[AdmittedRequest]) -> None:
+    """A grammar matcher advances once per token and cannot be rolled back per row."""
+    spec = pipeline.info.spec_stats if pipeline.info else None
+    if spec is None or not spec.enabled:
+        return
+    for r in requests:
+        param = r.constraint.param if r.constraint else "logprobs"
+        check(
+            r.constraint is None and not r.sampling.logprobs,
+            param,
+            "structured output, forced tool calls and logprobs are not available while "
+            "speculative decoding is on (speculative.enabled)",
+        )
+
+
 async def start(
     pipeline: Pipeline, requests: list[AdmittedRequest]
 ) -> tuple[list[ChoiceEvent], AsyncIterator[list[ChoiceEvent]]]:
@@ -299,6 +314,7 @@ async def start(
     The returned iterator is started, so its cleanup (closing every session,
     which aborts unfinished sequences) runs even if the caller never reads it.
     """
+    _check_speculation(pipeline, requests)
     bell, sessions = Bell(), []
     try:
         for request in requests:
