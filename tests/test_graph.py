@@ -247,7 +247,7 @@ async def test_deadline_also_covers_waiting_in_the_queue():
 async def test_allocation_failure_in_a_step_fails_its_requests_and_serving_goes_on():
     async with running_graph() as (pipeline, runner):
         runner.step_delay = 0.005
-        first = await pipeline.submit(chat("v1", "a" * 50))
+        first = await pipeline.submit(chat("v1", "a" * 300))  # decodes long enough for v2 to join
         v1_events = first.events()
         seen = await anext(v1_events)
         while not any(isinstance(e, TextDelta) for e in seen):  # v1 is decoding
