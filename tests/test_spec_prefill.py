@@ -104,3 +104,30 @@ def test_sparse_prefill_completes_and_reports_prefilled_tokens(tiny_models):
     assert started["out"].prefilled_tokens == started["out"].prompt_tokens
     assert sp.stats.requests == 3 and sp.stats.skipped_tokens > 0
     assert (runner.decoding, runner.prefilling_count, runner.cache_bytes) == (0, 0, 0)
+
+
+@pytest.mark.mlx
+def test_positioned_cache_puts_tokens_at_the_positions_it_is_told(tiny_models):
+    """RoPE is relative: the same tokens fed at positions shifted by a constant give the
+    same logits, and the cache stores only the tokens fed. A cache that stored at the
+    position, or rotated by the storage index, would not pass."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from actors.engine.spec_prefill import positioned, set_position
+
+    runner, info = load(tiny_models("llama"))
+    model = runner.model
+    tokens = mx.array(info.tokenizer.encode(TEXT)[:24])[None]
+    plain = model(tokens, cache=make_prompt_cache(model))[:, -1]
+    shifted_cache = positioned(make_prompt_cache(model))
+    set_position(shifted_cache, 40)  # as if 40 earlier prompt tokens had been skipped
+    shifted = model(tokens[:, :16], cache=shifted_cache)
+    shifted = model(tokens[:, 16:], cache=shifted_cache)[:, -1]  # a second chunk continues
+    assert mx.allclose(plain, shifted, atol=1e-3).item()
+    assert all(c.offset == 64 and c.size() == 24 for c in shifted_cache)
+    unshifted = positioned(make_prompt_cache(model))
+    moved = model(tokens[:, :16], cache=unshifted)
+    set_position(unshifted, 16 + 40)  # a gap between the chunks changes the answer
+    moved = model(tokens[:, 16:], cache=unshifted)[:, -1]
+    assert not mx.allclose(plain, moved, atol=1e-3).item()
