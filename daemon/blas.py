@@ -34,8 +34,8 @@ def status() -> str:
     return "BLAS: MLX's reference BLAS (slow); install libopenblas0-pthread for ~80x faster matmul"
 
 
-def reexec_with_openblas() -> None:
-    """Re-exec this process with OpenBLAS preloaded, once, when it exists on Linux."""
+def reexec_with_openblas(module: str = "daemon.cli") -> None:
+    """Re-exec ``python -m module`` with OpenBLAS preloaded, once, when it exists on Linux."""
     if sys.platform != "linux" or os.environ.get(_MARK):
         return
     lib = find_openblas()
@@ -44,4 +44,4 @@ def reexec_with_openblas() -> None:
         os.environ[_MARK] = "1"
         return
     env["LD_PRELOAD"] = ":".join(filter(None, [lib, env.get("LD_PRELOAD")]))
-    os.execve(sys.executable, [sys.executable, "-m", "daemon.cli", *sys.argv[1:]], env)
+    os.execve(sys.executable, [sys.executable, "-m", module, *sys.argv[1:]], env)

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 import time
 from pathlib import Path
 
@@ -104,16 +103,6 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _with_openblas() -> None:
-    """Re-run this module with OpenBLAS preloaded (as ``mlxd serve`` does), when it exists."""
-    lib = blas.find_openblas()
-    if lib and lib not in os.environ.get("LD_PRELOAD", ""):
-        env = dict(
-            os.environ, LD_PRELOAD=":".join(filter(None, [lib, os.environ.get("LD_PRELOAD")]))
-        )
-        os.execve(sys.executable, [sys.executable, "-m", "scripts.bench_spec", *sys.argv[1:]], env)
-
-
 if __name__ == "__main__":
-    _with_openblas()
+    blas.reexec_with_openblas("scripts.bench_spec")
     raise SystemExit(main())

@@ -212,10 +212,15 @@ class MlxRunner:
         caches.trim(cache, len(hit.entry.tokens) - hit.length)
         return cache, hit.length
 
-    def _remember(self, tokens: list[int] | tuple[int, ...], cache: list[Any]) -> None:
-        """Offer a snapshot nobody else holds to the prefix cache, in buffers of its own."""
+    def _remember(
+        self, tokens: list[int] | tuple[int, ...], cache: list[Any], *, live: bool = False
+    ) -> None:
+        """Offer a snapshot to the prefix cache, in buffers of its own.
+
+        ``live``: the cache is still in use, so the snapshot is taken from a copy.
+        """
         if self.prefix_cache is not None and tokens and tokens not in self.prefix_cache:
-            snapshot = caches.compact(cache)
+            snapshot = caches.compact(copy.deepcopy(cache) if live else cache)
             mx.eval([c.state for c in snapshot])
             self.prefix_cache.insert(
                 tokens, snapshot, caches.nbytes(snapshot), caches.can_trim(snapshot)
@@ -239,7 +244,7 @@ class MlxRunner:
             pending.done += n
             if pending.done in pending.checkpoints:
                 prefix = pending.request.prompt_tokens[: pending.done]
-                self._remember(prefix, copy.deepcopy(pending.cache))
+                self._remember(prefix, pending.cache, live=True)
         if pending.remaining == 0:
             self._join_batch(self._pending.pop(request_id))
         return pending.remaining
@@ -257,7 +262,7 @@ class MlxRunner:
         attention layers positioned (so every cache merged into a batch carries positions)."""
         prompt = pending.request.prompt_tokens
         if pending.sparse is None:
-            self._remember(prompt[:-1], copy.deepcopy(pending.cache))
+            self._remember(prompt[:-1], pending.cache, live=True)
         if self.spec_prefill is None:
             return pending.cache
         from actors.engine.spec_prefill import positioned, set_position
@@ -298,12 +303,14 @@ class MlxRunner:
                 self._top.pop(rid, None)
         return out
 
-    def _remember_finished(self, request_id: str, tokens: Any, cache: Any) -> None:
+    def _remember_finished(
+        self, request_id: str, tokens: Any, cache: Any, *, live: bool = False
+    ) -> None:
         """A finished request's cache, unless SpecPrefill skipped part of its prompt."""
         if request_id in self._sparse:
             self._sparse.discard(request_id)
         else:
-            self._remember(tokens, cache)
+            self._remember(tokens, cache, live=live)
 
     def _logprobs(self, responses: list) -> dict:
         """Logprobs for the responses whose requests asked, in one batched computation."""
@@ -321,7 +328,7 @@ class MlxRunner:
         if uid is not None:
             del self._uid_to_rid[uid]
             for cache, tokens in self.generator.remove([uid], return_prompt_caches=True).values():
-                self._remember_finished(request_id, tokens, copy.deepcopy(cache))
+                self._remember_finished(request_id, tokens, cache, live=True)
         self._sparse.discard(request_id)
 
     def clear_cache(self) -> None:

@@ -13,6 +13,7 @@ event sequence: ``message_start``, ``ping``, per block
 
 from __future__ import annotations
 
+import functools
 import json
 import time
 import uuid
@@ -31,6 +32,7 @@ from daemon.api.common import (
     check_tools,
     collect,
     decode,
+    event_frames,
     json_response,
     sse_response,
     start,
@@ -42,6 +44,7 @@ from protocol.messages import (
     ChatRequest,
     Failed,
     Finished,
+    MailboxEvent,
     Message,
     SamplingParams,
     Started,
@@ -291,28 +294,23 @@ class MessageStream:
         ]
 
 
-async def stream_events(
+def _frames(shape: MessageStream, _: int, event: MailboxEvent) -> list[bytes]:
+    match event:
+        case Started():
+            return shape.start(event.prompt_tokens)
+        case TextDelta():
+            return shape.delta(event)
+        case Finished():
+            return shape.finish(event)
+        case Failed():
+            return [sse("error", json.loads(ApiError.from_failed(event).anthropic_body()))]
+    return []
+
+
+def stream_events(
     shape: MessageStream, first: list[ChoiceEvent], rest: AsyncIterator[list[ChoiceEvent]]
 ) -> AsyncIterator[bytes]:
-    try:
-        batch: list[ChoiceEvent] | None = first
-        while batch is not None:
-            for _, event in batch:
-                match event:
-                    case Started():
-                        frames = shape.start(event.prompt_tokens)
-                    case TextDelta():
-                        frames = shape.delta(event)
-                    case Finished():
-                        frames = shape.finish(event)
-                    case Failed():
-                        body = json.loads(ApiError.from_failed(event).anthropic_body())
-                        frames = [sse("error", body)]
-                for frame in frames:
-                    yield frame
-            batch = await anext(rest, None)
-    finally:
-        await rest.aclose()  # type: ignore[attr-defined]
+    return event_frames(first, rest, functools.partial(_frames, shape))
 
 
 def install(app: QuartTrio, pipeline: Pipeline, v: Validator, ready: Callable[[], str]) -> None:

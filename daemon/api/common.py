@@ -9,7 +9,7 @@ stream into its own JSON or Server-Sent Events.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 import msgspec
@@ -335,6 +335,25 @@ async def start(
         await events.aclose()
         raise
     return first, events
+
+
+async def event_frames(
+    first: list[ChoiceEvent],
+    rest: AsyncIterator[list[ChoiceEvent]],
+    render: Callable[[int, MailboxEvent], list[bytes]],
+) -> AsyncIterator[bytes]:
+    """Each event's frames, in order, up to and including a failure; closes ``rest``."""
+    try:
+        batch: list[ChoiceEvent] | None = first
+        while batch is not None:
+            for i, event in batch:
+                for frame in render(i, event):
+                    yield frame
+                if isinstance(event, Failed):
+                    return
+            batch = await anext(rest, None)
+    finally:
+        await rest.aclose()  # type: ignore[attr-defined]
 
 
 @dataclass

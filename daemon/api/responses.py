@@ -13,6 +13,7 @@ streaming sends the Responses event types (``response.created``,
 
 from __future__ import annotations
 
+import functools
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -31,6 +32,7 @@ from daemon.api.common import (
     check_tools,
     collect,
     decode,
+    event_frames,
     json_constraint,
     json_response,
     sse_response,
@@ -43,6 +45,7 @@ from protocol.messages import (
     ChatRequest,
     Failed,
     Finished,
+    MailboxEvent,
     Message,
     SamplingParams,
     TextDelta,
@@ -333,28 +336,27 @@ class ResponseStream:
         return [self.sse("error", error), self.sse("response.failed", {"response": response})]
 
 
+def _frames(shape: ResponseStream, _: int, event: MailboxEvent) -> list[bytes]:
+    match event:
+        case TextDelta():
+            return shape.delta(event)
+        case Finished():
+            return shape.finish(event)
+        case Failed():
+            return shape.failed(event)
+    return []
+
+
 async def stream_events(
     shape: ResponseStream, first: list[ChoiceEvent], rest: AsyncIterator[list[ChoiceEvent]]
 ) -> AsyncIterator[bytes]:
     try:
         for frame in shape.opening():
             yield frame
-        batch: list[ChoiceEvent] | None = first
-        while batch is not None:
-            for _, event in batch:
-                frames: list[bytes] = []
-                match event:
-                    case TextDelta():
-                        frames = shape.delta(event)
-                    case Finished():
-                        frames = shape.finish(event)
-                    case Failed():
-                        frames = shape.failed(event)
-                for frame in frames:
-                    yield frame
-            batch = await anext(rest, None)
+        async for frame in event_frames(first, rest, functools.partial(_frames, shape)):
+            yield frame
     finally:
-        await rest.aclose()  # type: ignore[attr-defined]
+        await rest.aclose()  # type: ignore[attr-defined]  (idempotent)
 
 
 def install(app: QuartTrio, pipeline: Pipeline, v: Validator, ready: Callable[[], str]) -> None:
