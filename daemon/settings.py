@@ -90,6 +90,7 @@ class PrefixCacheSettings(_Section):
 
 class SpeculativeSettings(_Section):
     enabled: bool = False
+    drafter: Literal["auto", "mtp", "draft_model"] = "auto"
     draft_model: str = ""
     num_draft_tokens: Positive = 3
     max_batch: Positive = 4

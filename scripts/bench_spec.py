@@ -1,12 +1,16 @@
-"""Decode tok/s with and without speculative decoding, at concurrency 1 and 8.
+"""Decode tok/s with and without speculative decoding, at several concurrencies.
 
 Loads the default model (or ``--model``) and drives the real runners in-process:
 every request is prefilled first (untimed), then decode steps are timed until all
 finish. The draft is the model itself unless ``--draft`` names another, so the
 acceptance rate is an upper bound and the speed shows what verification costs on
-this backend. Prints numbers; asserts nothing. Run from the repository root:
+this backend; ``--draft-layers N`` drafts with the model's first N layers (its own
+norm and head: a cheap draft sharing every weight). The concurrency where the
+speed-up falls below 1 is what ``speculative.max_batch`` should be set under.
+Prints numbers; asserts nothing. Run from the repository root:
 
-    .venv/bin/python -m scripts.bench_spec [--draft DIR] [--k 3] [--max-tokens 64]
+    .venv/bin/python -m scripts.bench_spec [--draft DIR | --draft-layers N] [--k 3]
+        [--max-tokens 64] [--concurrency 1,2,4,8,16]
 """
 
 from __future__ import annotations
@@ -58,21 +62,38 @@ def _decode_rate(runner, requests) -> tuple[int, float]:
     return tokens, elapsed
 
 
+def _first_layers(model, n: int):
+    """The model cut to its first ``n`` layers: same weights (shared), same norm and head."""
+    import copy
+
+    draft, inner = copy.copy(model), copy.copy(model.model)
+    inner.layers = model.model.layers[:n]
+    draft.model = inner
+    return draft
+
+
 def bench(args) -> None:
     from actors.engine.runner import load_model, load_runner
     from actors.engine.spec_runner import SpeculativeRunner
 
     cache_dir = Path(args.cache_dir).expanduser()
-    plain, info = load_runner(args.model, cache_dir, dequantize_on_cpu=True, max_batch=8)
-    draft = plain.model
+    counts = [int(c) for c in args.concurrency.split(",")]
+    width = max(counts)
+    plain, info = load_runner(args.model, cache_dir, dequantize_on_cpu=True, max_batch=width)
+    draft, name = plain.model, "itself"
     if args.draft:
-        draft = load_model(Path(args.draft), dequantize_on_cpu=True)[0]
+        draft, name = load_model(Path(args.draft), dequantize_on_cpu=True)[0], args.draft
+    elif args.draft_layers:
+        draft, name = (
+            _first_layers(plain.model, args.draft_layers),
+            f"its first {args.draft_layers} layers",
+        )
     stops = sorted(info.tokenizer.eos_token_ids)
-    print(
-        f"model {info.model_id} ({info.backend}), draft {'itself' if not args.draft else args.draft}, k={args.k}"
-    )
-    for n in (1, 8):
-        spec = SpeculativeRunner(plain.model, draft, stops, 8, num_draft=args.k, spec_max_batch=8)
+    print(f"model {info.model_id} ({info.backend}), draft {name}, k={args.k}")
+    for n in counts:
+        spec = SpeculativeRunner(
+            plain.model, draft, stops, width, num_draft=args.k, spec_max_batch=width
+        )
         _decode_rate(plain, _requests(info.tokenizer, n, 8, "w"))  # warm-up
         _decode_rate(spec, _requests(info.tokenizer, n, 8, "w"))
         spec.spec_stats.__init__()  # count the timed run only
@@ -94,6 +115,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", default="", help="model dir or .gguf; default SmolLM2-135M")
     parser.add_argument("--draft", default="", help="draft model dir; default the model itself")
     parser.add_argument("--cache-dir", default="~/.cache/mlxd")
+    parser.add_argument("--draft-layers", type=int, default=0, help="draft with the first N layers")
+    parser.add_argument("--concurrency", default="1,8", help="comma-separated request counts")
     parser.add_argument("--k", type=int, default=3)
     parser.add_argument("--max-tokens", type=int, default=64)
     args = parser.parse_args(argv)

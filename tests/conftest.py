@@ -139,6 +139,14 @@ def tiny_models(tmp_path_factory, smollm_tokenizer):
         "qwen3_5_near": lambda out: tm.build_text_model(
             tm.QWEN3_5, smollm_tokenizer, out, noise=0.1
         ),
+        # MTP heads: random; exact (bigram target, every draft accepted); partly agreeing
+        "qwen3_5_mtp": lambda out: tm.build_mtp_model(tm.QWEN3_5_MTP, smollm_tokenizer, out),
+        "qwen3_5_mtp_exact": lambda out: tm.build_mtp_model(
+            tm.QWEN3_5_MTP, smollm_tokenizer, out, residual=0.0
+        ),
+        "qwen3_5_mtp_near": lambda out: tm.build_mtp_model(
+            tm.QWEN3_5_MTP, smollm_tokenizer, out, residual=0.05
+        ),
         "qwen2_vl": lambda out: tm.build_vlm(tm.qwen2_vl_config(), smollm_tokenizer, out),
         "qwen3_5_vl": lambda out: tm.build_vlm(tm.qwen3_5_vl_config(), smollm_tokenizer, out),
     }

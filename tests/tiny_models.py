@@ -114,6 +114,47 @@ def build_text_model(
     return out
 
 
+# A Qwen3.5 hybrid whose checkpoint carries an MTP head (``mtp.*`` weights).
+QWEN3_5_MTP = {**QWEN3_5, "mtp_num_hidden_layers": 1}
+
+
+def build_mtp_model(
+    config: dict[str, Any], tokenizer_dir: Path, out: Path, residual: float = 1.0, seed: int = 0
+) -> Path:
+    """A target with an ``mtp.*`` head in its safetensors, next to the model's weights.
+
+    ``residual`` scales every layer's contribution to the residual stream (attention,
+    GatedDeltaNet and MLP output projections) in target and head alike. At 0 the
+    target is a bigram model (``lm_head(norm(embed(x)))``) and the head, built to
+    read only the token embedding, predicts exactly what the target will: every
+    draft is accepted. Between 0 and 1 the target depends on context a little and
+    the head agrees with it only sometimes; at 1 the head is simply random.
+    """
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+
+    from actors.engine.mtp import FAMILIES, MTPHead
+
+    build_text_model(config, tokenizer_dir, out, seed)
+    weights = mx.load(str(out / "model.safetensors"))
+    outputs = ("o_proj.weight", "out_proj.weight", "down_proj.weight")
+    weights = {k: v * residual if k.endswith(outputs) else v for k, v in weights.items()}
+    module_name, layer_name = FAMILIES[config["model_type"]]
+    module = importlib.import_module(f"mlx_lm.models.{module_name}")
+    args = module.TextModelArgs.from_dict(dict(config))
+    mx.random.seed(seed + 7)
+    head = MTPHead(args, getattr(module, layer_name), config["mtp_num_hidden_layers"])
+    mtp = dict(tree_flatten(head.parameters()))
+    mtp = {k: v * residual if k.endswith(outputs) else v for k, v in mtp.items()}
+    if residual < 1.0:  # read the token embedding only, normalised like the target's output
+        hidden = config["hidden_size"]
+        mtp["fc.weight"] = mx.concatenate([mx.eye(hidden), mx.zeros((hidden, hidden))], axis=1)
+        mtp["norm.weight"] = weights["language_model.model.norm.weight"]
+    weights.update({f"mtp.{k}": v for k, v in mtp.items()})
+    mx.save_safetensors(str(out / "model.safetensors"), weights)
+    return out
+
+
 # ---- vision-language models (mlx-vlm) --------------------------------------------------
 
 VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")

@@ -514,21 +514,42 @@ def _load_vision(
     return runner, info
 
 
-def _helpers(model, model_id, cache_dir, dequantize_on_cpu, speculative, spec_prefill):
-    """The draft model (speculation) and the SpecPrefill scorer, sharing one load when they can."""
-    draft, drafter = None, ""
-    if _enabled(speculative):
+def load_mtp_drafter(model: nn.Module, model_dir: Path, config: dict, dequantize_on_cpu: bool):
+    """The model's own MTP head as a drafter; ``ValueError`` saying why it has none."""
+    from actors.engine.mtp import MTPDrafter, load_mtp
+
+    head = dequantize_for_cpu(load_mtp(model, model_dir, config), config, dequantize_on_cpu)
+    log.info("speculative decoding: drafting with the model's MTP head")
+    return MTPDrafter(head, model, name="mtp")
+
+
+def _helpers(model, model_id, cache_dir, dequantize_on_cpu, speculative, spec_prefill, where):
+    """The drafter (speculation) and the SpecPrefill scorer, sharing one load when they can.
+
+    ``where``: the model's directory and config (an MTP head is read from there).
+    """
+    draft, drafter, off = None, "", None
+    if _enabled(speculative) and speculative.drafter in ("auto", "mtp"):
+        try:
+            draft = load_mtp_drafter(model, *where, dequantize_on_cpu)
+            drafter = draft.name
+        except ValueError as exc:
+            if speculative.drafter == "mtp":
+                log.warning("speculative decoding is off: %s", exc)
+                off = _off(f"drafter = mtp: {exc}")
+    if _enabled(speculative) and draft is None and off is None:
         draft, drafter = load_draft(
             speculative.draft_model, cache_dir, model, model_id, dequantize_on_cpu
         )
     sparse = None
     if _enabled(spec_prefill):
-        scorer = (draft, drafter) if draft is not None and not spec_prefill.scorer_model else None
+        usable = draft is not None and isinstance(draft, nn.Module)  # an MTP head cannot score
+        scorer = (draft, drafter) if usable and not spec_prefill.scorer_model else None
         scorer = scorer or load_draft(
             spec_prefill.scorer_model, cache_dir, model, model_id, dequantize_on_cpu
         )
         sparse = make_spec_prefill(model, scorer, spec_prefill)
-    return draft, drafter, sparse
+    return draft, drafter, sparse, off
 
 
 def load_runner(
@@ -567,8 +588,14 @@ def load_runner(
     )
     cache = make_prefix_cache(prefix_cache)
     stops = sorted(tokenizer.eos_token_ids)
-    draft, drafter, sparse = _helpers(
-        model, model_id, cache_dir, dequantize_on_cpu, speculative, spec_prefill
+    draft, drafter, sparse, off = _helpers(
+        model,
+        model_id,
+        cache_dir,
+        dequantize_on_cpu,
+        speculative,
+        spec_prefill,
+        (model_dir, config),
     )
     on = sparse if sparse is not None and sparse.stats.enabled else None
     runner: MlxRunner
@@ -583,7 +610,7 @@ def load_runner(
     return runner, dataclasses.replace(
         info,
         cache_stats=cache.stats if cache else None,
-        spec_stats=getattr(runner, "spec_stats", None),
+        spec_stats=getattr(runner, "spec_stats", off),
         spec_prefill_stats=sparse.stats if sparse is not None else None,
         memory=memory_model(runner, memory),
     )

@@ -1,9 +1,10 @@
 """``MlxRunner`` with speculative decoding: same protocol, decode through ``SpeculativeBatch``.
 
-Prefill is the plain runner's (per-request, chunked, prefix cache); the draft
-model follows each request's prefill on its own cache, catching up chunk by
-chunk. At the join both caches enter the speculative batch, which decodes every
-running request; above ``max_batch`` rows it decodes them one token a step.
+Prefill is the plain runner's (per-request, chunked, prefix cache); the drafter
+follows each request's prefill chunk by chunk (a draft model on its own cache; an
+MTP head on the target's hidden states). At the join the target cache and the
+drafter's state enter the speculative batch, which decodes every running request;
+above ``max_batch`` rows it decodes them one token a step.
 """
 
 from __future__ import annotations
@@ -13,13 +14,14 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.cache import make_prompt_cache
-
 from actors.engine.runner import MlxRunner, Pending, make_processors
 from actors.engine.speculative import (
+    Drafter,
+    ModelDrafter,
     SpecRow,
     SpecStats,
     SpeculativeBatch,
+    Target,
     UnsupportedForSpeculation,
     check_rewindable,
 )
@@ -30,12 +32,12 @@ log = logging.getLogger("mlxd.speculative")
 
 
 class SpeculativeRunner(MlxRunner):
-    """Draft-model speculative decoding inside the continuous batch."""
+    """Speculative decoding (a draft model or an MTP head) inside the continuous batch."""
 
     def __init__(
         self,
         model: nn.Module,
-        draft: nn.Module,
+        draft: nn.Module | Drafter,
         stop_tokens: list[int],
         max_batch: int,
         *,
@@ -48,21 +50,27 @@ class SpeculativeRunner(MlxRunner):
         super().__init__(
             model, stop_tokens, max_batch, prefix_cache=prefix_cache, spec_prefill=spec_prefill
         )
-        self.draft = draft
         check_rewindable(self._make_cache())
-        check_rewindable(make_prompt_cache(draft))
+        self._drafter_args = (draft, drafter)
+        self.drafter = self._new_drafter()
         self.spec_stats = SpecStats(
-            drafter=drafter, num_draft_tokens=num_draft, max_batch=spec_max_batch
+            drafter=self.drafter.name, num_draft_tokens=num_draft, max_batch=spec_max_batch
         )
+        self._target = Target(model, self.drafter.wants_hidden)
         self._batch_args = (num_draft, spec_max_batch, stop_tokens)
         self.batch = self._new_batch()
-        self._drafts: dict[str, tuple[list[Any], int]] = {}  # draft cache, tokens in it
+
+    def _new_drafter(self) -> Drafter:
+        draft, name = self._drafter_args
+        if isinstance(draft, Drafter):
+            return draft.fresh()
+        return ModelDrafter(draft, name)
 
     def _new_batch(self) -> SpeculativeBatch:
         num_draft, spec_max_batch, stop_tokens = self._batch_args
         return SpeculativeBatch(
             self.model,
-            self.draft,
+            self.drafter,
             num_draft=num_draft,
             max_batch=spec_max_batch,
             stop_tokens=stop_tokens,
@@ -70,8 +78,12 @@ class SpeculativeRunner(MlxRunner):
         )
 
     def reset(self) -> None:
-        """After a failed decode step: a fresh speculative batch too."""
+        """After a failed decode step: a fresh speculative batch (and drafter state) too."""
         super().reset()
+        prefilling = list(self._pending)
+        self.drafter = self._new_drafter()
+        for rid in prefilling:  # their drafter state starts over
+            self.drafter.start(rid)
         self.batch = self._new_batch()
 
     @property
@@ -81,24 +93,23 @@ class SpeculativeRunner(MlxRunner):
     @property
     def cache_bytes(self) -> int:
         pending = sum(c.nbytes for p in self._pending.values() for c in p.cache)
-        drafts = sum(c.nbytes for cache, _ in self._drafts.values() for c in cache)
-        return pending + drafts + self.batch.nbytes
+        return pending + self.batch.nbytes  # the batch counts the drafter's state
 
     def start(self, request: TokenizedRequest) -> int:
         done = super().start(request)
-        self._drafts[request.request_id] = (make_prompt_cache(self.draft), 0)
+        self.drafter.start(request.request_id)
         return done
 
     def _prefill_chunk(self, pending: Pending, n: int) -> None:
-        super()._prefill_chunk(pending, n)
-        self._draft_catch_up(pending.request, pending.done + n)
-
-    def _draft_catch_up(self, request: TokenizedRequest, upto: int) -> None:
-        cache, done = self._drafts[request.request_id]
-        if upto > done:
-            self.draft(mx.array(request.prompt_tokens[done:upto])[None], cache=cache)
-            mx.eval([c.state for c in cache])
-            self._drafts[request.request_id] = (cache, upto)
+        prompt = pending.request.prompt_tokens
+        chunk = mx.array(prompt[pending.done : pending.done + n])[None]
+        hidden = self._target.hidden(chunk, pending.cache)
+        self.drafter.prefilled(
+            pending.request.request_id,
+            prompt,
+            pending.done + n,
+            hidden if self.drafter.wants_hidden else None,
+        )
 
     def _join_batch(self, pending: Pending) -> None:
         request = pending.request
@@ -111,8 +122,7 @@ class SpeculativeRunner(MlxRunner):
         prompt = list(request.prompt_tokens)
         cache = self._joining(pending)
         with mx.stream(self._stream):
-            self._draft_catch_up(request, len(prompt) - 1)
-        draft_cache, _ = self._drafts.pop(request.request_id)
+            draft_state = self.drafter.joined(request.request_id, prompt)
         params = request.sampling
         row = SpecRow(
             request_id=request.request_id,
@@ -121,9 +131,8 @@ class SpeculativeRunner(MlxRunner):
             params=params,
             processors=make_processors(params),
             key=mx.random.key(params.seed) if params.seed is not None else None,
-            draft_pending=[prompt[-1]],
         )
-        self.batch.add(row, cache, draft_cache)
+        self.batch.add(row, cache, draft_state)
 
     def decode(self) -> list[Decoded]:
         if not len(self.batch):
@@ -142,7 +151,7 @@ class SpeculativeRunner(MlxRunner):
 
     def remove(self, request_id: str) -> None:
         self._pending.pop(request_id, None)
-        self._drafts.pop(request_id, None)
+        self.drafter.forget(request_id)
         gone = self.batch.remove(request_id)
         if gone is not None:
             self._remember_finished(request_id, gone.cache_tokens, gone.cache)
@@ -151,7 +160,7 @@ class SpeculativeRunner(MlxRunner):
 
 def make_speculative_runner(
     model: nn.Module,
-    draft: nn.Module,
+    draft: nn.Module | Drafter,
     stop_tokens: list[int],
     max_batch: int,
     settings: Any,

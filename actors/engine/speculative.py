@@ -75,7 +75,6 @@ class SpecRow:
     params: SamplingParams
     processors: list = field(default_factory=list)
     key: mx.array | None = None  # a seeded request's own PRNG key
-    draft_pending: list[int] = field(default_factory=list)  # tokens the draft cache lacks
     generated: int = 0
 
     def next_key(self) -> mx.array | None:
@@ -155,21 +154,25 @@ def check_rewindable(cache: Sequence[Any]) -> None:
             raise UnsupportedForSpeculation(f"cannot rewind a {type(c).__name__} layer")
 
 
-def feed(model: Any, cache: list[Any], rows: Sequence[Sequence[int]]) -> mx.array:
-    """One forward pass over rows of different lengths (right-padded); ``[B, L, V]``."""
-    lengths = [len(r) for r in rows]
+def feed(model: Any, cache: list[Any], rows: Sequence[Sequence[int]]) -> Any:
+    """One forward pass over rows of different lengths (right-padded); ``[B, L, ...]``."""
+    width = max(len(r) for r in rows)
+    ids = mx.array([list(r) + [0] * (width - len(r)) for r in rows])
+    return padded(cache, [len(r) for r in rows], lambda: model(ids, cache=cache))
+
+
+def padded(cache: list[Any], lengths: Sequence[int], call: Callable[[], Any]) -> Any:
+    """``call()`` over right-padded rows of ``lengths``; the caches keep only real tokens."""
     width = max(lengths)
     padding = [width - n for n in lengths]
     if max(padding) == 0:
-        return model(mx.array(rows), cache=cache)
+        return call()
     for c in cache:
-        c.prepare(lengths=lengths, right_padding=padding)
-    logits = model(
-        mx.array([list(r) + [0] * p for r, p in zip(rows, padding, strict=True)]), cache=cache
-    )
+        c.prepare(lengths=list(lengths), right_padding=padding)
+    out = call()
     for c in cache:
         c.finalize()
-    return logits
+    return out
 
 
 def drop_last(cache: Sequence[Any], drop: Sequence[int]) -> None:
@@ -228,6 +231,172 @@ def merge_caches(caches: Sequence[Sequence[Any]]) -> list[Any]:
     return [caches[0][i].merge([c[i] for c in caches]) for i in range(len(caches[0]))]
 
 
+# ---- drafters ------------------------------------------------------------------------
+
+
+class Drafter:
+    """What proposes tokens: a draft model (``ModelDrafter``) or the target's MTP head.
+
+    A drafter follows each request's prefill (``start`` / ``prefilled`` / ``joined``),
+    then keeps per-row state aligned with the batch's rows (``add`` / ``filter``):
+    ``propose`` drafts ``k`` tokens per row, ``update`` tells it what the target
+    accepted. ``wants_hidden``: it needs the target's last hidden states (prefill
+    chunks and the verify pass), so the target runs split at its head.
+    """
+
+    name = ""
+    wants_hidden = False
+
+    def fresh(self) -> Drafter:
+        """The same drafter with no requests (after a failed step)."""
+        raise NotImplementedError
+
+    def start(self, request_id: str) -> None: ...
+
+    def prefilled(self, request_id: str, prompt: Sequence[int], upto: int, hidden: Any) -> None:
+        """The target prefilled ``prompt[:upto]``; ``hidden`` its last chunk's hidden states."""
+
+    def joined(self, request_id: str, prompt: Sequence[int]) -> Any:
+        """The request's drafter state as it joins the batch (its target cache holds
+        ``prompt[:-1]``)."""
+
+    def forget(self, request_id: str) -> None: ...
+
+    def add(self, state: Any) -> None:
+        raise NotImplementedError
+
+    def propose(self, rows: list[SpecRow], k: int, draw: Callable) -> list[list[int]]:
+        raise NotImplementedError
+
+    def update(
+        self,
+        fed: list[list[int]],
+        proposed: list[list[int]],
+        accepted: list[int],
+        new: list[list[int]],
+        k: int,
+        hidden: Any,
+    ) -> None:
+        """After a step: row ``i`` was fed ``fed[i]`` (verify), emitted ``new[i]``."""
+        raise NotImplementedError
+
+    def filter(self, keep: list[int]) -> None:
+        raise NotImplementedError
+
+    def state(self) -> list[Any]:
+        """Arrays to evaluate at the end of a step."""
+        return []
+
+    @property
+    def nbytes(self) -> int:
+        return 0
+
+
+class ModelDrafter(Drafter):
+    """A separate small model sharing the tokenizer (or the target itself): its own caches."""
+
+    def __init__(self, model: Any, name: str = "draft model"):
+        from mlx_lm.models.cache import make_prompt_cache
+
+        self.model, self.name = model, name
+        self._make_cache = lambda: make_prompt_cache(model)
+        check_rewindable(self._make_cache())
+        self._prefill: dict[str, tuple[list[Any], int]] = {}  # cache, prompt tokens in it
+        self.cache: list[Any] = []
+        self.pending: list[list[int]] = []  # per row: tokens the draft cache lacks
+        self._ssm = False
+
+    def start(self, request_id: str) -> None:
+        self._prefill[request_id] = (self._make_cache(), 0)
+
+    def prefilled(self, request_id: str, prompt: Sequence[int], upto: int, hidden: Any) -> None:
+        cache, done = self._prefill[request_id]
+        if upto > done:
+            self.model(mx.array(prompt[done:upto])[None], cache=cache)
+            mx.eval([c.state for c in cache])
+            self._prefill[request_id] = (cache, upto)
+
+    def joined(self, request_id: str, prompt: Sequence[int]) -> Any:
+        self.prefilled(request_id, prompt, len(prompt) - 1, None)
+        cache, _ = self._prefill.pop(request_id)
+        return cache, [prompt[-1]]
+
+    def forget(self, request_id: str) -> None:
+        self._prefill.pop(request_id, None)
+
+    def add(self, state: Any) -> None:
+        cache, pending = state
+        new = merge_caches([cache])
+        if not self.pending:
+            self.cache, self._ssm = new, bool(snapshot(new))
+        else:
+            for mine, other in zip(self.cache, new, strict=True):
+                mine.extend(other)
+        self.pending.append(pending)
+
+    def propose(self, rows: list[SpecRow], k: int, draw: Callable) -> list[list[int]]:
+        self._saved = snapshot(self.cache) if self._ssm else None
+        logits = feed(self.model, self.cache, self.pending)
+        logits = logits[mx.arange(len(rows)), mx.array([len(p) - 1 for p in self.pending])]
+        steps = []
+        for j in range(k):
+            if j:
+                logits = self.model(steps[-1][:, None], cache=self.cache)[:, -1]
+            steps.append(draw(logits))
+        return mx.stack(steps, axis=1).tolist()
+
+    def update(self, fed, proposed, accepted, new, k, hidden) -> None:
+        if k == 0:
+            for pending, tokens in zip(self.pending, new, strict=True):
+                pending.extend(tokens)
+            return
+        # The draft was fed its pending tokens and d1..d(k-1).
+        fed_draft = [p + d[:-1] for p, d in zip(self.pending, proposed, strict=True)]
+        keep = [len(p) + min(a, k - 1) for p, a in zip(self.pending, accepted, strict=True)]
+        rewind(self.model, self.cache, fed_draft, keep, self._saved)
+        # It keeps d1..d(min(a, k-1)) of the emitted d1..da + bonus: the rest is pending.
+        self.pending = [n[min(a, k - 1) :] for a, n in zip(accepted, new, strict=True)]
+
+    def filter(self, keep: list[int]) -> None:
+        self.pending = [self.pending[i] for i in keep]
+        if not keep:
+            self.cache = []
+            return
+        for c in self.cache:
+            c.filter(keep)
+
+    def state(self) -> list[Any]:
+        return [c.state for c in self.cache]
+
+    @property
+    def nbytes(self) -> int:
+        held = sum(c.nbytes for cache, _ in self._prefill.values() for c in cache)
+        return held + sum(c.nbytes for c in self.cache)
+
+
+class Target:
+    """The target model as the verify pass calls it: logits, and (for MTP) hidden states."""
+
+    def __init__(self, model: Any, split: bool):
+        self.model = model
+        self.split = split
+        if split:
+            lm = getattr(model, "language_model", model)
+            self.inner = lm.model
+            head = getattr(lm, "lm_head", None)
+            self.head = head if head is not None else self.inner.embed_tokens.as_linear
+
+    def __call__(self, ids: mx.array, cache: list[Any]) -> tuple[mx.array, mx.array | None]:
+        if not self.split:
+            return self.model(ids, cache=cache), None
+        hidden = self.inner(ids, cache=cache)
+        return self.head(hidden), hidden
+
+    def hidden(self, ids: mx.array, cache: list[Any]) -> mx.array:
+        """The last hidden states alone (no vocabulary projection): for prefill and replays."""
+        return self.inner(ids, cache=cache) if self.split else self.model(ids, cache=cache)
+
+
 # ---- the batch ------------------------------------------------------------------------
 
 
@@ -237,38 +406,39 @@ class SpeculativeBatch:
     def __init__(
         self,
         model: Any,
-        draft: Any,
+        drafter: Drafter,
         *,
         num_draft: int,
         max_batch: int,
         stop_tokens: Sequence[int],
         stats: SpecStats,
     ):
-        self.model, self.draft = model, draft
+        self.target = Target(model, drafter.wants_hidden)
+        self.drafter = drafter
         self.k, self.max_batch = num_draft, max_batch
         self.stop = set(stop_tokens)
         self.stats = stats
         self.rows: list[SpecRow] = []
         self.cache: list[Any] = []
-        self.draft_cache: list[Any] = []
-        self._ssm = (False, False)  # target, draft
+        self._ssm = False
 
     def __len__(self) -> int:
         return len(self.rows)
 
     @property
     def nbytes(self) -> int:
-        return sum(c.nbytes for c in self.cache) + sum(c.nbytes for c in self.draft_cache)
+        return sum(c.nbytes for c in self.cache) + self.drafter.nbytes
 
-    def add(self, row: SpecRow, cache: list[Any], draft_cache: list[Any]) -> None:
-        """Join a prefilled row: ``cache`` holds ``row.tokens[:-1]``, the draft's too."""
-        new, new_draft = merge_caches([cache]), merge_caches([draft_cache])
+    def add(self, row: SpecRow, cache: list[Any], draft_state: Any) -> None:
+        """Join a prefilled row: ``cache`` holds ``row.tokens[:-1]``; ``draft_state``
+        is what ``drafter.joined`` returned for it."""
+        new = merge_caches([cache])
         if not self.rows:
-            self.cache, self.draft_cache = new, new_draft
-            self._ssm = (bool(snapshot(new)), bool(snapshot(new_draft)))
+            self.cache, self._ssm = new, bool(snapshot(new))
         else:
-            for mine, other in zip(self.cache + self.draft_cache, new + new_draft, strict=True):
+            for mine, other in zip(self.cache, new, strict=True):
                 mine.extend(other)
+        self.drafter.add(draft_state)
         self.rows.append(row)
 
     def remove(self, request_id: str) -> Emitted | None:
@@ -285,42 +455,32 @@ class SpeculativeBatch:
             return []
         wanted = any(r.params.speculative for r in self.rows)
         k = self.k if wanted and len(self.rows) <= self.max_batch else 0
-        pending = [r.draft_pending for r in self.rows]
-        saved_draft = snapshot(self.draft_cache) if k and self._ssm[1] else None
-        proposed, q = self._propose(k) if k else ([[] for _ in self.rows], None)
+        q: list[list[mx.array]] = [[] for _ in self.rows]
+        proposed = (
+            self.drafter.propose(self.rows, k, lambda logits: self._draft_tokens(logits, q))
+            if k
+            else [[] for _ in self.rows]
+        )
         # A request that opted out ("speculative": false) verifies no drafts.
         drafts = [
             d if r.params.speculative else [] for r, d in zip(self.rows, proposed, strict=True)
         ]
         fed = [[r.tokens[-1], *d] for r, d in zip(self.rows, drafts, strict=True)]
-        saved = snapshot(self.cache) if k and self._ssm[0] else None
-        logits = self._process(feed(self.model, self.cache, fed), fed)
-        accepted, bonus = self._accept(logits, drafts, q)
-        rewind(self.model, self.cache, fed, [a + 1 for a in accepted], saved)
-        if k:  # the draft was fed its pending tokens and d1..d(k-1)
-            fed_draft = [p + d[:-1] for p, d in zip(pending, proposed, strict=True)]
-            keep = [len(p) + min(a, k - 1) for p, a in zip(pending, accepted, strict=True)]
-            rewind(self.draft, self.draft_cache, fed_draft, keep, saved_draft)
-        mx.eval([c.state for c in self.cache + self.draft_cache])
+        saved = snapshot(self.cache) if k and self._ssm else None
+        logits, hidden = feed(self.target, self.cache, fed)
+        accepted, bonus = self._accept(self._process(logits, fed), drafts, q)
+        rewind(self.target.hidden, self.cache, fed, [a + 1 for a in accepted], saved)
+        new = [d[:a] + [b] for d, a, b in zip(drafts, accepted, bonus, strict=True)]
+        self.drafter.update(fed, proposed, accepted, new, k, hidden)
+        mx.eval([c.state for c in self.cache], self.drafter.state())
         self._count(k, drafts, accepted)
-        return self._emit(drafts, accepted, bonus, k)
+        return self._emit(new)
 
     # -- drafting and acceptance
 
-    def _propose(self, k: int) -> tuple[list[list[int]], list[list[mx.array]]]:
-        """Draft ``k`` tokens per row; ``q[i]`` holds a sampled row's draft distributions."""
-        pending = [r.draft_pending for r in self.rows]
-        logits = feed(self.draft, self.draft_cache, pending)
-        logits = logits[mx.arange(len(pending)), mx.array([len(p) - 1 for p in pending])]
-        q: list[list[mx.array]] = [[] for _ in self.rows]
-        steps = []
-        for j in range(k):
-            if j:
-                logits = self.draft(steps[-1][:, None], cache=self.draft_cache)[:, -1]
-            steps.append(self._draft_tokens(logits, q))
-        return mx.stack(steps, axis=1).tolist(), q
-
     def _draft_tokens(self, logits: mx.array, q: list[list[mx.array]]) -> mx.array:
+        """One draft token per row from the drafter's ``[B, V]`` logits; records the
+        distributions of sampled rows in ``q`` (rejection sampling needs them)."""
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         if all(r.params.greedy for r in self.rows):
             return mx.argmax(logprobs, axis=-1)
@@ -383,16 +543,11 @@ class SpeculativeBatch:
         self.stats.accepted += sum(accepted)
         self.stats.emitted += sum(accepted) + sum(1 for d in drafts if d)
 
-    def _emit(self, drafts, accepted, bonus, k: int) -> list[Emitted]:
+    def _emit(self, new: list[list[int]]) -> list[Emitted]:
         out, keep = [], []
         for i, r in enumerate(self.rows):
-            new = drafts[i][: accepted[i]] + [bonus[i]]
-            if k == 0:
-                r.draft_pending.append(bonus[i])
-            else:
-                r.draft_pending = [drafts[i][-1], bonus[i]] if accepted[i] == k else [bonus[i]]
-            r.tokens.extend(new)
-            shown, reason = self._shown(r, new)
+            r.tokens.extend(new[i])
+            shown, reason = self._shown(r, new[i])
             if reason is None:
                 keep.append(i)
                 out.append(Emitted(r.request_id, shown, None))
@@ -419,8 +574,9 @@ class SpeculativeBatch:
 
     def _filter(self, keep: list[int]) -> None:
         self.rows = [self.rows[i] for i in keep]
+        self.drafter.filter(keep)
         if not keep:
-            self.cache, self.draft_cache = [], []
+            self.cache = []
             return
-        for c in self.cache + self.draft_cache:
+        for c in self.cache:
             c.filter(keep)
