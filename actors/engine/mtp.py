@@ -21,7 +21,6 @@ head always conditions on the target's real hidden states.
 
 from __future__ import annotations
 
-import copy
 import json
 import logging
 import re
@@ -295,7 +294,3 @@ class MTPDrafter(Drafter):
     def nbytes(self) -> int:
         held = sum(c.nbytes for cache, _, _ in self._prefill.values() for c in cache)
         return held + sum(c.nbytes for c in self.cache) + sum(h.nbytes for h in self.hidden)
-
-
-def copy_head(head: MTPHead) -> MTPHead:
-    return copy.deepcopy(head)

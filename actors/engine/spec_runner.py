@@ -14,6 +14,7 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
+
 from actors.engine.runner import MlxRunner, Pending, make_processors
 from actors.engine.speculative import (
     Drafter,
