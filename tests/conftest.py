@@ -149,6 +149,9 @@ def tiny_models(tmp_path_factory, smollm_tokenizer):
         ),
         "qwen2_vl": lambda out: tm.build_vlm(tm.qwen2_vl_config(), smollm_tokenizer, out),
         "qwen3_5_vl": lambda out: tm.build_vlm(tm.qwen3_5_vl_config(), smollm_tokenizer, out),
+        "qwen3_5_vl_mtp": lambda out: tm.build_vlm(
+            tm.qwen3_5_vl_mtp_config(), smollm_tokenizer, out
+        ),
     }
     built: dict[str, object] = {}
 

@@ -202,3 +202,54 @@ def test_expert_weights_are_stacked_like_mlx_lm():
     assert out["layers.0.mlp.switch_mlp.gate_proj.weight"].sum().item() == 0
     assert out["layers.0.mlp.switch_mlp.up_proj.weight"].shape == (4, 2, 3)
     assert out["layers.0.mlp.switch_mlp.up_proj.weight"].min().item() == 1
+
+
+@pytest.mark.mlx
+def test_vision_model_text_requests_speculate_with_mtp_images_decode_plainly(tiny_models):
+    """A Qwen3.5 VLM whose text backbone has an MTP head: in one mixed schedule, text-only
+    requests go through the speculative lane (drafted, verified), image requests through
+    the plain batch, and every request's tokens equal plain decoding's."""
+    from actors.engine.runner import load_runner
+    from actors.engine.vlm_mtp import VlmMtpRunner
+    from actors.tokenizer import PromptBuilder
+    from daemon.settings import SpeculativeSettings
+    from tests.test_vlm import LIMITS, mixed_requests
+
+    model_dir = tiny_models("qwen3_5_vl_mtp")
+    plain, info = load(model_dir)
+    runner, spec_info = load_runner(
+        str(model_dir),
+        model_dir,
+        dequantize_on_cpu=True,
+        max_batch=8,
+        speculative=SpeculativeSettings(enabled=True),
+    )
+    assert isinstance(runner, VlmMtpRunner)
+    builder = PromptBuilder(
+        info.tokenizer,
+        info.context_length,
+        default_max_tokens=8,
+        vocab_size=info.vocab_size,
+        processor=info.processor,
+        image_limits=LIMITS,
+    )
+    requests = mixed_requests(builder)
+    expected = alone(plain, requests)
+    schedule = {0: requests[:2], 1: requests[2:4], 3: requests[4:6], 6: requests[6:]}
+    got, failed = drive(runner, schedule, prefill_chunk_tokens=8)
+    assert not failed
+    assert got == expected
+    stats = spec_info.spec_stats
+    assert stats is runner.spec_stats and stats.drafter == "mtp" and stats.enabled
+    # Only the four text requests drafted: k per request per speculative step, at most.
+    assert 0 < stats.drafted <= 3 * 4 * stats.steps
+    assert (runner.decoding, runner.prefilling_count, runner.cache_bytes) == (0, 0, 0)
+    # A draft model cannot draft for a vision model (yet): off, and the status says why.
+    _, off = load_runner(
+        str(model_dir),
+        model_dir,
+        dequantize_on_cpu=True,
+        max_batch=8,
+        speculative=SpeculativeSettings(enabled=True, drafter="draft_model"),
+    )
+    assert not off.spec_stats.enabled and "MTP head" in off.spec_stats.notes[0]

@@ -131,20 +131,12 @@ def build_mtp_model(
     the head agrees with it only sometimes; at 1 the head is simply random.
     """
     import mlx.core as mx
-    from mlx.utils import tree_flatten
-
-    from actors.engine.mtp import FAMILIES, MTPHead
 
     build_text_model(config, tokenizer_dir, out, seed)
     weights = mx.load(str(out / "model.safetensors"))
     outputs = ("o_proj.weight", "out_proj.weight", "down_proj.weight")
     weights = {k: v * residual if k.endswith(outputs) else v for k, v in weights.items()}
-    module_name, layer_name = FAMILIES[config["model_type"]]
-    module = importlib.import_module(f"mlx_lm.models.{module_name}")
-    args = module.TextModelArgs.from_dict(dict(config))
-    mx.random.seed(seed + 7)
-    head = MTPHead(args, getattr(module, layer_name), config["mtp_num_hidden_layers"])
-    mtp = dict(tree_flatten(head.parameters()))
+    mtp = random_mtp_head(config, seed + 7)
     mtp = {k: v * residual if k.endswith(outputs) else v for k, v in mtp.items()}
     if residual < 1.0:  # read the token embedding only, normalised like the target's output
         hidden = config["hidden_size"]
@@ -153,6 +145,22 @@ def build_mtp_model(
     weights.update({f"mtp.{k}": v for k, v in mtp.items()})
     mx.save_safetensors(str(out / "model.safetensors"), weights)
     return out
+
+
+def random_mtp_head(text_config: dict[str, Any], seed: int) -> dict[str, Any]:
+    """Random weights of an MTP head for ``text_config`` (names without ``mtp.``)."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+
+    from actors.engine.mtp import FAMILIES, MTPHead
+
+    module_name, layer_name, args_name = FAMILIES[text_config["model_type"]]
+    module = importlib.import_module(f"mlx_lm.models.{module_name}")
+    args = getattr(module, args_name).from_dict(dict(text_config))
+    mx.random.seed(seed)
+    head = MTPHead(args, getattr(module, layer_name), text_config["mtp_num_hidden_layers"])
+    mx.eval(head.parameters())
+    return dict(tree_flatten(head.parameters()))
 
 
 # ---- vision-language models (mlx-vlm) --------------------------------------------------
@@ -275,6 +283,13 @@ def qwen3_5_vl_config() -> dict[str, Any]:
     }
 
 
+def qwen3_5_vl_mtp_config() -> dict[str, Any]:
+    """The Qwen3.5 VLM with an MTP head on its text backbone."""
+    config = qwen3_5_vl_config()
+    config["text_config"]["mtp_num_hidden_layers"] = 1
+    return config
+
+
 def _vlm_tokenizer(tokenizer_dir: Path, out: Path) -> None:
     from transformers import AutoTokenizer
 
@@ -301,7 +316,11 @@ def build_vlm(config: dict[str, Any], tokenizer_dir: Path, out: Path, seed: int 
     mx.random.seed(seed)
     model = module.Model(model_config)
     mx.eval(model.parameters())
-    mx.save_safetensors(str(out / "model.safetensors"), dict(tree_flatten(model.parameters())))
+    weights = dict(tree_flatten(model.parameters()))
+    if config.get("text_config", {}).get("mtp_num_hidden_layers"):
+        head = random_mtp_head(config["text_config"], seed + 7)
+        weights.update({f"mtp.{k}": v for k, v in head.items()})
+    mx.save_safetensors(str(out / "model.safetensors"), weights)
     (out / "config.json").write_text(json.dumps(config, indent=2))
     _vlm_tokenizer(tokenizer_dir, out)
     pre = json.dumps(QWEN_VL_PREPROCESSOR, indent=2)

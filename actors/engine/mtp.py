@@ -21,6 +21,7 @@ head always conditions on the target's real hidden states.
 
 from __future__ import annotations
 
+import importlib
 import json
 import logging
 import re
@@ -39,12 +40,13 @@ from actors.engine.speculative import Drafter, SpecRow, drop_last, merge_caches,
 
 log = logging.getLogger("mlxd.mtp")
 
-# model_type -> (mlx-lm module, its decoder-layer class); the MTP layer is that class
-# built as a full-attention layer.
+# model_type -> (mlx-lm module, its decoder-layer class, its args class); the MTP layer
+# is that class built as a full-attention layer. A vision model's text backbone (the
+# Qwen3.5 VLMs) uses mlx-lm's layer too: for text tokens M-RoPE is plain RoPE.
 FAMILIES = {
-    "qwen3_5": ("qwen3_5", "DecoderLayer"),
-    "qwen3_5_moe": ("qwen3_5", "DecoderLayer"),
-    "qwen3_next": ("qwen3_next", "Qwen3NextDecoderLayer"),
+    "qwen3_5": ("qwen3_5", "DecoderLayer", "TextModelArgs"),
+    "qwen3_5_moe": ("qwen3_5", "DecoderLayer", "TextModelArgs"),
+    "qwen3_next": ("qwen3_next", "Qwen3NextDecoderLayer", "ModelArgs"),
 }
 # Zero-centred RMSNorm weights (stored as w - 1 in Hugging Face checkpoints).
 _NORMS = (
@@ -147,7 +149,7 @@ def mtp_weights(model_dir: Path) -> tuple[dict[str, mx.array], bool]:
     return out, _from_hugging_face(headers)
 
 
-def load_mtp(model: nn.Module, model_dir: Path, config: dict[str, Any]) -> MTPHead:
+def load_mtp(model_dir: Path, config: dict[str, Any]) -> MTPHead:
     """The target's MTP head; ``ValueError`` saying why when it has none we can run."""
     text = _text_config(config)
     model_type = text.get("model_type", config.get("model_type", ""))
@@ -157,10 +159,10 @@ def load_mtp(model: nn.Module, model_dir: Path, config: dict[str, Any]) -> MTPHe
     weights, original = mtp_weights(model_dir)
     if not weights or num_layers == 0:
         raise ValueError("the checkpoint has no mtp.* weights (mlx-lm conversions drop them)")
-    module_name, layer_name = FAMILIES[model_type]
-    module = __import__(f"mlx_lm.models.{module_name}", fromlist=[layer_name])
-    lm = getattr(model, "language_model", model)
-    head = MTPHead(lm.args, getattr(module, layer_name), num_layers)
+    module_name, layer_name, args_name = FAMILIES[model_type]
+    module = importlib.import_module(f"mlx_lm.models.{module_name}")
+    args = getattr(module, args_name).from_dict(dict(text))
+    head = MTPHead(args, getattr(module, layer_name), num_layers)
     if original:
         weights = {
             k: v + 1.0 if v.ndim == 1 and any(k.endswith(n) for n in _NORMS) else v

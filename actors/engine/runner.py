@@ -496,16 +496,18 @@ def _enabled(section: Any) -> bool:
 def _load_vision(
     model_id: str, model_dir: Path, max_batch: int, dequantize_on_cpu: bool, extras: dict
 ) -> tuple[MlxRunner, ModelInfo]:
-    """A vision model: no speculation or SpecPrefill yet, and the status says so."""
+    """A vision model: MTP speculation for text-only requests when its text backbone has a
+    head; no draft-model speculation or SpecPrefill yet, and the status says so."""
     from actors.engine.vlm_runner import load_vlm_runner
 
     runner, info = load_vlm_runner(
         model_id, model_dir, max_batch=max_batch, dequantize_on_cpu=dequantize_on_cpu
     )
+    speculative = extras["speculative"]
+    if _enabled(speculative):
+        runner, stats = _vision_speculation(runner, model_dir, speculative, dequantize_on_cpu)
+        info = dataclasses.replace(info, spec_stats=stats)
     info = dataclasses.replace(info, memory=memory_model(runner, extras["memory"]))
-    if _enabled(extras["speculative"]):
-        log.warning("speculative decoding is not implemented for vision models: off")
-        info = dataclasses.replace(info, spec_stats=_off("vision models decode without it"))
     if _enabled(extras["spec_prefill"]):
         log.warning("SpecPrefill is not implemented for vision models: off")
         info = dataclasses.replace(
@@ -514,11 +516,36 @@ def _load_vision(
     return runner, info
 
 
+def _vision_speculation(runner, model_dir: Path, speculative: Any, dequantize_on_cpu: bool):
+    """The runner and its speculation stats: MTP for text-only requests, or off and why."""
+    from actors.engine.speculative import UnsupportedForSpeculation
+    from actors.engine.vlm_mtp import VlmMtpRunner
+
+    if speculative.drafter == "draft_model":
+        log.warning("draft-model speculation is not implemented for vision models: off")
+        return runner, _off("vision models speculate only with an MTP head (drafter = mtp)")
+    config = json.loads((model_dir / "config.json").read_text())
+    try:
+        drafter = load_mtp_drafter(runner.model, model_dir, config, dequantize_on_cpu)
+        mtp = VlmMtpRunner(
+            runner.model,
+            [t for (t,) in runner._stop_tokens],
+            runner._max_batch,
+            drafter=drafter,
+            num_draft=speculative.num_draft_tokens,
+            spec_max_batch=speculative.max_batch,
+        )
+    except (ValueError, UnsupportedForSpeculation) as exc:
+        log.warning("speculative decoding is off for this vision model: %s", exc)
+        return runner, _off(f"vision model: {exc}")
+    return mtp, mtp.spec_stats
+
+
 def load_mtp_drafter(model: nn.Module, model_dir: Path, config: dict, dequantize_on_cpu: bool):
     """The model's own MTP head as a drafter; ``ValueError`` saying why it has none."""
     from actors.engine.mtp import MTPDrafter, load_mtp
 
-    head = dequantize_for_cpu(load_mtp(model, model_dir, config), config, dequantize_on_cpu)
+    head = dequantize_for_cpu(load_mtp(model_dir, config), config, dequantize_on_cpu)
     log.info("speculative decoding: drafting with the model's MTP head")
     return MTPDrafter(head, model, name="mtp")
 

@@ -32,7 +32,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import mlx.core as mx
-from mlx_lm.models.cache import ArraysCache, CacheList
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
 
 from protocol.messages import SamplingParams
@@ -141,14 +140,16 @@ def accept_sampled(
 def _leaves(cache: Sequence[Any]) -> list[Any]:
     out = []
     for c in cache:
-        out.extend(_leaves(c.caches) if isinstance(c, CacheList) else [c])
+        out.extend(_leaves(c.caches) if hasattr(c, "caches") else [c])  # CacheList
     return out
 
 
 def check_rewindable(cache: Sequence[Any]) -> None:
-    """Every layer must be trimmable attention state or an SSM ``ArraysCache``."""
+    """Every layer must be trimmable attention state or an SSM ``ArraysCache``.
+
+    By class name: mlx-vlm ships its own copies of mlx-lm's cache classes."""
     for c in _leaves(cache):
-        if isinstance(c, ArraysCache):
+        if _is_ssm(c):
             continue
         if type(c).__name__ != "KVCache":
             raise UnsupportedForSpeculation(f"cannot rewind a {type(c).__name__} layer")
@@ -193,7 +194,7 @@ def snapshot(cache: Sequence[Any]) -> list[tuple]:
 
 
 def _is_ssm(c: Any) -> bool:
-    return isinstance(c, ArraysCache)
+    return type(c).__name__ in ("ArraysCache", "BatchArraysCache")
 
 
 def restore(cache: Sequence[Any], saved: list[tuple]) -> None:
@@ -412,8 +413,11 @@ class SpeculativeBatch:
         max_batch: int,
         stop_tokens: Sequence[int],
         stats: SpecStats,
+        target: Any = None,
     ):
-        self.target = Target(model, drafter.wants_hidden)
+        # ``target``: how the verify pass calls the model (default ``Target``; a vision
+        # model's language model needs its own positions, see ``vlm_mtp.py``).
+        self.target = target or Target(model, drafter.wants_hidden)
         self.drafter = drafter
         self.k, self.max_batch = num_draft, max_batch
         self.stop = set(stop_tokens)
