@@ -93,7 +93,7 @@ class SpeculativeSettings(_Section):
     drafter: Literal["auto", "mtp", "draft_model"] = "auto"
     draft_model: str = ""
     num_draft_tokens: Positive = 3
-    max_batch: Positive = 4
+    max_batch: Positive = 8
 
 
 class SpecPrefillSettings(_Section):

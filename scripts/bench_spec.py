@@ -11,6 +11,7 @@ Prints numbers; asserts nothing. Run from the repository root:
 
     .venv/bin/python -m scripts.bench_spec [--draft DIR | --draft-layers N] [--k 3]
         [--max-tokens 64] [--concurrency 1,2,4,8,16]
+    .venv/bin/python -m scripts.bench_spec --verify-cost [--concurrency 1,2,4,8,16,32]
 """
 
 from __future__ import annotations
@@ -72,6 +73,56 @@ def _first_layers(model, n: int):
     return draft
 
 
+def verify_cost(args) -> None:
+    """What verification costs per batch size: the time of one forward pass over k+1
+    tokens per row against one token per row, on a batch with ``--context`` tokens of
+    history per row. With acceptance rate a a step emits E = (1 - a^(k+1)) / (1 - a)
+    tokens per row, so speculation pays while E > ratio + k * d, d being one drafted
+    token's cost relative to a target step (about 0 for a small draft or an MTP head
+    on a big model). ``speculative.max_batch`` is where that stops holding."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from actors.engine.runner import load_runner
+    from actors.engine.speculative import merge_caches
+
+    cache_dir = Path(args.cache_dir).expanduser()
+    runner, info = load_runner(args.model, cache_dir, dequantize_on_cpu=True, max_batch=1)
+    model, k = runner.model, args.k
+    print(f"model {info.model_id} ({info.backend}), k={k}, context {args.context} tokens per row")
+
+    def timed(cache, width: int, reps: int = 5) -> float:
+        ids = mx.zeros((len(cache[0].offset), width), mx.int32)
+        mx.eval(model(ids, cache=cache))  # warm-up
+        for c in cache:
+            c.trim(width)
+        start = time.perf_counter()
+        for _ in range(reps):
+            mx.eval(model(ids, cache=cache))
+            for c in cache:
+                c.trim(width)
+        return (time.perf_counter() - start) / reps
+
+    for n in (int(c) for c in args.concurrency.split(",")):
+        rows = []
+        for i in range(n):
+            cache = make_prompt_cache(model)
+            model(mx.arange(i, i + args.context)[None], cache=cache)
+            mx.eval([c.state for c in cache])
+            rows.append(cache)
+        batch = merge_caches(rows)
+        one, verify = timed(batch, 1), timed(batch, k + 1)
+        ratio = verify / one
+        gains = []
+        for a in (0.5, 0.7, 0.9):
+            e = (1 - a ** (k + 1)) / (1 - a)
+            gains.append(f"a={a}: x{e / ratio:.2f} free / x{e / (ratio + k * 0.25):.2f} d=0.25")
+        print(
+            f"batch {n:3d}: step {one * 1000:7.1f} ms, verify {verify * 1000:7.1f} ms"
+            f" (ratio {ratio:.2f}) | speed-up " + ", ".join(gains)
+        )
+
+
 def bench(args) -> None:
     from actors.engine.runner import load_model, load_runner
     from actors.engine.spec_runner import SpeculativeRunner
@@ -118,11 +169,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--draft-layers", type=int, default=0, help="draft with the first N layers")
     parser.add_argument("--concurrency", default="1,8", help="comma-separated request counts")
     parser.add_argument("--k", type=int, default=3)
+    parser.add_argument(
+        "--verify-cost", action="store_true", help="time verify passes per batch size only"
+    )
+    parser.add_argument("--context", type=int, default=256, help="history per row (--verify-cost)")
     parser.add_argument("--max-tokens", type=int, default=64)
     args = parser.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     print(blas.status())
-    bench(args)
+    (verify_cost if args.verify_cost else bench)(args)
     return 0
 
 
