@@ -120,34 +120,14 @@ class SpeculativeRunner(MlxRunner):
                 "structured output, forced tool calls and logprobs are not available "
                 "while speculative decoding is on (speculative.enabled)"
             )
-        prompt = list(request.prompt_tokens)
         cache = self._joining(pending)
         with mx.stream(self._stream):
-            draft_state = self.drafter.joined(request.request_id, prompt)
-        params = request.sampling
-        row = SpecRow(
-            request_id=request.request_id,
-            tokens=prompt,
-            max_tokens=params.max_tokens,
-            params=params,
-            processors=make_processors(params),
-            key=mx.random.key(params.seed) if params.seed is not None else None,
-        )
-        self.batch.add(row, cache, draft_state)
+            join(self.batch, self.drafter, request, cache)
 
     def decode(self) -> list[Decoded]:
-        if not len(self.batch):
-            return []
-        with mx.stream(self._stream):
-            emitted = self.batch.step()
-        out = []
-        for e in emitted:
-            for n, token in enumerate(e.tokens, 1):
-                out.append(
-                    Decoded(e.request_id, token, e.finish_reason if n == len(e.tokens) else None)
-                )
-            if e.finish_reason is not None:
-                self._remember_finished(e.request_id, e.cache_tokens, e.cache)
+        out, finished = step(self.batch, self._stream)
+        for e in finished:
+            self._remember_finished(e.request_id, e.cache_tokens, e.cache)
         return out
 
     def remove(self, request_id: str) -> None:
@@ -157,6 +137,38 @@ class SpeculativeRunner(MlxRunner):
         if gone is not None:
             self._remember_finished(request_id, gone.cache_tokens, gone.cache)
         self._sparse.discard(request_id)
+
+
+def join(batch: SpeculativeBatch, drafter: Drafter, request: TokenizedRequest, cache) -> None:
+    """A prefilled request (``cache`` holds its prompt but the last token) joins ``batch``."""
+    prompt = list(request.prompt_tokens)
+    draft_state = drafter.joined(request.request_id, prompt)
+    params = request.sampling
+    row = SpecRow(
+        request_id=request.request_id,
+        tokens=prompt,
+        max_tokens=params.max_tokens,
+        params=params,
+        processors=make_processors(params),
+        key=mx.random.key(params.seed) if params.seed is not None else None,
+    )
+    batch.add(row, cache, draft_state)
+
+
+def step(batch: SpeculativeBatch, stream: Any) -> tuple[list[Decoded], list[Any]]:
+    """One speculative step: each row's tokens as ``Decoded`` (the finish reason on the
+    last), and the rows that finished (with their caches)."""
+    if not len(batch):
+        return [], []
+    with mx.stream(stream):
+        emitted = batch.step()
+    out = []
+    for e in emitted:
+        for n, token in enumerate(e.tokens, 1):
+            out.append(
+                Decoded(e.request_id, token, e.finish_reason if n == len(e.tokens) else None)
+            )
+    return out, [e for e in emitted if e.finish_reason is not None]
 
 
 def make_speculative_runner(

@@ -22,13 +22,9 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
-from actors.engine.runner import Pending, make_processors
-from actors.engine.speculative import (
-    SpecRow,
-    SpecStats,
-    SpeculativeBatch,
-    check_rewindable,
-)
+from actors.engine.runner import Pending
+from actors.engine.spec_runner import join, step
+from actors.engine.speculative import SpecStats, SpeculativeBatch, check_rewindable
 from actors.engine.types import Decoded
 from actors.engine.vlm_runner import VlmRunner
 from protocol.messages import TokenizedRequest
@@ -141,31 +137,11 @@ class VlmMtpRunner(VlmRunner):
             self.drafter.forget(request.request_id)
             super()._join_batch(pending)
             return
-        prompt = list(request.prompt_tokens)
         cache = self._joining(pending)
-        draft_state = self.drafter.joined(request.request_id, prompt)
-        params = request.sampling
-        row = SpecRow(
-            request_id=request.request_id,
-            tokens=prompt,
-            max_tokens=params.max_tokens,
-            params=params,
-            processors=make_processors(params),
-            key=mx.random.key(params.seed) if params.seed is not None else None,
-        )
-        self.batch.add(row, cache, draft_state)
+        join(self.batch, self.drafter, request, cache)
 
     def decode(self) -> list[Decoded]:
-        out = super().decode()
-        if not len(self.batch):
-            return out
-        with mx.stream(self._stream):
-            emitted = self.batch.step()
-        for e in emitted:
-            for n, token in enumerate(e.tokens, 1):
-                reason = e.finish_reason if n == len(e.tokens) else None
-                out.append(Decoded(e.request_id, token, reason))
-        return out
+        return super().decode() + step(self.batch, self._stream)[0]
 
     def remove(self, request_id: str) -> None:
         super().remove(request_id)
