@@ -14,7 +14,7 @@ import json
 import pytest
 
 from tests.engine_driver import alone, drive, load
-from tests.test_speculative import PROMPTS, _requests, _schedule
+from tests.test_speculative import _requests, _schedule, assert_sampled_runs_repeat
 
 
 def mtp_runner(model_dir, *, k=3, spec_max_batch=8, max_batch=8):
@@ -109,20 +109,8 @@ def test_the_head_sees_the_targets_hidden_states_paired_with_the_next_token(
 def test_sampled_requests_with_an_exact_head(tiny_models):
     """Temperature > 0: the head's distribution equals the target's, so every draft is
     accepted by rejection sampling; a seed makes a request repeatable."""
-    from protocol.messages import SamplingParams, TokenizedRequest
-
     _, runner, info = mtp_runner(tiny_models("qwen3_5_mtp_exact"))
-    sampling = SamplingParams(max_tokens=8, temperature=0.8, top_p=0.9, seed=3)
-    requests = [
-        TokenizedRequest(
-            request_id=f"s{i}", prompt_tokens=tuple(info.tokenizer.encode(p)), sampling=sampling
-        )
-        for i, p in enumerate(PROMPTS[:3])
-    ]
-    first, failed = drive(runner, {0: requests})
-    again, _ = drive(runner, {0: requests})
-    assert not failed and first == again
-    assert all(len(t) == 8 for t in first.values())
+    assert_sampled_runs_repeat(runner, info)
     assert runner.spec_stats.acceptance_rate > 0.95
 
 

@@ -171,9 +171,15 @@ def test_rejection_sampling_follows_the_target_distribution():
 @pytest.mark.mlx
 def test_sampled_requests_with_the_target_as_draft(tiny_models):
     """Temperature > 0: p == q, so every draft is accepted; a seed makes a request repeatable."""
+    _, runner, info = speculative(tiny_models("llama"), tiny_models("llama"))
+    assert_sampled_runs_repeat(runner, info)
+    assert runner.spec_stats.acceptance_rate == 1.0
+
+
+def assert_sampled_runs_repeat(runner, info) -> None:
+    """Three seeded, sampled requests run twice: same tokens, all 8 of each."""
     from protocol.messages import SamplingParams, TokenizedRequest
 
-    _, runner, info = speculative(tiny_models("llama"), tiny_models("llama"))
     sampling = SamplingParams(max_tokens=8, temperature=0.8, top_p=0.9, seed=3)
     requests = [
         TokenizedRequest(
@@ -185,7 +191,6 @@ def test_sampled_requests_with_the_target_as_draft(tiny_models):
     again, _ = drive(runner, {0: requests})
     assert not failed and first == again
     assert all(len(t) == 8 for t in first.values())
-    assert runner.spec_stats.acceptance_rate == 1.0
 
 
 @pytest.mark.mlx

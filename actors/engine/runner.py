@@ -615,15 +615,9 @@ def load_runner(
     )
     cache = make_prefix_cache(prefix_cache)
     stops = sorted(tokenizer.eos_token_ids)
-    draft, drafter, sparse, off = _helpers(
-        model,
-        model_id,
-        cache_dir,
-        dequantize_on_cpu,
-        speculative,
-        spec_prefill,
-        (model_dir, config),
-    )
+    where = (model_dir, config)
+    helpers = (model, model_id, cache_dir, dequantize_on_cpu, speculative, spec_prefill, where)
+    draft, drafter, sparse, off = _helpers(*helpers)
     on = sparse if sparse is not None and sparse.stats.enabled else None
     runner: MlxRunner
     if draft is not None:
