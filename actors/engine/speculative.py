@@ -4,7 +4,8 @@
 public batching API (``merge`` / ``extend`` / ``filter`` / ``extract`` /
 ``prepare`` / ``finalize`` / ``trim``). Each step:
 
-1. the draft model proposes ``k`` tokens for every row (batched, autoregressive);
+1. the drafter (``ModelDrafter`` here, ``mtp.MTPDrafter``) proposes ``k`` tokens
+   for every row (batched, autoregressive);
 2. one target forward pass verifies all rows: row ``i`` is fed ``[last, d1..dk]``;
 3. each row accepts its own prefix: greedy rows while the draft equals the
    target's argmax, sampled rows by standard rejection sampling (accept ``d``
