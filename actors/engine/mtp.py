@@ -36,7 +36,14 @@ import mlx.nn as nn
 from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.cache import KVCache
 
-from actors.engine.speculative import Drafter, SpecRow, drop_last, merge_caches, padded
+from actors.engine.speculative import (
+    Drafter,
+    SpecRow,
+    drop_last,
+    merge_caches,
+    padded,
+    split_at_head,
+)
 
 log = logging.getLogger("mlxd.mtp")
 
@@ -192,10 +199,8 @@ class MTPDrafter(Drafter):
 
     def __init__(self, head: MTPHead, target: nn.Module, name: str = "mtp"):
         self.head, self.target, self.name = head, target, name
-        lm = getattr(target, "language_model", target)
-        self.embed = lm.model.embed_tokens
-        lm_head = getattr(lm, "lm_head", None)
-        self.lm_head = lm_head if lm_head is not None else self.embed.as_linear
+        body, self.lm_head = split_at_head(target)
+        self.embed = body.embed_tokens
         self._prefill: dict[str, tuple[list[Any], list[int], list[mx.array]]] = {}
         self.cache: list[Any] = []
         # Per row: the (token, target hidden) pairs the head's cache lacks, oldest first.
@@ -272,7 +277,8 @@ class MTPDrafter(Drafter):
     def update(self, fed, proposed, accepted, new, k, hidden) -> None:
         if k:
             # The pending pairs stay in the cache; the k-1 chained drafts do not.
-            drop_last(self.cache, [k - 1] * len(new)) if k > 1 else None
+            if k > 1:
+                drop_last(self.cache, [k - 1] * len(new))
             self.tokens = [list(n) for n in new]
             self.hidden = [hidden[i, : len(n)] for i, n in enumerate(new)]
             return

@@ -376,6 +376,14 @@ class ModelDrafter(Drafter):
         return held + sum(c.nbytes for c in self.cache)
 
 
+def split_at_head(model: Any) -> tuple[Any, Any]:
+    """A model's body (tokens → last hidden states) and head (hidden → logits; the tied
+    embedding when it has no ``lm_head``)."""
+    lm = getattr(model, "language_model", model)
+    head = getattr(lm, "lm_head", None)
+    return lm.model, head if head is not None else lm.model.embed_tokens.as_linear
+
+
 class Target:
     """The target model as the verify pass calls it: logits, and (for MTP) hidden states."""
 
@@ -383,10 +391,7 @@ class Target:
         self.model = model
         self.split = split
         if split:
-            lm = getattr(model, "language_model", model)
-            self.inner = lm.model
-            head = getattr(lm, "lm_head", None)
-            self.head = head if head is not None else self.inner.embed_tokens.as_linear
+            self.inner, self.head = split_at_head(model)
 
     def __call__(self, ids: mx.array, cache: list[Any]) -> tuple[mx.array, mx.array | None]:
         if not self.split:
