@@ -123,9 +123,16 @@ class GrammarCompiler:
 
 
 def _llg_tokenizer(tokenizer: Any) -> Any | None:
-    """llguidance's view of an HF fast tokenizer (mlx-lm's wrapper unwrapped); None if unsupported."""
-    hf = getattr(tokenizer, "_tokenizer", tokenizer)
+    """llguidance's view of an HF fast tokenizer (mlx-lm's wrapper unwrapped); None if unsupported.
+
+    mlx-lm's wrapper keeps the HF tokenizer in ``_tokenizer``; a plain HF fast tokenizer
+    (a vision model's processor has one) keeps its Rust ``tokenizers.Tokenizer`` there.
+    """
+    wrapped = getattr(tokenizer, "_tokenizer", None)
+    hf = wrapped if hasattr(wrapped, "backend_tokenizer") else tokenizer
     if not hasattr(hf, "backend_tokenizer"):
         return None
-    eos = sorted(getattr(tokenizer, "eos_token_ids", None) or [hf.eos_token_id])
+    # mlx-lm's wrapper: a set of ids; a plain HF tokenizer (transformers 5): one id.
+    eos = getattr(tokenizer, "eos_token_ids", None) or hf.eos_token_id
+    eos = sorted(eos) if isinstance(eos, list | tuple | set | frozenset) else [eos]
     return llguidance.hf.from_tokenizer(hf, eos_token=eos)

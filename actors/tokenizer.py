@@ -58,9 +58,13 @@ def _shared_prefix(a: list[int], b: list[int]) -> int:
     return n
 
 
-# Template arguments mlxd sets itself; a request's chat_template_kwargs may not override them.
+# Template arguments mlxd sets itself, and the other parameters of the tokenizer's and the
+# processor's apply_chat_template (not template variables): chat_template_kwargs may not set them.
 RESERVED_TEMPLATE_KWARGS = frozenset(
     {"conversation", "messages", "tools", "add_generation_prompt", "tokenize", "documents"}
+    | {"chat_template", "continue_final_message", "return_dict", "return_tensors"}
+    | {"return_assistant_tokens_mask", "sanitize_control_tokens", "padding", "truncation"}
+    | {"max_length", "tokenizer_kwargs", "processor_kwargs", "load_audio_from_video"}
 )
 
 
@@ -113,7 +117,9 @@ class PromptBuilder:
     def _offers_tools(self, request: ChatRequest) -> bool:
         return bool(request.tools) and request.tool_choice != "none"
 
-    def _template_input(self, request: ChatRequest) -> tuple[list[dict], dict]:
+    def _template_input(
+        self, request: ChatRequest, text_only: bool = True
+    ) -> tuple[list[dict], dict]:
         """Normalized messages and extra template variables (tools, chat_template_kwargs)."""
         messages, extra = request.messages, dict(request.template_kwargs)
         if self._offers_tools(request):
@@ -125,7 +131,7 @@ class PromptBuilder:
         if not self.traits.tools_in_template:
             messages = history_as_text(messages)
         try:
-            return normalize_messages(messages), extra
+            return normalize_messages(messages, text_only=text_only), extra
         except NormalizeError as exc:
             raise PromptError(str(exc), "messages") from exc
 
@@ -168,31 +174,34 @@ class PromptBuilder:
             pass  # a template that needs a full conversation: no extra snapshots
         return tuple(sorted(m for m in marks if 0 < m < len(tokens) - 1))
 
-    def vision_chat(self, request: ChatRequest) -> tuple[list[int], VisionInputs | None]:
-        """A vision model's prompt: the whole conversation through its processor."""
+    def vision_chat(self, request: ChatRequest) -> _Prompt:
+        """A vision model's prompt: the whole conversation through its processor.
+
+        Tools and template variables reach the processor's template as they reach a
+        text model's (``_template_input``); the rendered text is kept for the output spec.
+        """
         assert self.vision is not None
         assert self.image_limits is not None
+        messages, extra = self._template_input(request, text_only=False)
         try:
-            messages = normalize_messages(request.messages, text_only=False)
             messages, sources = split_images(messages)
-            prompt = self.vision.render(messages)
+            prompt = self.vision.render(messages, extra)
             if not sources:
-                return self._encode(prompt), None
+                return _Prompt(prompt, self._encode(prompt))
             images = load_images(sources, self.image_limits)
             tokens, arrays = self.vision.encode(prompt, images)
-        except (NormalizeError, VisionError) as exc:
+        except VisionError as exc:
             raise PromptError(str(exc), "messages") from exc
-        except (jinja2.TemplateError, ValueError, TypeError) as exc:
+        except (jinja2.TemplateError, ValueError, TypeError, KeyError) as exc:
             raise PromptError(
                 f"chat template or image processing error: {exc}", "messages"
             ) from exc
-        return tokens, VisionInputs(images=len(images), arrays=arrays)
+        return _Prompt(prompt, tokens, (), VisionInputs(images=len(images), arrays=arrays))
 
     def prompt(self, request: AdmittedRequest) -> _Prompt:
         """Prompt text (chat only), tokens, checkpoints and image inputs of a request."""
         if isinstance(request, ChatRequest) and self.vision is not None:
-            tokens, vision = self.vision_chat(request)
-            return _Prompt("", tokens, (), vision)
+            return self.vision_chat(request)
         if isinstance(request, ChatRequest):
             return _Prompt(*self.render_chat(request))
         if isinstance(request.prompt, str):

@@ -173,10 +173,14 @@ class VisionProcessor:
     def __init__(self, processor: Any):
         self.processor = processor
 
-    def render(self, messages: list[dict]) -> str:
-        """The whole conversation through the processor's chat template."""
+    def render(self, messages: list[dict], extra: dict[str, Any] | None = None) -> str:
+        """The whole conversation through the processor's chat template.
+
+        ``extra`` holds the template variables (``tools``, ``chat_template_kwargs``
+        such as ``enable_thinking``), passed as a text model's tokenizer gets them.
+        """
         return self.processor.apply_chat_template(
-            messages, add_generation_prompt=True, tokenize=False
+            messages, add_generation_prompt=True, tokenize=False, **(extra or {})
         )
 
     def encode(self, prompt: str, images: list[Any]) -> tuple[list[int], dict[str, np.ndarray]]:

@@ -16,8 +16,19 @@ class TextBlock(msgspec.Struct, tag="text", tag_field="type", kw_only=True):
     cache_control: dict[str, Any] | None = None  # prompt caching hint; mlxd has no cache to steer
 
 
+class Base64Source(msgspec.Struct, tag="base64", tag_field="type", kw_only=True):
+    media_type: str  # image/jpeg, image/png, ...; the decoder reads the bytes, not this
+    data: str
+
+
+class UrlSource(msgspec.Struct, tag="url", tag_field="type", kw_only=True):
+    url: str
+
+
 class ImageBlock(msgspec.Struct, tag="image", tag_field="type", kw_only=True):
-    source: dict[str, Any]
+    """An image for a vision model; any other source type (``file``) is a 400."""
+
+    source: Base64Source | UrlSource
 
 
 class ToolUseBlock(msgspec.Struct, tag="tool_use", tag_field="type", kw_only=True):

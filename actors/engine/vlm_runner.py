@@ -147,6 +147,10 @@ def load_vlm_runner(
     model, processor = load(str(model_dir))
     model = dequantize_for_cpu(model, config, dequantize_on_cpu)
     tokenizer = processor.tokenizer
+    if not getattr(tokenizer, "chat_template", None) and getattr(processor, "chat_template", None):
+        # Many VLM checkpoints keep the template with the processor only: the template
+        # traits (tool format, tools in template, reasoning tags) are read from the tokenizer.
+        tokenizer.chat_template = processor.chat_template
     log.info(
         "vision model: %s with %s",
         type(model).__module__,

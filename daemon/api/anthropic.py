@@ -60,9 +60,19 @@ def _text(content: str | list) -> str:
     check(
         all(isinstance(b, wire.TextBlock) for b in content),
         "messages",
-        "tool_result content must be text for this text model",
+        "tool_result content must be text (send images in the user's own content)",
     )
     return "\n".join(b.text for b in content)
+
+
+def image_part(block: wire.ImageBlock) -> dict:
+    """The OpenAI ``image_url`` part the vision path reads (a text model refuses it)."""
+    source = block.source
+    if isinstance(source, wire.Base64Source):
+        url = f"data:{source.media_type};base64,{source.data}"
+    else:
+        url = source.url
+    return {"type": "image_url", "image_url": {"url": url}}
 
 
 def _user_turns(content: list[wire.Block]) -> list[Message]:
@@ -81,7 +91,7 @@ def _user_turns(content: list[wire.Block]) -> list[Message]:
         if isinstance(b, wire.TextBlock):
             parts.append({"type": "text", "text": b.text})
         elif isinstance(b, wire.ImageBlock):
-            parts.append({"type": "image", "source": b.source})
+            parts.append(image_part(b))
         elif isinstance(b, wire.ToolUseBlock):
             raise ApiError(400, "tool_use blocks belong in assistant turns", param="messages")
     if parts or not turns:
