@@ -284,3 +284,32 @@ async def test_anthropic_image_block_on_a_text_model_is_a_400():
         err = json.loads(await r.get_data())
     assert r.status_code == 400
     assert "not supported by this text model" in err["error"]["message"]
+
+
+@mlx
+def test_structured_output_with_vision_mtp_speculation_on(tiny_models):
+    """The vision MTP runner decodes grammar requests in its plain lane: served, not a 400."""
+    from types import SimpleNamespace
+
+    from actors.engine.runner import load_runner
+    from actors.engine.vlm_mtp import VlmMtpRunner
+    from daemon.api.common import _check_speculation
+    from daemon.settings import SpeculativeSettings
+    from tests.engine_driver import drive
+
+    model_dir = tiny_models("qwen3_5_vl_mtp")
+    runner, info = load_runner(
+        str(model_dir),
+        model_dir,
+        dequantize_on_cpu=True,
+        max_batch=4,
+        speculative=SpeculativeSettings(enabled=True),
+    )
+    assert isinstance(runner, VlmMtpRunner) and info.spec_stats.enabled
+    request = chat(max_tokens=30, constraint=Constraint(kind="json_schema", schema=SCHEMA))
+    _check_speculation(SimpleNamespace(info=info), [request])  # no ApiError
+    vlm = (runner, info, GrammarCompiler(info.tokenizer))
+    tokens, failed = drive(runner, {0: [builder(vlm).build(request)]})
+    assert not failed
+    assert set(json.loads(info.tokenizer.decode(tokens["r"]))) == {"color", "n"}
+    assert (runner.decoding, runner.cache_bytes) == (0, 0)

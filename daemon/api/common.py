@@ -292,9 +292,12 @@ async def _events(sessions: list[Session], bell: Bell) -> AsyncIterator[list[Cho
 
 
 def _check_speculation(pipeline: Pipeline, requests: list[AdmittedRequest]) -> None:
-    """A grammar matcher advances once per token and cannot be rolled back per row."""
+    """A grammar matcher advances once per token and cannot be rolled back per row.
+
+    A vision model's MTP runner decodes such requests in its plain lane: no refusal there.
+    """
     spec = pipeline.info.spec_stats if pipeline.info else None
-    if spec is None or not spec.enabled:
+    if spec is None or not spec.enabled or getattr(pipeline.info, "kind", None) == "vision":
         return
     for r in requests:
         param = r.constraint.param if r.constraint else "logprobs"
