@@ -63,7 +63,11 @@ def _text(seq: _Seq) -> str:
 class FakeRunner:
     """Implements the runner protocol. Scripted failures: ``FAIL`` in a prompt makes its
     prefill raise; ``OOM`` makes the first decode step it is in raise an MLX-like
-    allocation error (the whole step fails, as a real batched step would)."""
+    allocation error (the whole step fails, as a real batched step would); ``CRASH``
+    makes every decode step it is in raise some other error; ``BADROW``: see ``faults``.
+
+    Like a real model it is deterministic: a request started again with its emitted
+    tokens appended to its prompt (a replay) goes on with the same reply."""
 
     step_delay: float = 0.002
     prefilling: dict[str, _Seq] = field(default_factory=dict)
@@ -74,6 +78,8 @@ class FakeRunner:
     cleared: int = 0
     prefill_log: list[tuple[str, int]] = field(default_factory=list)  # (request, decode step)
     resets: int = 0
+    released: int = 0  # times the engine went idle and released buffers
+    replies: dict[str, tuple[tuple[int, ...], list[int]]] = field(default_factory=dict)
     bytes_per_token: int = 1024  # the fake's "device memory" per token held
     peak: int = 0
 
@@ -82,8 +88,13 @@ class FakeRunner:
         return len(self.running)
 
     def start(self, request: TokenizedRequest) -> int:
-        reply = [ord(c) for c in reply_for(request.prompt_tokens)] + [EOS]
-        self.prefilling[request.request_id] = _Seq(request, reply)
+        prompt = request.prompt_tokens
+        first, reply = self.replies.get(request.request_id, (prompt, []))
+        if not reply or prompt[: len(first)] != first:
+            first, reply = prompt, [ord(c) for c in reply_for(prompt)] + [EOS]
+        self.replies[request.request_id] = (first, reply)
+        seq = _Seq(request, reply, emitted=len(prompt) - len(first))
+        self.prefilling[request.request_id] = seq
         return 0
 
     def skipped_tokens(self, request_id: str) -> int:
@@ -110,12 +121,16 @@ class FakeRunner:
             raise RuntimeError(
                 "[metal::malloc] Attempting to allocate 8589934592 bytes: out of memory"
             )
+        if any("CRASH" in _text(seq) for seq in self.running.values()):
+            raise RuntimeError("scripted batch failure")
         out = []
         for rid, seq in list(self.running.items()):
             token = seq.reply[min(seq.emitted, len(seq.reply) - 1)]
             seq.emitted += 1
             reason = "stop" if token == EOS else None
-            if reason is None and seq.emitted >= seq.request.sampling.max_tokens:
+            first = len(self.replies[rid][0])
+            done = seq.emitted - (len(seq.request.prompt_tokens) - first)  # of this request
+            if reason is None and done >= seq.request.sampling.max_tokens:
                 reason = "length"
             params = seq.request.sampling
             lp = fake_logprob(token, params.top_logprobs) if params.logprobs else None
@@ -124,8 +139,20 @@ class FakeRunner:
                 del self.running[rid]
         return out
 
+    def faults(self) -> dict[str, Exception]:
+        """``BADROW`` in a prompt: that row's own sampling fails in every step it is in (the
+        step completes for the other rows, as the real runner's row guards make it)."""
+        return {
+            rid: ValueError("scripted sampler failure")
+            for rid, seq in self.running.items()
+            if "BADROW" in _text(seq)
+        }
+
     def clear_cache(self) -> None:
         self.cleared += 1
+
+    def release_buffers(self) -> None:
+        self.released += 1
 
     def remove(self, request_id: str) -> None:
         self.removed.append(request_id)

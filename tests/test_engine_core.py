@@ -159,3 +159,99 @@ def test_a_request_past_its_deadline_leaves_the_batch_with_a_504():
     assert "late" in runner.removed and "late" not in runner.running
     steps = run_until_idle(core)
     assert not any(t.request_id == "late" for step in steps for t in step.tokens)
+
+
+def tokens_by_request(steps):
+    out: dict[str, list[int]] = {}
+    for step in steps:
+        for t in step.tokens:
+            out.setdefault(t.request_id, []).extend(t.tokens)
+    return out
+
+
+def alone(prompts: dict[str, str], max_tokens=10):
+    out = {}
+    for rid, prompt in prompts.items():
+        _, core = core_with()
+        core.submit(req(rid, prompt, max_tokens))
+        out |= tokens_by_request(run_until_idle(core))
+    return out
+
+
+INNOCENT = {"a": "first one", "b": "second", "c": "third request", "d": "fourth", "e": "fifth"}
+
+
+def test_a_row_whose_own_sampling_fails_fails_alone_and_the_step_goes_on():
+    runner, core = core_with()
+    for rid, prompt in INNOCENT.items():
+        core.submit(req(rid, prompt))
+    core.submit(req("bad", "BADROW here"))
+    steps = run_until_idle(core)
+    failed = {f.request_id: f for step in steps for f in step.failed}
+    assert set(failed) == {"bad"} and failed["bad"].status == 500
+    assert "scripted sampler failure" in failed["bad"].message
+    assert tokens_by_request(steps) == alone(INNOCENT)  # "bad" emitted nothing
+    assert runner.resets == 0 and core.stats().failed_steps == 0
+
+
+def test_a_failed_step_is_bisected_to_its_culprit_and_the_rest_go_on_unchanged():
+    runner, core = core_with()
+    for rid, prompt in INNOCENT.items():
+        core.submit(req(rid, prompt))
+    steps = [core.step(), core.step()]  # the batch is running: a, b, c, d, e
+    core.submit(req("bad", "CRASH soon"))  # joins mid-stream
+    core.submit(req("late", "arrives later"))
+    steps += run_until_idle(core)
+    failed = {f.request_id: f for step in steps for f in step.failed}
+    assert set(failed) == {"bad"} and failed["bad"].status == 500
+    assert tokens_by_request(steps) == alone({**INNOCENT, "late": "arrives later"})
+    assert sorted(started_ids(steps)) == sorted([*INNOCENT, "bad", "late"])  # each once
+    # six rows in the failed step: found in at most ceil(log2(6)) + 1 failed steps
+    assert 1 < core.stats().failed_steps <= 4
+    assert core.reserved_bytes == 0 and core.recovery.idle and not core.recovery.origins
+
+
+def test_rows_that_cannot_be_rebuilt_fail_with_a_reason_others_go_on():
+    runner, core = core_with()
+    core.submit(req("a", "first one"))
+    core.submit(msgspec.structs.replace(req("g", "grammar row"), grammar=object()))
+    steps = [core.step()]
+    core.submit(req("bad", "CRASH"))
+    steps += run_until_idle(core)
+    failed = {f.request_id: f for step in steps for f in step.failed}
+    assert set(failed) == {"bad", "g"}
+    assert "cannot be rebuilt" in failed["g"].message
+    assert tokens_by_request(steps)["a"] == alone({"a": "first one"})["a"]
+
+
+def test_a_request_past_its_deadline_while_parked_for_a_replay_gets_its_504():
+    clock = Clock()
+    runner, core = core_with(clock=clock)
+    for rid in ("a", "b", "c"):
+        core.submit(msgspec.structs.replace(req(rid, rid * 5, 50), deadline=5.0))
+    core.submit(req("bad", "CRASH"))
+    steps = [core.step()]  # the step fails: a, b, c are parked or on trial
+    assert core.recovery.parked
+    clock.now = 5.0
+    steps += run_until_idle(core)
+    failed = {f.request_id: f.code for step in steps for f in step.failed}
+    timeouts = {"a": "request_timeout", "b": "request_timeout", "c": "request_timeout"}
+    assert failed == {**timeouts, "bad": None}
+    assert core.idle and core.recovery.idle
+
+
+def test_options_the_model_cannot_run_are_a_400_before_any_runner_call():
+    runner, core = core_with(vocab_size=1000)
+    bad = {
+        "top_k": SamplingParams(max_tokens=5, temperature=1.0, top_k=1000),
+        "logit_bias": SamplingParams(max_tokens=5, temperature=0, logit_bias={1000: 1.0}),
+        "seed": SamplingParams(max_tokens=5, temperature=1.0, seed=-1),
+    }
+    for param, sampling in bad.items():
+        core.submit(msgspec.structs.replace(req(param), sampling=sampling))
+    core.submit(req("ok", "fine"))
+    steps = run_until_idle(core)
+    failed = {f.request_id: f for step in steps for f in step.failed}
+    assert {rid: (f.status, f.param) for rid, f in failed.items()} == {p: (400, p) for p in bad}
+    assert not runner.removed or set(runner.removed) <= {"ok"}
+    assert tokens_by_request(steps)["ok"] == alone({"ok": "fine"})["ok"]

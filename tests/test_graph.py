@@ -263,6 +263,23 @@ async def test_allocation_failure_in_a_step_fails_its_requests_and_serving_goes_
     assert pipeline.engine_stats.failed_steps == 1
 
 
+async def test_a_crashing_row_fails_alone_and_a_running_stream_goes_on_seamlessly():
+    async with running_graph() as (pipeline, runner):
+        runner.step_delay = 0.005
+        first = await pipeline.submit(chat("v1", "a" * 60))
+        v1_events = first.events()
+        seen = await anext(v1_events)
+        while not any(isinstance(e, TextDelta) for e in seen):  # v1 is decoding
+            seen = await anext(v1_events)
+        bad = await collect(await pipeline.submit(chat("v2", "CRASH")))  # joins v1's batch
+        v1 = seen + [e async for batch in v1_events for e in batch]
+        await trio.sleep(0.05)
+    assert isinstance(bad[-1], Failed) and bad[-1].status == 500
+    assert isinstance(v1[-1], Finished) and text_of(v1) == "A" * 60  # no token lost or doubled
+    assert pipeline.engine_stats.failed_steps >= 1
+    assert runner.released >= 1  # the engine went idle and gave its free buffers back
+
+
 async def test_priority_setting_orders_queued_requests():
     settings = settings_with(admission={"max_running": 1, "max_waiting": 8, "priority": True})
     order = []

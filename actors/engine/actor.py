@@ -99,6 +99,7 @@ def _make_core(runner: Runner, info: ModelInfo, options: EngineOptions) -> Engin
         memory=info.memory,
         queue_timeout_s=options.queue_timeout_s,
         retry_after_s=options.retry_after_s,
+        vocab_size=info.vocab_size,
     )
 
 
@@ -119,6 +120,7 @@ def _engine_loop(
         for message in trio.from_thread.run(_exchange, *exchange):
             _handle(core, message)
         if core.idle:
+            core.runner.release_buffers()  # after a burst, memory goes back near idle
             first = trio.from_thread.run(_receive, inbox, publish, core.stats())
             if first is None:
                 return  # every sender closed: shutdown

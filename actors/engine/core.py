@@ -10,11 +10,15 @@ prefill (oldest request first, chunked, so a long prompt never stalls running
 streams for more than one chunk), then runs one batched decode step, and
 returns one ``EngineStep`` carrying the news for every request.
 
-Failures stay per request: a runner error while starting or prefilling a
-request fails that request alone; an error in a batched decode step (e.g. an
-MLX allocation failure) fails the requests in that step, drops the runner's
-batch, and the engine goes on with the rest. No trio, no mlx: tests drive it
-with a fake runner.
+Failures stay per request: options the model cannot run are refused before
+any MLX op sees them (``guards.check_sampling``, a 400); a runner error while
+starting or prefilling a request fails that request alone; a row whose own
+sampler or logits processors fail in a batched step fails alone while the step
+completes for the others (the runner's row guards, ``Runner.faults``); a step
+that raises as a whole drops the runner's batch, and ``recovery.py`` bisects
+its rows to fail only the culprit and replays the rest, who go on where they
+stopped (an allocation failure, no row's fault, fails that step's rows with a
+503). No trio, no mlx: tests drive it with a fake runner.
 """
 
 from __future__ import annotations
@@ -27,8 +31,10 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from actors.engine.guards import check_sampling
 from actors.engine.memory import MemoryModel, is_memory_error
-from actors.engine.types import Runner
+from actors.engine.recovery import Recovery
+from actors.engine.types import InvalidRequest, Runner
 from protocol.messages import (
     EngineStats,
     EngineStep,
@@ -41,6 +47,11 @@ from protocol.messages import (
 )
 
 log = logging.getLogger("mlxd.engine")
+
+_NOT_RESUMABLE = (
+    "a decode step failed, and this request (constrained output or images) cannot be "
+    "rebuilt to go on"
+)
 
 
 @dataclass(order=True)
@@ -65,9 +76,11 @@ class EngineCore:
         memory: MemoryModel | None = None,
         queue_timeout_s: float = 0.0,
         retry_after_s: float = 1.0,
+        vocab_size: int | None = None,
         clock: Callable[[], float] = time.monotonic,
     ):
         self.runner = runner
+        self.vocab_size = vocab_size  # None: requests are not checked against a vocabulary
         self.max_batch = max_batch
         self.prefill_chunk_tokens = prefill_chunk_tokens
         self.memory = memory
@@ -82,10 +95,11 @@ class EngineCore:
         self._seq = itertools.count()
         self._steps = self._decode_steps = self._batch_size = self._batch_tokens = 0
         self._failed_steps = 0
+        self.recovery = Recovery()
 
     @property
     def idle(self) -> bool:
-        return not (self.waiting or self.prefilling or self.decoding)
+        return not (self.waiting or self.prefilling or self.decoding) and self.recovery.idle
 
     def submit(self, request: TokenizedRequest) -> None:
         # Equal priorities keep their arrival order (``seq``).
@@ -97,6 +111,7 @@ class EngineCore:
         self.waiting = [w for w in self.waiting if w.request.request_id != request_id]
         self.prefilling.pop(request_id, None)
         self.decoding.pop(request_id, None)
+        self.recovery.forget(request_id)
         self._release(request_id)
         self.runner.remove(request_id)
 
@@ -106,7 +121,9 @@ class EngineCore:
         now = self.clock()
         self._expire_deadlines(now, failed)
         self._expire_waiting(now, failed)
-        self._admit(started, failed)
+        self._resume(failed)
+        if not self.recovery.active:
+            self._admit(started, failed)
         self._prefill(failed)
         tokens = self._decode(failed)
         self._steps += 1
@@ -134,9 +151,8 @@ class EngineCore:
     def _expire_deadlines(self, now: float, failed: list[Failed]) -> None:
         """Requests past their deadline leave the engine with a 504 that says why."""
         late = [w.request for w in self.waiting if w.request.deadline <= now]
-        late += [
-            r for r in (*self.prefilling.values(), *self.decoding.values()) if r.deadline <= now
-        ]
+        held = (*self.prefilling.values(), *self.decoding.values(), *self.recovery.parked.values())
+        late += [r for r in held if r.deadline <= now]
         for request in late:
             self.abort(request.request_id)
             failed.append(
@@ -193,13 +209,18 @@ class EngineCore:
     ) -> None:
         rid = request.request_id
         try:
+            if self.vocab_size is not None:
+                check_sampling(request.sampling, request.prompt_tokens, self.vocab_size)
             cached = self.runner.start(request)
         except Exception as exc:  # noqa: BLE001 - any runner error fails this request only
+            self.recovery.forget(rid)
             failed.append(self._failure(rid, "could not start", exc))
             return
         self.prefilling[rid] = request
         self.reserved[rid] = need
         self.reserved_bytes += need
+        if not self.recovery.started(request):
+            return  # a replay: its client already has its Started
         prompt = len(request.prompt_tokens)
         prefilled = prompt - cached - self.runner.skipped_tokens(rid)
         started.append(
@@ -243,6 +264,8 @@ class EngineCore:
         for rid in list(self.prefilling):
             if budget <= 0:
                 break
+            if not self.recovery.may_prefill(rid):
+                continue  # a trial runs: its step must hold only rows it can blame
             before = self._remaining(rid)
             try:
                 left = self.runner.prefill(rid, budget)
@@ -250,6 +273,7 @@ class EngineCore:
                 self.prefilling.pop(rid)
                 self._release(rid)
                 self.runner.remove(rid)
+                self.recovery.forget(rid)
                 failed.append(self._failure(rid, "prefill failed", exc))
                 continue
             budget -= max(before - left, 1)
@@ -266,16 +290,25 @@ class EngineCore:
         self._decode_steps += 1
         self._batch_size = len(self.decoding)
         self._batch_tokens += self._batch_size
+        in_step = set(self.decoding)
         try:
             decoded = self.runner.decode()
         except Exception as exc:  # noqa: BLE001 - a failed step fails its requests, not the daemon
             self._fail_batch(exc, failed)
             return []
+        faults = self.runner.faults()
+        for rid, exc in faults.items():
+            if self.decoding.pop(rid, None) is not None:
+                self._release(rid)
+                self.runner.remove(rid)
+                self.recovery.forget(rid)
+                failed.append(self._failure(rid, "sampling failed", exc))
+        self.recovery.passed(in_step)
         tokens: dict[str, list[int]] = {}
         logprobs: dict[str, list[TokenLogprob]] = {}
         finished: dict[str, FinishReason] = {}
         for d in decoded:
-            if d.request_id not in self.decoding:
+            if d.request_id not in self.decoding or d.request_id in faults:
                 continue
             tokens.setdefault(d.request_id, [])
             logprobs.setdefault(d.request_id, [])
@@ -287,6 +320,11 @@ class EngineCore:
                 finished[d.request_id] = d.finish_reason
                 del self.decoding[d.request_id]
                 self._release(d.request_id)
+        for rid, t in tokens.items():
+            if rid in finished:
+                self.recovery.forget(rid)
+            else:
+                self.recovery.decoded(rid, t)
         return [
             TokenStep(
                 request_id=rid,
@@ -298,17 +336,43 @@ class EngineCore:
         ]
 
     def _fail_batch(self, exc: Exception, failed: list[Failed]) -> None:
-        """Every request in the failed step gets the error; the runner drops its batch."""
+        """A step raised as a whole: the runner drops its batch; find the culprit.
+
+        An allocation failure is no row's fault: the step's rows get a 503. Otherwise
+        ``Recovery`` bisects the rows (see ``recovery.py``): only a row found guilty,
+        or one that cannot be rebuilt, fails; the others are replayed and go on.
+        """
         self._failed_steps += 1
-        log.error("decode step failed for %d requests: %r", len(self.decoding), exc)
-        for rid in sorted(self.decoding):
-            failed.append(self._failure(rid, "decode step failed", exc))
+        rows = sorted(self.decoding)
+        log.error("decode step failed for %d requests: %r", len(rows), exc)
+        for rid in rows:
             self._release(rid)
         self.decoding.clear()
         self.runner.reset()
+        memory = is_memory_error(exc)
+        resumable = [r for r in rows if not memory and self.recovery.resumable(r)]
+        guilty = set(self.recovery.failed_step(resumable)) if resumable else set()
+        for rid in rows:
+            if rid in guilty or rid not in resumable:
+                what = "decode step failed" if memory or rid in guilty else _NOT_RESUMABLE
+                failed.append(self._failure(rid, what, exc))
+                self.recovery.forget(rid)
+
+    def _resume(self, failed: list[Failed]) -> None:
+        """Start the replays of rows from a failed step (their clients saw no break)."""
+        for request in self.recovery.next_replays():
+            self._start(request, self._estimate(request), [], failed)
 
     def _failure(self, request_id: str, what: str, exc: Exception) -> Failed:
         log.warning("request %s: %s: %r", request_id, what, exc)
+        if isinstance(exc, InvalidRequest):
+            return Failed(
+                request_id=request_id,
+                status=400,
+                kind="invalid_request_error",
+                param=exc.param,
+                message=str(exc),
+            )
         if is_memory_error(exc):
             return Failed(
                 request_id=request_id,

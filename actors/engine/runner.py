@@ -38,6 +38,7 @@ from mlx_lm.utils import load as mlx_lm_load
 
 from actors.engine import caches
 from actors.engine.caches import check_batchable, layer_kinds
+from actors.engine.guards import RowGuard, bias_processor
 from actors.engine.logits import GrammarProcessor, token_logprobs
 from actors.engine.memory import AttentionLayer, Layer, MemoryModel, StateLayer, kv_budget
 from actors.engine.prefix_cache import PrefixCache
@@ -74,9 +75,9 @@ def make_sampler(params: SamplingParams):
 
 
 def make_processors(params: SamplingParams, grammar: object | None = None) -> list:
-    """Penalties and bias from mlx-lm; a grammar mask last, so nothing can undo it."""
-    processors = make_logits_processors(
-        logit_bias=params.logit_bias or None,
+    """A bounds-checked bias, penalties from mlx-lm; a grammar mask last, so nothing can undo it."""
+    processors = [bias_processor(params.logit_bias)] if params.logit_bias else []
+    processors += make_logits_processors(
         repetition_penalty=params.repetition_penalty if params.repetition_penalty != 1.0 else None,
         repetition_context_size=_PENALTY_CONTEXT,
         presence_penalty=params.presence_penalty or None,
@@ -158,6 +159,7 @@ class MlxRunner:
         self._uid_to_rid: dict[int, str] = {}
         self._rid_to_uid: dict[str, int] = {}
         self._top: dict[str, int] = {}  # requests that want logprobs → how many alternatives
+        self._guard = RowGuard()
 
     def _new_generator(self) -> BatchGenerator:
         return BatchGenerator(
@@ -280,13 +282,28 @@ class MlxRunner:
             max_tokens=[params.max_tokens],
             caches=[self._batch_cache(pending)],
             all_tokens=[list(request.prompt_tokens[:-1])],
-            samplers=[make_sampler(params)],
-            logits_processors=[make_processors(params, request.grammar)],
+            samplers=[self._guarded_sampler(request)],
+            logits_processors=[self._guarded_processors(request)],
         )
         self._uid_to_rid[uid] = request.request_id
         self._rid_to_uid[request.request_id] = uid
         if params.logprobs:
             self._top[request.request_id] = params.top_logprobs
+
+    def _guarded_sampler(self, request: TokenizedRequest):
+        """The request's sampler; one that can fail is guarded (greedy stays the shared object,
+        so an all-greedy batch still samples in one call)."""
+        sample = make_sampler(request.sampling)
+        if sample is greedy_sampler:
+            return sample
+        return self._guard.sampler(request.request_id, sample)
+
+    def _guarded_processors(self, request: TokenizedRequest) -> list:
+        processors = make_processors(request.sampling, request.grammar)
+        return [self._guard.processor(request.request_id, p) for p in processors]
+
+    def faults(self) -> dict[str, Exception]:
+        return self._guard.take()
 
     def decode(self) -> list[Decoded]:
         if not self._rid_to_uid:
@@ -342,10 +359,15 @@ class MlxRunner:
         self._uid_to_rid.clear()
         self._rid_to_uid.clear()
         self._sparse.intersection_update(self._pending)
+        self._guard.take()
         mx.clear_cache()
 
     def memory_stats(self) -> tuple[int, int]:
         return mx.get_active_memory(), mx.get_peak_memory()
+
+    def release_buffers(self) -> None:
+        """The engine is idle: hand MLX's cached free buffers back to the system."""
+        mx.clear_cache()
 
     def _probe(self, cache: list[Any]) -> None:
         self.model(mx.array([[0]]), cache=cache)
@@ -403,6 +425,9 @@ def memory_model(runner: MlxRunner, settings: Any) -> MemoryModel | None:
     )
     if settings.set_mlx_limit:
         mx.set_memory_limit(int(device * settings.device_fraction))
+    # Freed buffers MLX keeps for reuse; the rest go back to the system (and all of
+    # them whenever the engine goes idle, ``release_buffers``).
+    mx.set_cache_limit(settings.cache_limit_mb << 20)
     model = MemoryModel(layers=runner.probe_layers(), budget_bytes=budget)
     log.info(
         "memory: %.0f MiB device, %.0f MiB weights, %.0f MiB for requests "

@@ -10,6 +10,14 @@ from actors.engine.memory import MemoryModel
 from protocol.messages import FinishReason, TokenizedRequest, TokenLogprob
 
 
+class InvalidRequest(ValueError):
+    """A request the model cannot run as asked, found before any MLX op saw it: a 400."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
+
+
 @dataclass(frozen=True)
 class Decoded:
     """One request's output from one decode step (``logprob`` only if the request asked)."""
@@ -30,6 +38,11 @@ class Runner(Protocol):
 
     def prefill(self, request_id: str, budget: int) -> int: ...
     def decode(self) -> list[Decoded]: ...
+    def faults(self) -> dict[str, Exception]:
+        """Rows whose own code (sampler, logits processors) failed in the last decode step;
+        the step completed for every other row, and these rows' tokens are not to be used."""
+        ...
+
     def remove(self, request_id: str) -> None: ...
     def clear_cache(self) -> None: ...
     def reset(self) -> None:
@@ -38,6 +51,9 @@ class Runner(Protocol):
     def memory_stats(self) -> tuple[int, int]:
         """(active, peak) bytes of device memory, as the backend reports them."""
         ...
+
+    def release_buffers(self) -> None:
+        """Called when the engine goes idle: return cached free buffers to the system."""
 
     @property
     def decoding(self) -> int: ...

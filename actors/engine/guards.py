@@ -1,0 +1,130 @@
+"""What keeps one request's sampling options from harming the batch it joins.
+
+MLX checks no indices: an out-of-range token id in a gather or scatter reads or
+writes outside the buffer and can kill the process. And a row's own code in a
+batched step (its sampler, its logits processors) runs in the middle of every
+other row's step: if it raises, mlx-lm's ``BatchGenerator`` step raises for the
+whole batch, and a failure inside one of mlx-lm's compiled samplers can leave
+MLX's global random key a compile-time placeholder, so every later unseeded
+draw fails too. Three layers keep a request's options its own business:
+
+- ``check_sampling`` refuses, before the request joins a batch, any option the
+  model could not run (token ids outside the vocabulary, ``top_k`` not below
+  it, an unusable seed, non-finite numbers): an ``InvalidRequest``, a 400.
+- ``bias_processor`` replaces mlx-lm's logit-bias processor with one that checks
+  its token ids against the logits it is given, on every call.
+- ``RowGuard`` wraps each row's sampler and processors: an exception is recorded
+  against that row, the global random key is re-seeded, and the row gets a
+  harmless stand-in (its logits unchanged, a greedy token) so the step
+  completes for every other row, token for token as if the row were not there.
+  The engine then fails that row alone (``Runner.faults``).
+
+No trio here; the checks import no mlx, the guards do.
+"""
+
+from __future__ import annotations
+
+import math
+import secrets
+from collections.abc import Callable
+from typing import Any
+
+from actors.engine.types import InvalidRequest
+from protocol.messages import SamplingParams
+
+MAX_SEED = 2**63 - 1
+
+
+def check_sampling(params: SamplingParams, prompt: tuple[int, ...], vocab_size: int) -> None:
+    """Raise ``InvalidRequest`` for any option this model cannot run; no MLX op has seen it."""
+    floats = {
+        "temperature": params.temperature,
+        "top_p": params.top_p,
+        "min_p": params.min_p,
+        "presence_penalty": params.presence_penalty,
+        "frequency_penalty": params.frequency_penalty,
+        "repetition_penalty": params.repetition_penalty,
+    }
+    for name, value in floats.items():
+        if not math.isfinite(value):
+            raise InvalidRequest(f"{name} must be a finite number", name)
+    if not 0 <= params.top_k < vocab_size:
+        raise InvalidRequest(f"top_k must be in [0, {vocab_size}) for this model", "top_k")
+    bad = [t for t in params.logit_bias if not 0 <= t < vocab_size]
+    if bad:
+        raise InvalidRequest(
+            f"logit_bias token ids out of range [0, {vocab_size}): {bad[:5]}", "logit_bias"
+        )
+    if not all(math.isfinite(v) for v in params.logit_bias.values()):
+        raise InvalidRequest("logit_bias values must be finite numbers", "logit_bias")
+    if params.seed is not None and not 0 <= params.seed <= MAX_SEED:
+        raise InvalidRequest(f"seed must be in [0, {MAX_SEED}]", "seed")
+    outside = [t for t in prompt if not 0 <= t < vocab_size]
+    if outside:
+        raise InvalidRequest(
+            f"prompt token ids out of range [0, {vocab_size}): {outside[:5]}", "prompt"
+        )
+
+
+def bias_processor(bias: dict[int, float]) -> Callable[[Any, Any], Any]:
+    """Add ``bias`` to the logits of its token ids, after checking them against the logits."""
+    import mlx.core as mx
+
+    ids, values = list(bias), list(bias.values())
+    low, high = min(ids), max(ids)
+    indices, adds = mx.array(ids), mx.array(values)
+
+    def process(tokens: Any, logits: mx.array) -> mx.array:
+        if low < 0 or high >= logits.shape[-1]:
+            raise InvalidRequest(
+                f"logit_bias token ids out of range [0, {logits.shape[-1]})", "logit_bias"
+            )
+        return logits.at[:, indices].add(adds)
+
+    return process
+
+
+class RowGuard:
+    """Per-row sampler and processors that cannot fail a batched step; faults kept by row."""
+
+    def __init__(self) -> None:
+        self._faults: dict[str, Exception] = {}
+
+    def take(self) -> dict[str, Exception]:
+        """The rows whose own code failed since the last call (first error of each)."""
+        faults, self._faults = self._faults, {}
+        return faults
+
+    def _fault(self, request_id: str, exc: Exception) -> None:
+        import mlx.core as mx
+
+        self._faults.setdefault(request_id, exc)
+        # A compiled sampler that raised may leave the global key a placeholder that
+        # cannot be evaluated; unseeded draws need a fresh key (seeded ones keep their own).
+        mx.random.seed(secrets.randbits(63))
+
+    def sampler(self, request_id: str, sample: Callable[[Any], Any]) -> Callable[[Any], Any]:
+        import mlx.core as mx
+
+        def guarded(logprobs: mx.array) -> mx.array:
+            try:
+                return sample(logprobs)
+            except Exception as exc:  # noqa: BLE001 - this row's failure, recorded for the engine
+                self._fault(request_id, exc)
+                return mx.argmax(logprobs, axis=-1)
+
+        return guarded
+
+    def processor(self, request_id: str, process: Callable[[Any, Any], Any]) -> Callable:
+        def guarded(tokens: Any, logits: Any) -> Any:
+            try:
+                out = process(tokens, logits)
+            except Exception as exc:  # noqa: BLE001 - this row's failure, recorded for the engine
+                self._fault(request_id, exc)
+                return logits
+            if out.shape != logits.shape:
+                self._fault(request_id, ValueError(f"a logits processor returned {out.shape}"))
+                return logits
+            return out
+
+        return guarded
