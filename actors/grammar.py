@@ -15,6 +15,7 @@ No trio, no mlx.
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass
 from typing import Any
@@ -83,7 +84,8 @@ class GrammarCompiler:
 
     A tokenizer llguidance cannot read (not an HF fast tokenizer) makes every
     constraint a 400, except for test doubles that set ``grammar_check_only``:
-    their constraints are validated, then left to the fake runner.
+    their constraints are checked against a byte-level vocabulary, then left to
+    the fake runner.
     """
 
     def __init__(self, tokenizer: Any | None):
@@ -112,14 +114,46 @@ class GrammarCompiler:
         """A matcher for the constraint (None for a check-only test tokenizer)."""
         grammar = self.grammar_text(constraint, tools, fmt)
         self.validate(grammar)
-        if self._llt is None:
-            if self._check_only:
-                return None
+        llt = self._llt or (_byte_tokenizer() if self._check_only else None)
+        if llt is None:
             raise GrammarError("structured output is not available for this model's tokenizer")
-        matcher = llguidance.LLMatcher(self._llt, grammar, log_level=0)
-        if matcher.is_error():
-            raise GrammarError(f"invalid schema: {matcher.get_error()}")
-        return CompiledGrammar(matcher, self._llt.vocab_size, tuple(self._llt.eos_tokens))
+        matcher = llguidance.LLMatcher(llt, grammar, log_level=0)
+        _check_first_step(matcher)
+        if self._llt is None:
+            return None
+        return CompiledGrammar(matcher, llt.vocab_size, tuple(llt.eos_tokens))
+
+
+def _check_first_step(matcher: Any) -> None:
+    """A grammar that allows no first token (a ``$ref`` that only refers to itself) is a 400,
+    not an empty answer: the first mask is computed on a copy, so the matcher is untouched."""
+    if matcher.is_error():
+        raise GrammarError(f"invalid schema: {matcher.get_error()}")
+    probe = matcher.deep_copy()
+    probe.compute_bitmask()
+    if probe.is_error():
+        reason = probe.get_error().partition("\n")[0]
+        raise GrammarError(
+            f"the schema allows no output at all (llguidance: {reason}); "
+            "look for a $ref that refers only to itself"
+        )
+
+
+class _Bytes:
+    """A 256-byte vocabulary plus EOS, in the shape ``llguidance.TokenizerWrapper`` reads."""
+
+    eos_token_id = 256
+    bos_token_id = None
+    tokens = [bytes([b]) for b in range(256)] + [b"</s>"]
+    special_token_ids = [256]
+
+    def __call__(self, text: str | bytes) -> list[int]:
+        return list(text if isinstance(text, bytes) else text.encode())
+
+
+@functools.cache
+def _byte_tokenizer() -> Any:
+    return llguidance.LLTokenizer(llguidance.TokenizerWrapper(_Bytes()))
 
 
 def _llg_tokenizer(tokenizer: Any) -> Any | None:

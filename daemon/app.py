@@ -6,7 +6,10 @@ the OpenAI Responses API, over the shared plumbing in ``daemon/api/common.py``.
 Errors before the first token get a real status code; errors after it end the
 stream with an error event. Errors use the format of the API that was called.
 Every route but ``/health`` needs an API key when keys are configured; CORS
-headers are added only for configured origins.
+headers are added only for configured origins. Before any of that, the Host
+header must name this server (``server.allowed_hosts``, else 403), and a POST
+body must be declared JSON (else 415; a ``text/plain`` body, which a browser
+may send cross-origin without asking, is never parsed).
 """
 
 from __future__ import annotations
@@ -21,9 +24,10 @@ from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException
 
 from daemon.api import anthropic, openai, responses
+from daemon.api.body import is_json_type
 from daemon.api.common import ApiError, Validator, json_response
 from daemon.pipeline import Pipeline, ServerState
-from daemon.security import ApiKeys, Cors
+from daemon.security import AllowedHosts, ApiKeys, Cors
 from daemon.settings import Settings
 from daemon.telemetry import request_log, status_snapshot
 from protocol.messages import ClearCache
@@ -37,7 +41,7 @@ def create_app(pipeline: Pipeline, settings: Settings) -> QuartTrio:
     app.config.update(
         MAX_CONTENT_LENGTH=settings.server.max_body_bytes, RESPONSE_TIMEOUT=None, BODY_TIMEOUT=60
     )
-    validator = Validator(settings)
+    validator = Validator(settings, lambda: pipeline.info.vocab_size if pipeline.info else None)
 
     def ready() -> str:
         if pipeline.state is not ServerState.READY or pipeline.info is None:
@@ -108,12 +112,21 @@ _OPEN_PATHS = frozenset({"/health"})
 
 
 def _install_guards(app: QuartTrio, settings: Settings) -> None:
-    """API keys on every route but /health; CORS preflight and headers for allowed origins."""
+    """Host check; API keys on every route but /health; CORS preflight and headers for
+    allowed origins; JSON bodies only."""
     keys = ApiKeys.from_settings(settings.auth)
     cors = Cors(settings.server.cors_origins)
+    hosts = AllowedHosts(settings.server.allowed_hosts, settings.server.host)
 
     @app.before_request
     async def guard() -> Response | None:
+        host = request.headers.get("Host")
+        if not hosts.allows(host):
+            raise ApiError(
+                403,
+                f"host {host!r} is not served here (server.allowed_hosts)",
+                code="host_not_allowed",
+            )
         origin = request.headers.get("Origin")
         if request.method == "OPTIONS" and cors.allows(origin):
             return Response(b"", status=204, headers=cors.preflight_headers(origin or ""))
@@ -123,6 +136,13 @@ def _install_guards(app: QuartTrio, settings: Settings) -> None:
                 "missing or invalid API key: send 'Authorization: Bearer KEY' or 'x-api-key: KEY'",
                 code="invalid_api_key",
                 headers={"WWW-Authenticate": "Bearer"},
+            )
+        content_type = request.headers.get("Content-Type")
+        if request.method == "POST" and not is_json_type(content_type):
+            raise ApiError(
+                415,
+                f"the body must be JSON (Content-Type: application/json), not {content_type!r}",
+                code="unsupported_media_type",
             )
         return None
 

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 from daemon import blas, service
+from daemon.security import ApiKeys
 from daemon.settings import SettingsError, load_settings
 
 
@@ -42,7 +43,8 @@ def _overrides(args: argparse.Namespace) -> dict:
 def serve(args: argparse.Namespace) -> int:
     try:
         settings = load_settings(args.config, _overrides(args))
-    except SettingsError as exc:
+        ApiKeys.from_settings(settings.auth)  # reads auth.api_key_file: fail before the model loads
+    except (SettingsError, ValueError) as exc:
         print(f"mlxd: bad config: {exc}", file=sys.stderr)
         return 2
     logging.basicConfig(

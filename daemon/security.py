@@ -5,12 +5,16 @@ comments). A client presents one as ``Authorization: Bearer KEY`` or
 ``x-api-key: KEY``; both sides are hashed before ``hmac.compare_digest`` and
 every configured key is compared, so the time taken says nothing about any key.
 CORS is off unless ``server.cors_origins`` lists origins (``"*"``: any).
+``AllowedHosts`` checks the Host header against ``server.allowed_hosts`` or,
+when that is empty, the bind address: a web page whose DNS name was rebound to
+127.0.0.1 still sends its own name as Host, and is refused.
 """
 
 from __future__ import annotations
 
 import hashlib
 import hmac
+import ipaddress
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
@@ -95,3 +99,40 @@ class Cors:
             "Access-Control-Allow-Headers": _CORS_HEADERS,
             "Access-Control-Max-Age": "600",
         }
+
+
+_LOOPBACK_NAMES = frozenset({"localhost", "127.0.0.1", "::1"})
+_ANY_ADDRESS = frozenset({"0.0.0.0", "::", ""})
+
+
+def host_name(value: str) -> str:
+    """``Host`` header or setting → the bare name: lower case, no port, no brackets."""
+    value = value.strip().lower()
+    if value.startswith("["):  # [::1]:8000
+        return value[1:].partition("]")[0]
+    if value.count(":") == 1:  # name:port (a bare IPv6 address has several colons)
+        value = value.partition(":")[0]
+    return value.rstrip(".")
+
+
+def _is_loopback(name: str) -> bool:
+    try:
+        return name == "localhost" or ipaddress.ip_address(name).is_loopback
+    except ValueError:
+        return False
+
+
+class AllowedHosts:
+    """Host header names the server answers to; an empty set (or ``"*"``) accepts any."""
+
+    def __init__(self, configured: Iterable[str], bind_host: str):
+        names = {host_name(h) for h in configured}
+        if not names:
+            bind = host_name(bind_host)
+            if bind not in _ANY_ADDRESS:
+                names = {bind} | (_LOOPBACK_NAMES if _is_loopback(bind) else set())
+        self.names = frozenset() if "*" in names else frozenset(names)
+
+    def allows(self, host: str | None) -> bool:
+        # No Host header at all (HTTP/1.0) is not a browser: nothing to rebind.
+        return not self.names or not host or host_name(host) in self.names

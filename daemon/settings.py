@@ -21,6 +21,12 @@ class _Section(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     pass
 
 
+def _require(ok: bool, message: str) -> None:
+    """A check in ``__post_init__``: msgspec reports the ValueError with the field's path."""
+    if not ok:
+        raise ValueError(message)
+
+
 class ServerSettings(_Section):
     host: str = "127.0.0.1"
     port: Port = 8000
@@ -29,6 +35,13 @@ class ServerSettings(_Section):
     flush_timeout_s: Seconds = 5.0
     backlog: Positive = 1024
     cors_origins: list[str] = []
+    allowed_hosts: list[str] = []
+    max_json_depth: Annotated[int, msgspec.Meta(ge=2, le=512)] = 64
+
+    def __post_init__(self) -> None:
+        _require(
+            all(h.strip() for h in self.allowed_hosts), "server.allowed_hosts: empty host name"
+        )
 
 
 class ModelSettings(_Section):
@@ -53,6 +66,14 @@ class AuthSettings(_Section):
     api_keys: list[str] = []
     api_key_file: str = ""
 
+    def __post_init__(self) -> None:
+        # An empty key would be dropped, silently leaving the API open.
+        _require(all(k.strip() for k in self.api_keys), "auth.api_keys: empty API key")
+        _require(
+            all(k == k.strip() for k in self.api_keys),
+            "auth.api_keys: a key with leading or trailing whitespace can never match",
+        )
+
 
 class MemorySettings(_Section):
     device_fraction: Fraction = 0.9
@@ -66,6 +87,24 @@ class TokenizerSettings(_Section):
     max_messages: Positive = 1000
     tool_format: str = "auto"
     reasoning_tags: str = "auto"
+    max_tools: Positive = 128
+    max_tool_chars: Positive = 65_536
+    count_tokens_max_waiting: NonNegative = 8
+
+    def __post_init__(self) -> None:
+        from actors.parsers import TOOL_FORMATS  # plain Python, no trio or mlx
+
+        _require(
+            self.tool_format in ("auto", *TOOL_FORMATS),
+            f"tokenizer.tool_format: {self.tool_format!r} is not one of auto, "
+            + ", ".join(TOOL_FORMATS),
+        )
+        tags = self.reasoning_tags
+        open_tag, comma, close_tag = tags.partition(",")
+        _require(
+            tags in ("auto", "none") or bool(comma and open_tag.strip() and close_tag.strip()),
+            f"tokenizer.reasoning_tags: {tags!r} is not auto, none or '<open>,<close>'",
+        )
 
 
 class EngineSettings(_Section):
@@ -78,6 +117,7 @@ class EngineSettings(_Section):
     max_stop_length: Positive = 256
     max_n: Positive = 8
     max_top_logprobs: NonNegative = 20
+    max_logit_bias: NonNegative = 300
 
 
 class PrefixCacheSettings(_Section):
@@ -118,8 +158,18 @@ class StreamingSettings(_Section):
     engine_outbox: Positive = 4
 
 
+_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+
 class LoggingSettings(_Section):
     level: str = "INFO"
+
+    def __post_init__(self) -> None:
+        self.level = self.level.upper()
+        _require(
+            self.level in _LEVELS,
+            f"logging.level: {self.level!r} is not one of {', '.join(_LEVELS)}",
+        )
 
 
 class Settings(_Section):

@@ -102,6 +102,7 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True):
     tool_choice: str | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
+    chat_template: str | None = None  # refused: the template is the model's own
 
 
 class CompletionRequest(_SamplingFields, kw_only=True):

@@ -124,7 +124,10 @@ def _publish(tmp: Path, target: Path) -> None:
 
 def _convert_into(gguf_path: Path, out: Path, log: Callable[[str], None]) -> None:
     log(f"reading {gguf_path}")
-    tensors, raw_meta = mx.load(str(gguf_path), return_metadata=True)
+    try:
+        tensors, raw_meta = mx.load(str(gguf_path), return_metadata=True)
+    except RuntimeError as exc:  # "[load_gguf] gguf_init failed": not a GGUF file, or truncated
+        raise UnsupportedModel(f"{gguf_path} is not a readable GGUF file ({exc})") from exc
     meta = {key: _to_python(value) for key, value in raw_meta.items()}
     arch = meta.get("general.architecture")
     if arch not in SUPPORTED_ARCHITECTURES:

@@ -13,11 +13,12 @@ event sequence: ``message_start``, ``ping``, per block
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 
 from quart import Response, request
 from quart_trio import QuartTrio
@@ -29,9 +30,7 @@ from daemon.api.common import (
     ChoiceEvent,
     Validator,
     check,
-    check_tools,
     collect,
-    decode,
     event_frames,
     json_response,
     sse_response,
@@ -130,14 +129,14 @@ def messages_of(w: wire.CountTokensRequest) -> tuple[Message, ...]:
     return tuple(out)
 
 
-def _tools(w: wire.CountTokensRequest):
+def _tools(w: wire.CountTokensRequest, v: Validator):
     defs = w.tools or []
     check(
         all(t.type in (None, "custom") for t in defs),
         "tools",
         "only custom tools are supported (no Anthropic server tools)",
     )
-    tools = check_tools(
+    tools = v.tools(
         tuple(Tool(name=t.name, description=t.description, parameters=t.input_schema) for t in defs)
     )
     c = w.tool_choice
@@ -168,7 +167,7 @@ def _thinking(w: wire.CountTokensRequest, max_tokens: int | None) -> dict:
 
 def chat_request(w: wire.CountTokensRequest, rid: str, v: Validator) -> ChatRequest:
     max_tokens = getattr(w, "max_tokens", None)
-    tools, choice, forced, parallel = _tools(w)
+    tools, choice, forced, parallel = _tools(w, v)
     sampling = SamplingParams()
     if isinstance(w, wire.MessagesRequest):
         sampling = v.sampling(
@@ -182,6 +181,7 @@ def chat_request(w: wire.CountTokensRequest, rid: str, v: Validator) -> ChatRequ
         )
     messages = messages_of(w)
     v.messages(len(messages))
+    v.history(messages, "messages")
     return ChatRequest(
         request_id=rid,
         messages=messages,
@@ -323,12 +323,41 @@ def stream_events(
     return event_frames(first, rest, functools.partial(_frames, shape))
 
 
+class CountGate:
+    """Bounds ``count_tokens``, which skips admission: ``tokenizer.workers`` count at once
+    (``pipeline.count_limiter``), ``count_tokens_max_waiting`` more wait, the rest get a 429
+    before their body is read."""
+
+    def __init__(self, v: Validator):
+        t = v.tokenizer
+        self.slots = t.workers + t.count_tokens_max_waiting
+        self.retry_after_s = v.retry_after_s
+        self.inside = 0
+
+    @contextlib.contextmanager
+    def enter(self) -> Iterator[None]:
+        if self.inside >= self.slots:
+            raise ApiError(
+                429,
+                f"{self.inside} count_tokens requests are in progress or waiting "
+                "(tokenizer.workers + tokenizer.count_tokens_max_waiting)",
+                code="queue_full",
+                retry_after=self.retry_after_s,
+            )
+        self.inside += 1
+        try:
+            yield
+        finally:
+            self.inside -= 1
+
+
 def install(app: QuartTrio, pipeline: Pipeline, v: Validator, ready: Callable[[], str]) -> None:
     """Register the Anthropic routes on the app."""
+    gate = CountGate(v)
 
     @app.post("/v1/messages")
     async def messages() -> Response:
-        w = decode(wire.messages_decoder, await request.get_data(cache=False))
+        w = v.decode(wire.messages_decoder, await request.get_data(cache=False))
         model = ready()
         v.check_model(w.model, model)
         rid = f"msg_{uuid.uuid4().hex}"
@@ -340,12 +369,13 @@ def install(app: QuartTrio, pipeline: Pipeline, v: Validator, ready: Callable[[]
 
     @app.post("/v1/messages/count_tokens")
     async def count_tokens() -> Response:
-        w = decode(wire.count_decoder, await request.get_data(cache=False))
-        model = ready()
-        v.check_model(w.model, model)
-        req = chat_request(w, f"count_{uuid.uuid4().hex}", v)
-        try:
-            n = await pipeline.count_tokens(req)
-        except PromptError as exc:
-            raise ApiError(400, str(exc), param=exc.param) from exc
+        with gate.enter():
+            w = v.decode(wire.count_decoder, await request.get_data(cache=False))
+            model = ready()
+            v.check_model(w.model, model)
+            req = chat_request(w, f"count_{uuid.uuid4().hex}", v)
+            try:
+                n = await pipeline.count_tokens(req)
+            except PromptError as exc:
+                raise ApiError(400, str(exc), param=exc.param) from exc
         return json_response({"input_tokens": n})

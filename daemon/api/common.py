@@ -9,6 +9,7 @@ stream into its own JSON or Server-Sent Events.
 
 from __future__ import annotations
 
+import math
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
@@ -18,6 +19,7 @@ from quart import Response
 
 from actors.mailbox import Bell
 from actors.tokenizer import RESERVED_TEMPLATE_KWARGS
+from daemon.api.body import json_depth, valid_utf8
 from daemon.pipeline import Pipeline, Session
 from daemon.settings import Settings
 from protocol import openai as wire
@@ -28,6 +30,7 @@ from protocol.messages import (
     Finished,
     LogprobPiece,
     MailboxEvent,
+    Message,
     SamplingParams,
     TextDelta,
     Tool,
@@ -37,8 +40,11 @@ from protocol.messages import (
 _OPENAI_TYPES = {
     400: "invalid_request_error",
     401: "invalid_request_error",
+    403: "permission_error",
     404: "not_found_error",
     413: "invalid_request_error",
+    415: "invalid_request_error",
+    429: "rate_limit_error",
 }
 _ANTHROPIC_TYPES = {
     400: "invalid_request_error",
@@ -47,6 +53,7 @@ _ANTHROPIC_TYPES = {
     404: "not_found_error",
     405: "invalid_request_error",
     413: "request_too_large",
+    415: "invalid_request_error",
     429: "rate_limit_error",
     503: "overloaded_error",
 }
@@ -106,7 +113,7 @@ class ApiError(Exception):
         return Response(body, status=self.status, headers=headers, content_type="application/json")
 
 
-def check(ok: bool, param: str, message: str) -> None:
+def check(ok: bool, param: str | None, message: str) -> None:
     if not ok:
         raise ApiError(400, message, param=param)
 
@@ -123,7 +130,14 @@ def sse_response(body: AsyncIterator[bytes]) -> Response:
     )
 
 
-def decode(decoder: msgspec.json.Decoder, body: bytes):
+def decode(decoder: msgspec.json.Decoder, body: bytes, max_depth: int = 64):
+    """The wire struct of a body that is UTF-8 and nested at most ``max_depth`` deep."""
+    check(valid_utf8(body), None, "the request body is not valid UTF-8")
+    check(
+        json_depth(body, max_depth) <= max_depth,
+        None,
+        f"the JSON is nested deeper than {max_depth} levels (server.max_json_depth)",
+    )
     try:
         return decoder.decode(body)
     except msgspec.ValidationError as exc:
@@ -135,14 +149,37 @@ def decode(decoder: msgspec.json.Decoder, body: bytes):
 # ---- validation -------------------------------------------------------------------------
 
 
-class Validator:
-    """Wire fields → internal structs, enforcing every limit in the settings."""
+SEED_MAX = 2**63 - 1
+PRIORITY_RANGE = (-(2**31), 2**31 - 1)
+_FINITE = (
+    "temperature",
+    "top_p",
+    "min_p",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+)
 
-    def __init__(self, settings: Settings):
+
+class Validator:
+    """Wire fields → internal structs, enforcing every limit in the settings.
+
+    ``vocab_size`` says the loaded model's vocabulary size (None before it loads),
+    for the checks on token ids and ``top_k``.
+    """
+
+    def __init__(self, settings: Settings, vocab_size: Callable[[], int | None] = lambda: None):
         self.engine = settings.engine
         self.model = settings.model
+        self.tokenizer = settings.tokenizer
         self.max_messages = settings.tokenizer.max_messages
+        self.max_json_depth = settings.server.max_json_depth
+        self.retry_after_s = settings.admission.retry_after_s
         self.priority_enabled = settings.admission.priority
+        self.vocab_size = vocab_size
+
+    def decode(self, decoder: msgspec.json.Decoder, body: bytes):
+        return decode(decoder, body, self.max_json_depth)
 
     def messages(self, count: int, param: str = "messages") -> None:
         check(
@@ -154,6 +191,12 @@ class Validator:
 
     def priority(self, priority: int | None) -> int:
         """The request's priority when ``admission.priority`` is on; otherwise all are equal."""
+        low, high = PRIORITY_RANGE
+        check(
+            priority is None or low <= priority <= high,
+            "priority",
+            "priority must be a 32-bit integer",
+        )
         return (priority or 0) if self.priority_enabled else 0
 
     def check_model(self, requested: str | None, served: str) -> None:
@@ -165,27 +208,51 @@ class Validator:
                 code="model_not_found",
             )
 
-    def sampling(self, params: SamplingParams, *, max_tokens_param: str = "max_tokens"):
-        """Range checks on sampling options already taken from the wire."""
+    def sampling(
+        self,
+        params: SamplingParams,
+        *,
+        max_tokens_param: str = "max_tokens",
+        top_logprobs_param: str = "top_logprobs",
+    ) -> SamplingParams:
+        """Range checks on sampling options already taken from the wire (top_k -1 → 0, off)."""
         e = self.engine
         check(
             params.max_tokens is None or 1 <= params.max_tokens <= e.max_tokens_cap,
             max_tokens_param,
             f"{max_tokens_param} must be between 1 and {e.max_tokens_cap} (engine.max_tokens_cap)",
         )
+        for name in _FINITE:
+            check(math.isfinite(getattr(params, name)), name, f"{name} must be a finite number")
         check(0.0 <= params.temperature <= 2.0, "temperature", "temperature must be in [0, 2]")
         check(0.0 < params.top_p <= 1.0, "top_p", "top_p must be in (0, 1]")
-        check(params.top_k >= 0, "top_k", "top_k must be >= 0")
         check(0.0 <= params.min_p <= 1.0, "min_p", "min_p must be in [0, 1]")
         check(-2.0 <= params.presence_penalty <= 2.0, "presence_penalty", "must be in [-2, 2]")
         check(-2.0 <= params.frequency_penalty <= 2.0, "frequency_penalty", "must be in [-2, 2]")
-        check(params.repetition_penalty > 0.0, "repetition_penalty", "must be > 0")
+        check(0.0 < params.repetition_penalty <= 10.0, "repetition_penalty", "must be in (0, 10]")
+        check(
+            params.seed is None or 0 <= params.seed <= SEED_MAX,
+            "seed",
+            "seed must be an integer in [0, 2**63 - 1]",
+        )
         check(
             0 <= params.top_logprobs <= e.max_top_logprobs,
-            "top_logprobs",
-            f"top_logprobs must be between 0 and {e.max_top_logprobs}",
+            top_logprobs_param,
+            f"{top_logprobs_param} must be between 0 and {e.max_top_logprobs} "
+            "(engine.max_top_logprobs)",
         )
-        return params
+        return msgspec.structs.replace(params, top_k=self.top_k(params.top_k))
+
+    def top_k(self, top_k: int) -> int:
+        """0 (or -1, as vLLM spells it) is off; otherwise below the vocabulary size."""
+        check(top_k >= -1, "top_k", "top_k must be >= 0 (0 or -1: off)")
+        vocab = self.vocab_size()
+        check(
+            vocab is None or top_k < vocab,
+            "top_k",
+            f"top_k must be less than the vocabulary size ({vocab})",
+        )
+        return max(top_k, 0)
 
     def n(self, n: int) -> int:
         check(1 <= n <= self.engine.max_n, "n", f"n must be between 1 and {self.engine.max_n}")
@@ -206,12 +273,73 @@ class Validator:
         )
         return tuple(s for s in stops if s)
 
-    @staticmethod
-    def logit_bias(bias: dict[str, float] | None) -> dict[int, float]:
-        try:
-            return {int(k): max(-100.0, min(100.0, v)) for k, v in (bias or {}).items()}
-        except ValueError as exc:
-            raise ApiError(400, "logit_bias keys must be token ids", param="logit_bias") from exc
+    def token_ids(self, ids: tuple[int, ...] | list[int], param: str) -> None:
+        vocab = self.vocab_size()
+        bad = [t for t in ids if t < 0 or (vocab is not None and t >= vocab)]
+        check(not bad, param, f"token ids must be in [0, {vocab}): {bad[:5]}")
+
+    def logit_bias(self, bias: dict[str, float] | None) -> dict[int, float]:
+        """Token id → bias, clamped to [-100, 100] as OpenAI documents."""
+        bias = bias or {}
+        limit = self.engine.max_logit_bias
+        check(
+            len(bias) <= limit,
+            "logit_bias",
+            f"at most {limit} logit_bias entries (engine.max_logit_bias)",
+        )
+        check(
+            all(k.isascii() and k.isdigit() for k in bias),
+            "logit_bias",
+            "logit_bias keys must be token ids (decimal integers)",
+        )
+        check(
+            all(math.isfinite(v) for v in bias.values()),
+            "logit_bias",
+            "logit_bias values must be finite numbers",
+        )
+        out = {int(k): max(-100.0, min(100.0, v)) for k, v in bias.items()}
+        self.token_ids(tuple(out), "logit_bias")
+        return out
+
+    def tools(self, tools: tuple[Tool, ...], param: str = "tools") -> tuple[Tool, ...]:
+        """Named, unique, at most ``tokenizer.max_tools``, each within ``max_tool_chars``."""
+        t = self.tokenizer
+        check(
+            len(tools) <= t.max_tools, param, f"at most {t.max_tools} tools (tokenizer.max_tools)"
+        )
+        for i, tool in enumerate(tools):
+            schema = msgspec.json.encode(tool.parameters)
+            check(
+                max(len(tool.name), len(tool.description), len(schema)) <= t.max_tool_chars,
+                f"{param}[{i}]",
+                f"a tool's name, description and parameters (as JSON) must each be at most "
+                f"{t.max_tool_chars} characters (tokenizer.max_tool_chars)",
+            )
+        return check_tools(tools, param)
+
+    def arguments(self, arguments: str, param: str) -> None:
+        """A tool call's ``arguments`` string, which the server parses as JSON later."""
+        t = self.tokenizer
+        check(
+            len(arguments) <= t.max_tool_chars,
+            param,
+            f"tool-call arguments must be at most {t.max_tool_chars} characters "
+            "(tokenizer.max_tool_chars)",
+        )
+        depth = json_depth(arguments.encode(), self.max_json_depth)
+        check(
+            depth <= self.max_json_depth,
+            param,
+            f"tool-call arguments are nested deeper than {self.max_json_depth} levels "
+            "(server.max_json_depth)",
+        )
+
+    def history(self, messages: tuple[Message, ...], param: str, exact: bool = False) -> None:
+        """Every earlier tool call's arguments; ``exact``: ``messages[i]`` is the wire's i."""
+        for i, m in enumerate(messages):
+            for j, call in enumerate(m.tool_calls):
+                where = f"{param}[{i}].tool_calls[{j}].function.arguments" if exact else param
+                self.arguments(call.arguments, where)
 
 
 def json_constraint(kind: str, schema: dict | None, param: str) -> Constraint | None:

@@ -17,15 +17,14 @@ from quart import Response, request
 from quart_trio import QuartTrio
 
 from daemon.api.common import (
+    SEED_MAX,
     ApiError,
     Choice,
     ChoiceEvent,
     Validator,
     both_constraints,
     check,
-    check_tools,
     collect,
-    decode,
     json_constraint,
     json_response,
     prompt_details,
@@ -53,7 +52,9 @@ from protocol.messages import (
 )
 
 
-def sampling_from(w: wire._SamplingFields, max_tokens: int | None, v: Validator, **extra):
+def sampling_from(
+    w: wire._SamplingFields, max_tokens: int | None, v: Validator, top_logprobs_param: str, **extra
+):
     """The OpenAI sampling fields as internal params (range-checked)."""
     params = SamplingParams(
         max_tokens=max_tokens,
@@ -71,7 +72,7 @@ def sampling_from(w: wire._SamplingFields, max_tokens: int | None, v: Validator,
         spec_prefill=w.spec_prefill,
         **extra,
     )
-    return v.sampling(params)
+    return v.sampling(params, top_logprobs_param=top_logprobs_param)
 
 
 def choice_ids(rid: str, n: int) -> list[str]:
@@ -79,10 +80,11 @@ def choice_ids(rid: str, n: int) -> list[str]:
 
 
 def choice_sampling(sampling: SamplingParams, i: int) -> SamplingParams:
-    """Choice ``i`` of a seeded request draws with ``seed + i``: distinct, reproducible."""
+    """Choice ``i`` of a seeded request draws with ``seed + i`` (wrapping within the seed
+    range): distinct, reproducible."""
     if sampling.seed is None or i == 0:
         return sampling
-    return msgspec.structs.replace(sampling, seed=sampling.seed + i)
+    return msgspec.structs.replace(sampling, seed=(sampling.seed + i) % (SEED_MAX + 1))
 
 
 def response_constraint(fmt: wire.ResponseFormat | None) -> Constraint | None:
@@ -104,7 +106,8 @@ def _message(m: wire.WireMessage) -> Message:
 
 def chat_requests(w: wire.ChatCompletionRequest, rid: str, v: Validator) -> list[ChatRequest]:
     n = v.n(w.n)
-    tools = check_tools(
+    check(w.chat_template is None, "chat_template", "the chat template is the model's own")
+    tools = v.tools(
         tuple(
             Tool(
                 name=t.function.name,
@@ -123,11 +126,13 @@ def chat_requests(w: wire.ChatCompletionRequest, rid: str, v: Validator) -> list
         w,
         w.max_completion_tokens or w.max_tokens,
         v,
+        "top_logprobs",
         logprobs=bool(w.logprobs),
         top_logprobs=w.top_logprobs or 0,
     )
     v.messages(len(w.messages))
     messages = tuple(_message(m) for m in w.messages)
+    v.history(messages, "messages", exact=True)
     kwargs = template_kwargs(w.chat_template_kwargs)
     return [
         ChatRequest(
@@ -357,11 +362,17 @@ def _one_prompt(prompt: str | list[str | int]) -> str | tuple[int, ...]:
 
 def completion_requests(w: wire.CompletionRequest, rid: str, v: Validator):
     check(w.suffix is None, "suffix", "suffix (insertion) is not supported")
-    check(w.logprobs is None or w.logprobs >= 0, "logprobs", "logprobs must be >= 0")
     sampling = sampling_from(
-        w, w.max_tokens, v, logprobs=w.logprobs is not None, top_logprobs=w.logprobs or 0
+        w,
+        w.max_tokens,
+        v,
+        "logprobs",
+        logprobs=w.logprobs is not None,
+        top_logprobs=w.logprobs or 0,
     )
     prompt, constraint = _one_prompt(w.prompt), response_constraint(w.response_format)
+    if isinstance(prompt, tuple):
+        v.token_ids(prompt, "prompt")
     return [
         CompletionRequest(
             request_id=cid,
@@ -429,14 +440,14 @@ def install(app: QuartTrio, pipeline: Pipeline, v: Validator, ready: Callable[[]
 
     @app.post("/v1/chat/completions")
     async def chat_completions() -> Response:
-        w = decode(wire.chat_decoder, await request.get_data(cache=False))
+        w = v.decode(wire.chat_decoder, await request.get_data(cache=False))
         model = ready()
         v.check_model(w.model, model)
         return await chat(pipeline, v, model, w)
 
     @app.post("/v1/completions")
     async def completions() -> Response:
-        w = decode(wire.completion_decoder, await request.get_data(cache=False))
+        w = v.decode(wire.completion_decoder, await request.get_data(cache=False))
         model = ready()
         v.check_model(w.model, model)
         return await complete(pipeline, v, model, w)

@@ -29,9 +29,7 @@ from daemon.api.common import (
     ChoiceEvent,
     Validator,
     check,
-    check_tools,
     collect,
-    decode,
     event_frames,
     json_constraint,
     json_response,
@@ -97,10 +95,10 @@ def messages_of(w: wire.ResponsesRequest) -> tuple[Message, ...]:
     return tuple(out)
 
 
-def _tools(w: wire.ResponsesRequest):
+def _tools(w: wire.ResponsesRequest, v: Validator):
     defs = w.tools or []
     check(all(t.type == "function" for t in defs), "tools", "only function tools are supported")
-    tools = check_tools(
+    tools = v.tools(
         tuple(
             Tool(name=t.name, description=t.description, parameters=t.parameters or {})
             for t in defs
@@ -113,7 +111,7 @@ def _tools(w: wire.ResponsesRequest):
 
 def chat_request(w: wire.ResponsesRequest, rid: str, v: Validator) -> ChatRequest:
     check(w.previous_response_id is None, "previous_response_id", "mlxd is stateless")
-    tools, choice, forced = _tools(w)
+    tools, choice, forced = _tools(w, v)
     fmt = w.text.format if w.text and w.text.format else None
     constraint = json_constraint(fmt.type, fmt.schema, "text.format") if fmt else None
     check(constraint is None or forced is None, "text.format", "cannot combine with a forced call")
@@ -124,6 +122,7 @@ def chat_request(w: wire.ResponsesRequest, rid: str, v: Validator) -> ChatReques
     )
     messages = messages_of(w)
     v.messages(len(messages), "input")
+    v.history(messages, "input")
     return ChatRequest(
         request_id=rid,
         messages=messages,
@@ -364,7 +363,7 @@ def install(app: QuartTrio, pipeline: Pipeline, v: Validator, ready: Callable[[]
 
     @app.post("/v1/responses")
     async def responses() -> Response:
-        w = decode(wire.decoder, await request.get_data(cache=False))
+        w = v.decode(wire.decoder, await request.get_data(cache=False))
         model = ready()
         v.check_model(w.model, model)
         rid = _id("resp")
