@@ -23,6 +23,7 @@ _FORMAT_MARKERS = (
     ("<|python_tag|>", "llama3"),
 )
 _REASONING_TAGS = (("<think>", "</think>"),)
+_TEXT = ("text", "input_text", "output_text")
 
 
 @dataclass(frozen=True)
@@ -100,13 +101,24 @@ def call_markup(call: ToolCall) -> str:
     return f"<tool_call>\n{body}\n</tool_call>"
 
 
+def _tool_response(content: object) -> str | list[dict]:
+    """A tool result in ``<tool_response>`` markup; image parts stay parts (vision models)."""
+    if not isinstance(content, list):
+        text = content if isinstance(content, str) else json.dumps(content)
+        return f"<tool_response>\n{text}\n</tool_response>"
+    texts = [p["text"] for p in content if isinstance(p, dict) and p.get("type") in _TEXT]
+    if len(texts) == len(content):
+        return _tool_response("\n".join(str(t) for t in texts))
+    opening, closing = "<tool_response>\n", "\n</tool_response>"
+    return [{"type": "text", "text": opening}, *content, {"type": "text", "text": closing}]
+
+
 def history_as_text(messages: tuple[Message, ...]) -> tuple[Message, ...]:
     """Tool calls and results written as Hermes markup, for templates without tool support."""
     out = []
     for m in messages:
         if m.role == "tool":
-            text = m.content if isinstance(m.content, str) else json.dumps(m.content)
-            out.append(Message(role="user", content=f"<tool_response>\n{text}\n</tool_response>"))
+            out.append(Message(role="user", content=_tool_response(m.content)))
         elif m.tool_calls:
             parts = [m.content] if isinstance(m.content, str) and m.content else []
             parts += [call_markup(c) for c in m.tool_calls]

@@ -88,9 +88,9 @@ def chat(rid="r", text="What is this?", picture=None, max_tokens=8, **fields) ->
             {"type": "image_url", "image_url": {"url": picture}},
             {"type": "text", "text": text},
         ]
+    fields.setdefault("messages", (Message(role="user", content=content),))
     return ChatRequest(
         request_id=rid,
-        messages=(Message(role="user", content=content),),
         sampling=SamplingParams(max_tokens=max_tokens, temperature=0.0),
         **fields,
     )
@@ -145,6 +145,39 @@ def test_enable_thinking_opens_the_reasoning_block_and_its_parsing(vlm):
     assert thinking.output.in_reasoning  # the streamer reads what follows as reasoning
     assert not plain.output.in_reasoning
     assert len(thinking.prompt_tokens) > len(plain.prompt_tokens)
+
+
+@mlx
+def test_anthropic_tool_result_image_reaches_a_vision_prompt(vlm):
+    """An image inside a ``tool_result`` (a screenshot tool, say) is an image, not text."""
+    from daemon.api.anthropic import messages_of
+    from protocol.anthropic import count_decoder
+
+    call = {"type": "tool_use", "id": "t1", "name": "get_weather", "input": {"city": "Rome"}}
+    image = anthropic_image(png(30, 20, seed=3))
+    result = {"type": "tool_result", "tool_use_id": "t1", "content": [TEXT_SUNNY, image]}
+    turns = [
+        {"role": "user", "content": "Weather?"},
+        {"role": "assistant", "content": [call]},
+        {"role": "user", "content": [result]},
+    ]
+    wire = count_decoder.decode(json.dumps({"messages": turns}))
+    request = builder(vlm).build(chat(tools=TOOLS, max_tokens=4, messages=messages_of(wire)))
+    text = vlm[1].tokenizer.decode(list(request.prompt_tokens))
+    assert request.vision is not None and request.vision.images == 1
+    assert "<tool_response>\nsunny<|vision_start|><|image_pad|>" in text
+    assert "base64" not in text
+
+
+TEXT_SUNNY = {"type": "text", "text": "sunny"}
+
+
+def anthropic_image(data: bytes) -> dict:
+    encoded = data_url(data).partition(",")[2]
+    return {
+        "type": "image",
+        "source": {"type": "base64", "media_type": "image/png", "data": encoded},
+    }
 
 
 # ---- grammars on the processor's tokenizer, applied by the vision runner ------------------
@@ -214,13 +247,11 @@ async def _post(http, path, body, status=200):
 @mlx
 async def test_http_every_field_on_a_vision_model(rich_vlm):
     png_bytes = png(50, 40, seed=9)
-    b64 = data_url(png_bytes).partition(",")[2]
     settings = settings_with(model={"path": str(rich_vlm)}, server={"max_body_bytes": 4_000_000})
     async with real_server(settings, mlx_runner_factory(settings)) as (url, _, runner):
         async with httpx.AsyncClient(base_url=url, timeout=120) as http:
             # Anthropic image block == OpenAI image_url (greedy, same prompt)
-            block = {"type": "image", "source": {"type": "base64", "media_type": "image/png"}}
-            block["source"]["data"] = b64
+            block = anthropic_image(png_bytes)
             text = {"type": "text", "text": "What is this?"}
             text_turn = {"role": "user", "content": "Hi"}
             a = await _post(http, "/v1/messages", _anthropic([block, text], temperature=0))
@@ -276,11 +307,13 @@ def _responses(text, effort):
     return {"input": text, "max_output_tokens": 6, "reasoning": {"effort": effort}}
 
 
-async def test_anthropic_image_block_on_a_text_model_is_a_400():
-    block = {"type": "image", "source": {"type": "base64", "media_type": "image/png"}}
-    block["source"]["data"] = data_url(png()).partition(",")[2]
+@pytest.mark.parametrize("in_tool_result", [False, True])
+async def test_anthropic_image_block_on_a_text_model_is_a_400(in_tool_result):
+    content = [anthropic_image(png())]
+    if in_tool_result:
+        content = [{"type": "tool_result", "tool_use_id": "t1", "content": content}]
     async with client() as (c, _, _):
-        r = await c.post("/v1/messages", json=_anthropic([block]), headers=ANTHROPIC)
+        r = await c.post("/v1/messages", json=_anthropic(content), headers=ANTHROPIC)
         err = json.loads(await r.get_data())
     assert r.status_code == 400
     assert "not supported by this text model" in err["error"]["message"]
@@ -313,3 +346,21 @@ def test_structured_output_with_vision_mtp_speculation_on(tiny_models):
     assert not failed
     assert set(json.loads(info.tokenizer.decode(tokens["r"]))) == {"color", "n"}
     assert (runner.decoding, runner.cache_bytes) == (0, 0)
+
+
+def test_tool_results_as_markup_keep_image_parts_and_join_text_parts():
+    """For templates without tool support: text parts read as text (not a JSON dump of the
+    parts), image parts stay parts for the vision path."""
+    from actors.tools import history_as_text
+
+    picture = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AA=="}}
+    texts, with_image = history_as_text(
+        (
+            Message(role="tool", content=[{"type": "text", "text": "4"}, TEXT_SUNNY]),
+            Message(role="tool", content=[TEXT_SUNNY, picture]),
+        )
+    )
+    assert texts.content == "<tool_response>\n4\nsunny\n</tool_response>"
+    assert with_image.role == "user"
+    assert with_image.content[1:3] == [TEXT_SUNNY, picture]
+    assert with_image.content[0]["text"] == "<tool_response>\n"

@@ -53,15 +53,19 @@ from protocol.messages import (
 )
 
 
-def _text(content: str | list) -> str:
-    if isinstance(content, str):
-        return content
-    check(
-        all(isinstance(b, wire.TextBlock) for b in content),
-        "messages",
-        "tool_result content must be text (send images in the user's own content)",
-    )
-    return "\n".join(b.text for b in content)
+def _result_part(x: wire.TextBlock | wire.ImageBlock) -> dict:
+    return {"type": "text", "text": x.text} if isinstance(x, wire.TextBlock) else image_part(x)
+
+
+def _tool_result(b: wire.ToolResultBlock) -> str | list[dict]:
+    """The result's text; content parts when it holds images (a text model refuses those)."""
+    prefix = "Error: " if b.is_error else ""
+    if isinstance(b.content, str):
+        return prefix + b.content
+    parts = [_result_part(x) for x in b.content]
+    if all(p["type"] == "text" for p in parts):
+        return prefix + "\n".join(p["text"] for p in parts)
+    return ([{"type": "text", "text": prefix}] if prefix else []) + parts
 
 
 def image_part(block: wire.ImageBlock) -> dict:
@@ -80,7 +84,7 @@ def _user_turns(content: list[wire.Block]) -> list[Message]:
         Message(
             role="tool",
             tool_call_id=b.tool_use_id,
-            content=("Error: " if b.is_error else "") + _text(b.content),
+            content=_tool_result(b),
         )
         for b in content
         if isinstance(b, wire.ToolResultBlock)
