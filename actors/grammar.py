@@ -79,6 +79,54 @@ def tool_call_lark(schema: dict, fmt: str) -> str:
     return f"start: call\ncall: {body}\n"  # llama3 / json: the bare object
 
 
+# Keywords that add no constraint: a node with only these besides ``$ref`` is just the ref.
+_ANNOTATIONS = frozenset(
+    {"$defs", "definitions", "$id", "$schema", "$comment", "title", "description", "examples"}
+)
+
+
+def check_refs(schema: dict) -> None:
+    """Refuse a local ``$ref`` chain that leads back to itself with nothing else in between
+    (``{"$ref": "#/$defs/a"}`` where ``a`` is ``{"$ref": "#/$defs/a"}``): no value matches it,
+    and wherever the model reached it, it could only stop."""
+    stack: list[Any] = [schema]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, list):
+            stack += node
+        elif isinstance(node, dict):
+            stack += node.values()
+            _follow(schema, node)
+
+
+def _follow(root: dict, node: dict) -> None:
+    seen: set[str] = set()
+    while isinstance(node, dict) and isinstance(node.get("$ref"), str):
+        if node.keys() - _ANNOTATIONS != {"$ref"}:
+            return
+        ref = node["$ref"]
+        if ref in seen:
+            raise GrammarError(f"the schema's $ref {ref!r} refers only to itself")
+        seen.add(ref)
+        node = _resolve(root, ref)
+
+
+def _resolve(root: dict, ref: str) -> Any:
+    """A local JSON pointer (``#/$defs/a``); None for anything else."""
+    if not ref.startswith("#"):
+        return None
+    node: Any = root
+    for part in ref[1:].split("/")[1:]:
+        part = part.replace("~1", "/").replace("~0", "~")
+        if isinstance(node, dict):
+            node = node.get(part)
+        elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
+            node = node[int(part)]
+        else:
+            return None
+    return node
+
+
 class GrammarCompiler:
     """Compiles constraints against one tokenizer.
 
@@ -96,10 +144,13 @@ class GrammarCompiler:
         if constraint.kind == "json_object":
             return llguidance.LLMatcher.grammar_from_json_schema({"type": "object"})
         if constraint.kind == "json_schema":
+            check_refs(constraint.schema or {})
             try:
                 return llguidance.LLMatcher.grammar_from_json_schema(constraint.schema or {})
             except ValueError as exc:
                 raise GrammarError(f"invalid JSON schema: {exc}") from exc
+        for tool in tools:
+            check_refs(tool.parameters)
         schema = tool_call_schema(tools, constraint.tool_names)
         return llguidance.LLMatcher.grammar_from_lark(tool_call_lark(schema, fmt))
 

@@ -226,19 +226,40 @@ async def test_responses_fields_are_checked():
 # ---- structured output that allows nothing ------------------------------------------------
 
 LOOP = {"$ref": "#/$defs/a", "$defs": {"a": {"$ref": "#/$defs/a"}}}
+NESTED_LOOP = {
+    "type": "object",
+    "properties": {"a": {"$ref": "#/$defs/x"}},
+    "required": ["a"],
+    "$defs": {"x": {"$ref": "#/$defs/y"}, "y": {"$ref": "#/$defs/x"}},
+}
 
 
-async def test_a_schema_that_allows_no_output_is_400_not_an_empty_answer():
-    fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": LOOP}}
+@pytest.mark.parametrize("schema", [LOOP, NESTED_LOOP])
+async def test_a_schema_that_allows_no_output_is_400_not_an_empty_answer(schema):
+    fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}
     async with client() as (c, _):
         for stream in (False, True):
             r = await c.post(CHAT, json=chat(response_format=fmt, stream=stream))
             param, message = await error_of(CHAT, r, 400)
             assert param == "response_format"
             assert "$ref" in message
-        text = {"format": {"type": "json_schema", "name": "x", "schema": LOOP}}
+        text = {"format": {"type": "json_schema", "name": "x", "schema": schema}}
         r = await c.post(RESPONSES, json={"input": "x", "text": text})
         assert (await error_of(RESPONSES, r, 400))[0] == "text.format"
+        tool = {"name": "f", "input_schema": schema}
+        body = anthropic(tools=[tool], tool_choice={"type": "tool", "name": "f"})
+        _, message = await error_of(MESSAGES, await c.post(MESSAGES, json=body), 400)
+        assert message.startswith("tool_choice:") and "$ref" in message
+
+
+def test_recursive_schemas_that_allow_values_compile():
+    from actors.grammar import GrammarCompiler
+    from protocol.messages import Constraint
+    from tests.fakes import CharTokenizer
+
+    grammars = GrammarCompiler(CharTokenizer())
+    tree = {"type": "object", "properties": {"kids": {"type": "array", "items": {"$ref": "#"}}}}
+    assert grammars.compile(Constraint(kind="json_schema", schema=tree)) is None  # check-only
 
 
 # ---- the body itself -----------------------------------------------------------------------
