@@ -230,11 +230,8 @@ def rich_vlm(tiny_models, tmp_path_factory):
 ANTHROPIC = {"x-api-key": "k", "anthropic-version": "2023-06-01"}
 
 
-def _anthropic(content, **extra):
-    return {"messages": [{"role": "user", "content": content}], "max_tokens": 6, **extra}
-
-
-def _openai(content, **extra):
+def _body(content, **extra):
+    """One user turn, for Anthropic Messages and OpenAI chat alike."""
     return {"messages": [{"role": "user", "content": content}], "max_tokens": 6, **extra}
 
 
@@ -254,16 +251,16 @@ async def test_http_every_field_on_a_vision_model(rich_vlm):
             block = anthropic_image(png_bytes)
             text = {"type": "text", "text": "What is this?"}
             text_turn = {"role": "user", "content": "Hi"}
-            a = await _post(http, "/v1/messages", _anthropic([block, text], temperature=0))
+            a = await _post(http, "/v1/messages", _body([block, text], temperature=0))
             image_url = {"type": "image_url", "image_url": {"url": data_url(png_bytes)}}
-            o = await _post(http, "/v1/chat/completions", _openai([image_url, text], temperature=0))
+            o = await _post(http, "/v1/chat/completions", _body([image_url, text], temperature=0))
             assert a["usage"]["input_tokens"] == o["usage"]["prompt_tokens"]
             assert a["content"] == [{"type": "text", "text": o["choices"][0]["message"]["content"]}]
-            no_image = await _post(http, "/v1/chat/completions", _openai("What is this?"))
+            no_image = await _post(http, "/v1/chat/completions", _body("What is this?"))
             assert no_image["usage"]["prompt_tokens"] < o["usage"]["prompt_tokens"]
             # a url source goes where an image_url URL goes: remote URLs are off here
             remote = {"type": "image", "source": {"type": "url", "url": "http://127.0.0.1:9/x.png"}}
-            err = await _post(http, "/v1/messages", _anthropic([remote, text]), 400)
+            err = await _post(http, "/v1/messages", _body([remote, text]), 400)
             assert "allow_remote_urls" in err["error"]["message"]
             # Anthropic thinking → enable_thinking: the template opens <think> (counted, as
             # generating past the 1024-token minimum budget would be slow)
@@ -278,12 +275,12 @@ async def test_http_every_field_on_a_vision_model(rich_vlm):
             assert [i["type"] for i in low["output"]] == ["message"]
             # response_format json_schema: output that parses against the schema
             fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": SCHEMA}}
-            body = _openai("Give me JSON", response_format=fmt, max_tokens=30)
+            body = _body("Give me JSON", response_format=fmt, max_tokens=30)
             got = await _post(http, "/v1/chat/completions", body)
             value = json.loads(got["choices"][0]["message"]["content"])
             assert set(value) == {"color", "n"}
             # a named tool_choice: a tool call, parsed by the streamer
-            body = _openai("Weather?", tools=_OPENAI_TOOLS, max_tokens=40)
+            body = _body("Weather?", tools=_OPENAI_TOOLS, max_tokens=40)
             body["tool_choice"] = {"type": "function", "function": {"name": "get_weather"}}
             got = (await _post(http, "/v1/chat/completions", body))["choices"][0]
             assert got["finish_reason"] == "tool_calls"
@@ -291,7 +288,7 @@ async def test_http_every_field_on_a_vision_model(rich_vlm):
             assert call["function"]["name"] == "get_weather"
             assert json.loads(call["function"]["arguments"])["city"] in ("Paris", "Rome")
             # apply_chat_template's own parameters are not template variables
-            body = _openai("Hi", chat_template_kwargs={"chat_template": "{{ 1 }}"})
+            body = _body("Hi", chat_template_kwargs={"chat_template": "{{ 1 }}"})
             err = await _post(http, "/v1/chat/completions", body, 400)
             assert "chat_template" in err["error"]["message"]
     assert runner.cache_bytes == 0
@@ -313,7 +310,7 @@ async def test_anthropic_image_block_on_a_text_model_is_a_400(in_tool_result):
     if in_tool_result:
         content = [{"type": "tool_result", "tool_use_id": "t1", "content": content}]
     async with client() as (c, _, _):
-        r = await c.post("/v1/messages", json=_anthropic(content), headers=ANTHROPIC)
+        r = await c.post("/v1/messages", json=_body(content), headers=ANTHROPIC)
         err = json.loads(await r.get_data())
     assert r.status_code == 400
     assert "not supported by this text model" in err["error"]["message"]
