@@ -150,58 +150,200 @@ def data_url() -> st.SearchStrategy[str]:
     return st.builds(str.__add__, st.sampled_from(heads), st.sampled_from(tails))
 
 
-def content_part() -> st.SearchStrategy[dict]:
+def content_part(hostile: bool) -> st.SearchStrategy[dict]:
     """OpenAI content parts (and the Responses ``input_*`` spellings)."""
-    return st.one_of(
-        st.fixed_dictionaries({"type": st.sampled_from(["text", "input_text"]), "text": text()}),
+    words = text() if hostile else tame_text()
+    parts = [
+        st.fixed_dictionaries({"type": st.sampled_from(["text", "input_text"]), "text": words}),
         st.fixed_dictionaries(
             {"type": st.just("image_url"), "image_url": st.fixed_dictionaries({"url": data_url()})}
         ),
-        st.fixed_dictionaries({"type": st.just("input_image"), "image_url": data_url()}),
-        st.fixed_dictionaries({"type": st.just("image_url"), "image_url": data_url()}),
-        st.dictionaries(text(), any_json(), max_size=3),
-    )
+    ]
+    if hostile:
+        parts += [
+            st.fixed_dictionaries({"type": st.just("input_image"), "image_url": data_url()}),
+            st.fixed_dictionaries({"type": st.just("image_url"), "image_url": data_url()}),
+            st.dictionaries(text(), any_json(), max_size=3),
+        ]
+    return st.one_of(parts)
 
 
-def _input_items() -> st.SearchStrategy[list]:
-    from protocol.responses import InputItem
+def tame_text() -> st.SearchStrategy[str]:
+    """Text a client might really send: printable, sometimes odd but valid unicode."""
+    odd = [s for s in ODD_STRINGS if s and not any(0xD800 <= ord(c) <= 0xDFFF for c in s)]
+    odd = [s for s in odd if s != BAD_UTF8_MARK]
+    plain = st.text(st.characters(codec="utf-8", exclude_categories=("Cs", "Co")), max_size=24)
+    return st.one_of(plain, st.sampled_from(["hi", "Paris?", "count to 3"]), st.sampled_from(odd))
 
-    item = st.one_of(
-        st.deferred(lambda: from_type_info(mi.type_info(InputItem))),
-        st.fixed_dictionaries({"role": st.sampled_from(ROLES), "content": text()}),
-    )
-    return st.lists(item, max_size=4)
+
+class Derive:
+    """Strategies from msgspec type info. ``hostile``: any node may be replaced by a hostile
+    value, required fields may go missing, tags may be wrong. Otherwise values are
+    plausible (what a careless but honest client sends), so requests reach the engine."""
+
+    def __init__(self, hostile: bool):
+        self.hostile = hostile
+        self.hints = _hints(hostile, self)
+
+    def value(self, t: mi.Type) -> st.SearchStrategy[Any]:
+        valid = self._valid(t)
+        if not self.hostile:
+            return valid
+        # Shrinks towards the valid value: a failing example keeps only the hostility it needs.
+        return st.sampled_from([False] * 15 + [True]).flatmap(
+            lambda bad: any_json() if bad else valid
+        )
+
+    def _valid(self, t: mi.Type) -> st.SearchStrategy[Any]:
+        h = self.hostile
+        match t:
+            case mi.StructType():
+                return self._struct(t)
+            case mi.UnionType():
+                return st.one_of([self.value(m) for m in t.types])
+            case mi.ListType() | mi.VarTupleType() | mi.SetType() | mi.FrozenSetType():
+                return st.lists(self.value(t.item_type), min_size=1 - h, max_size=4 if h else 2)
+            case mi.DictType():
+                keys = text() if h else tame_text()
+                return st.dictionaries(keys, self.value(t.value_type), max_size=4 if h else 2)
+            case mi.LiteralType():
+                return (
+                    st.one_of(st.sampled_from(t.values), text()) if h else st.sampled_from(t.values)
+                )
+            case mi.StrType():
+                return text() if h else tame_text()
+            case mi.BoolType():
+                return st.booleans()
+            case mi.IntType():
+                return integers() if h else st.integers(0, 8)
+            case mi.FloatType():
+                return st.one_of(floats(), integers()) if h else st.floats(0, 1)
+            case mi.NoneType():
+                return st.none()
+            case _:
+                return any_json() if h else st.one_of(st.none(), st.booleans(), tame_text())
+
+    def _struct(self, t: mi.StructType) -> st.SearchStrategy[dict]:
+        """Required fields (hostile: now and then dropped), optional ones half the time,
+        hostile: unknown extras and wrong tags."""
+        h = self.hostile
+
+        @st.composite
+        def build(draw):
+            out: dict[str, Any] = {}
+            if t.tag_field is not None:
+                out[t.tag_field] = draw(st.sampled_from([t.tag] * 3 + ["bogus"] * h))
+            for f in t.fields:
+                drop = [False] * 12 + [True] * h
+                if draw(st.sampled_from(drop) if f.required else st.booleans()):
+                    continue
+                field = self.value(f.type)
+                hint = self.hints.get(f"{t.cls.__name__}.{f.name}", self.hints.get(f.encode_name))
+                if hint is not None:  # tame: the hint alone; hostile: hint or anything typed
+                    field = st.one_of(hint, field) if h else hint
+                out[f.encode_name] = draw(field)
+            if h:
+                extras = st.dictionaries(
+                    st.sampled_from(["x_unknown", "extra", "__proto__"]), any_json()
+                )
+                out.update(draw(st.one_of(st.just({}), extras)))
+            return out
+
+        return build()
 
 
 @cache
-def _hints() -> dict[str, st.SearchStrategy[Any]]:
-    """Values that mean something to the server, keyed by field name."""
+def derive(hostile: bool) -> Derive:
+    return Derive(hostile)
+
+
+def request_body(cls: type[msgspec.Struct], hostile: bool) -> st.SearchStrategy[Any]:
+    """A request body for a wire request type: an object (hostile: sometimes anything)."""
+    return derive(hostile).value(mi.type_info(cls))
+
+
+def _hints(hostile: bool, d: Derive) -> dict[str, st.SearchStrategy[Any]]:
+    """Values that mean something to the server, keyed by ``Struct.field`` or field name."""
+    from protocol.responses import InputItem
+
+    words = text() if hostile else tame_text()
+    items = st.deferred(lambda: d.value(mi.type_info(InputItem)))
+    easy = st.fixed_dictionaries({"role": st.sampled_from(ROLES[:3]), "content": words})
+    tame = {
+        "role": st.sampled_from(["user", "user", "assistant", "system"]),
+        "InputMessage.role": st.sampled_from(["user", "assistant"]),
+        "content": st.one_of(words, st.lists(content_part(hostile), max_size=2)),
+        "model": st.just("fake-model"),
+        "previous_response_id": st.none(),  # stateless: always a 400
+        "suffix": st.none(),  # insertion: always a 400
+        "chat_template": st.none(),  # the model's own: always a 400
+        "repetition_penalty": st.floats(0.5, 2),
+        "logit_bias": st.dictionaries(
+            st.sampled_from(TOKEN_IDS[:6]), st.floats(-100, 100), max_size=2
+        ),
+        "prompt": st.one_of(words, st.lists(st.integers(1, 300), min_size=1, max_size=6)),
+        "input": st.one_of(words, st.lists(st.one_of(easy, items), min_size=1, max_size=3)),
+        "max_tokens": st.integers(1, 8),
+        "max_completion_tokens": st.integers(1, 8),
+        "max_output_tokens": st.integers(1, 8),
+        "budget_tokens": st.sampled_from([1024, 2048]),
+        "n": st.integers(1, 2),
+        "top_logprobs": st.integers(0, 5),
+        "ChatCompletionRequest.logprobs": st.booleans(),
+        "CompletionRequest.logprobs": st.integers(0, 5),
+        "parameters": st.sampled_from(SCHEMAS[:3]),
+        "input_schema": st.sampled_from(SCHEMAS[:3]),
+        "schema": st.sampled_from(SCHEMAS[:3]),
+        "ResponseFormat.type": st.sampled_from(["text", "json_object", "json_schema"]),
+        "TextFormat.type": st.sampled_from(["text", "json_object", "json_schema"]),
+        "WireTool.type": st.just("function"),
+        "FunctionTool.type": st.just("function"),
+        "ToolDef.type": st.sampled_from([None, "custom"]),
+        "ChatCompletionRequest.tool_choice": st.sampled_from(["auto", "none", "required"]),
+        "ResponsesRequest.tool_choice": st.sampled_from(["auto", "none", "required"]),
+        "effort": st.sampled_from(["none", "minimal", "low", "high"]),
+        "chat_template_kwargs": st.dictionaries(st.just("enable_thinking"), st.booleans()),
+        "stop": st.one_of(words, st.lists(words, max_size=3)),
+        "name": st.sampled_from(["get_weather", "f"]),
+        "temperature": st.floats(0, 2),
+        "top_p": st.floats(0.01, 1),
+        "top_k": st.integers(0, 50),
+        "seed": st.integers(0, 2**32),
+    }
+    if not hostile:
+        return tame
     small = st.one_of(st.integers(1, 8), st.sampled_from([0, -1, 4096, 4097, 10**6]))
     schema = st.sampled_from(SCHEMAS)
-    return {
+    kinds = ["function", "text", "json_object", "json_schema", "custom", "auto", "tool", "x"]
+    return tame | {
         "role": st.sampled_from(ROLES),
-        "content": st.one_of(text(), st.lists(content_part(), max_size=3)),
         "model": st.sampled_from(["fake-model", "gpt-4o", "", "x" * 300]),
         "logit_bias": st.dictionaries(st.sampled_from(TOKEN_IDS), floats(), max_size=3),
         "prompt": st.one_of(
             st.lists(st.one_of(st.integers(0, 300), st.sampled_from(INTS)), max_size=6),
             st.lists(text(), max_size=2),
         ),
-        "input": _input_items(),
+        "input": st.lists(st.one_of(easy, items), max_size=4),
         "max_tokens": small,
         "max_completion_tokens": small,
         "max_output_tokens": small,
         "budget_tokens": st.sampled_from([0, 1024, 2048, 10**6]),
         "n": st.sampled_from([1, 2, 3, 0, -1, 9, 10**9]),
         "top_logprobs": st.sampled_from([0, 1, 5, 20, 21, -1]),
-        "logprobs": st.one_of(st.booleans(), st.sampled_from([0, 3, 20, 21, -1])),
+        "ChatCompletionRequest.logprobs": st.one_of(st.booleans(), st.sampled_from([0, 21])),
+        "CompletionRequest.logprobs": st.sampled_from([0, 3, 20, 21, -1, True]),
         "parameters": schema,
         "input_schema": schema,
         "schema": schema,
-        "type": st.sampled_from(
-            ["function", "text", "json_object", "json_schema", "custom", "auto", "tool", "x"]
-        ),
-        "tool_choice": st.sampled_from(["auto", "none", "required", "any", "tool", "bogus"]),
+        "ResponseFormat.type": st.sampled_from(kinds),
+        "TextFormat.type": st.sampled_from(kinds),
+        "type": st.sampled_from(kinds),
+        "ChatCompletionRequest.tool_choice": st.sampled_from(["auto", "required", "any", "x"]),
+        "ResponsesRequest.tool_choice": st.sampled_from(["auto", "required", "any", "x"]),
+        "previous_response_id": st.one_of(st.none(), text()),
+        "suffix": st.one_of(st.none(), text()),
+        "chat_template": st.one_of(st.none(), text()),
+        "repetition_penalty": floats(),
         "effort": st.sampled_from(["none", "minimal", "low", "high", "max"]),
         "chat_template_kwargs": st.dictionaries(
             st.sampled_from(["enable_thinking", "messages", "tools", "add_generation_prompt", "x"]),
@@ -210,72 +352,11 @@ def _hints() -> dict[str, st.SearchStrategy[Any]]:
         ),
         "stop": st.one_of(text(), st.lists(text(), max_size=20)),
         "name": st.sampled_from(["get_weather", "f", "", "a" * 200]),
+        "temperature": floats(),
+        "top_p": floats(),
+        "top_k": integers(),
+        "seed": integers(),
     }
-
-
-# ---- from msgspec type info ----------------------------------------------------------------
-
-
-def from_type_info(t: mi.Type, hints: dict | None = None) -> st.SearchStrategy[Any]:
-    """JSON-able values of the wire type ``t``, mostly valid, sometimes hostile."""
-    hints = _hints() if hints is None else hints
-    valid = _valid(t, hints)
-    # Shrinks towards the valid value: a failing example keeps only the hostility it needs.
-    return st.sampled_from([False] * 15 + [True]).flatmap(lambda bad: any_json() if bad else valid)
-
-
-def _valid(t: mi.Type, hints: dict) -> st.SearchStrategy[Any]:
-    match t:
-        case mi.StructType():
-            return _struct(t, hints)
-        case mi.UnionType():
-            return st.one_of([from_type_info(m, hints) for m in t.types])
-        case mi.ListType() | mi.VarTupleType() | mi.SetType() | mi.FrozenSetType():
-            return st.lists(from_type_info(t.item_type, hints), max_size=4)
-        case mi.DictType():
-            return st.dictionaries(text(), from_type_info(t.value_type, hints), max_size=4)
-        case mi.LiteralType():
-            return st.one_of(st.sampled_from(t.values), text())
-        case mi.StrType():
-            return text()
-        case mi.BoolType():
-            return st.booleans()
-        case mi.IntType():
-            return integers()
-        case mi.FloatType():
-            return st.one_of(floats(), integers())
-        case mi.NoneType():
-            return st.none()
-        case _:
-            return any_json()
-
-
-def _struct(t: mi.StructType, hints: dict) -> st.SearchStrategy[dict]:
-    """Required fields (now and then dropped), optional ones now and then, unknown extras."""
-
-    @st.composite
-    def build(draw):
-        out: dict[str, Any] = {}
-        if t.tag_field is not None:
-            out[t.tag_field] = draw(st.sampled_from([t.tag, t.tag, t.tag, "bogus"]))
-        for f in t.fields:
-            keep = (
-                draw(st.sampled_from([True] * 12 + [False])) if f.required else draw(st.booleans())
-            )
-            if keep:
-                field = from_type_info(f.type, hints)
-                hint = hints.get(f.encode_name)
-                out[f.encode_name] = draw(st.one_of(hint, field) if hint is not None else field)
-        extras = st.dictionaries(st.sampled_from(["x_unknown", "extra", "__proto__"]), any_json())
-        out.update(draw(st.one_of(st.just({}), extras)))
-        return out
-
-    return build()
-
-
-def request_body(cls: type[msgspec.Struct]) -> st.SearchStrategy[Any]:
-    """A request body for a wire request type: mostly an object, sometimes anything."""
-    return from_type_info(mi.type_info(cls))
 
 
 # ---- serialising, headers ------------------------------------------------------------------

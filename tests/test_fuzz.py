@@ -119,9 +119,24 @@ def failure(kind: str) -> type[AssertionError]:
 
 @st.composite
 def probes(draw, paths: list[str]) -> Probe:
+    """Half plausible requests (they reach the engine), half hostile ones."""
     path = draw(st.sampled_from(paths))
-    body = draw(fz.http_body(draw(fz.request_body(ROUTES[path]))))
+    hostile = draw(st.booleans())
+    value = draw(fz.request_body(ROUTES[path], hostile))
+    if not hostile:
+        body = fz.to_json(value, ascii_only=draw(st.booleans())).encode()
+        return Probe(path, body, "application/json", None)
+    body = draw(fz.http_body(value))
     return Probe(path, body, draw(fz.content_type()), draw(fz.host()))
+
+
+def _reason(body: bytes) -> str:
+    """A 400's gist: its ``param``, else the start of its message."""
+    try:
+        error = json.loads(body)["error"]
+    except (ValueError, KeyError, TypeError):
+        return "?"
+    return str(error.get("param") or error.get("message", "?")[:40])
 
 
 def stream_error(body: bytes) -> str | None:
@@ -146,6 +161,7 @@ class Fuzzer:
     tried: int = 0
     statuses: Counter = field(default_factory=Counter)
     failures: Counter = field(default_factory=Counter)
+    rejected: Counter = field(default_factory=Counter)  # 400s by reason, for the summary
     slowest: float = 0.0
 
     def check(self, probe: Probe) -> None:
@@ -178,6 +194,8 @@ class Fuzzer:
         self.statuses[r.status_code] += 1
         if elapsed > self.hang_s:
             return f"answered after {elapsed:.1f} s"
+        if r.status_code == 400:
+            self.rejected[_reason(body)] += 1
         if r.status_code >= 500:
             return f"HTTP {r.status_code}: {body[:300]!r}"
         if r.headers.get("content-type", "").startswith("text/event-stream"):
@@ -261,7 +279,8 @@ async def run_tier(url: str, paths: list[str], examples: int, canary: Canary, fa
             f"statuses {dict(sorted(fuzzer.statuses.items(), key=str))}, "
             f"slowest {fuzzer.slowest:.2f} s, canary {canary.sent} sent "
             f"{len(canary.errors)} failed, RSS {rss_growth_mb:+.0f} MB, "
-            f"failures {dict(fuzzer.failures) or 'none'}"
+            f"failures {dict(fuzzer.failures) or 'none'}; "
+            f"400s mostly {dict(fuzzer.rejected.most_common(6))}"
         )
     async with httpx.AsyncClient(base_url=url, timeout=10) as http:
         health = await http.get("/health")
