@@ -22,6 +22,8 @@ from typing import Any
 
 import numpy as np
 
+from actors.tools import template_source
+
 TEXT_PARTS = ("text", "input_text", "output_text")
 IMAGE_PARTS = ("image_url", "input_image")
 
@@ -180,8 +182,14 @@ class VisionProcessor:
         such as ``enable_thinking``), passed as a text model's tokenizer gets them.
         """
         return self.processor.apply_chat_template(
-            messages, add_generation_prompt=True, tokenize=False, **(extra or {})
+            messages, add_generation_prompt=True, tokenize=False, **self._used(extra or {})
         )
+
+    def _used(self, extra: dict[str, Any]) -> dict[str, Any]:
+        """The variables the template mentions: a processor logs a misleading warning per
+        request for each other one (a text model's tokenizer ignores them silently)."""
+        source = template_source(self.processor) + template_source(self.processor.tokenizer)
+        return {k: v for k, v in extra.items() if k in source} if source else extra
 
     def encode(self, prompt: str, images: list[Any]) -> tuple[list[int], dict[str, np.ndarray]]:
         """Token ids (image placeholders expanded) and the image arrays, as numpy."""
