@@ -80,6 +80,7 @@ class MemorySettings(_Section):
     headroom_mb: NonNegative = 1024
     kv_budget_mb: NonNegative = 0
     set_mlx_limit: bool = True
+    cache_limit_mb: NonNegative = 256
 
 
 class TokenizerSettings(_Section):
