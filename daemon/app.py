@@ -27,7 +27,7 @@ from daemon.api import anthropic, openai, responses
 from daemon.api.body import is_json_type
 from daemon.api.common import ApiError, Validator, json_response
 from daemon.pipeline import Pipeline, ServerState
-from daemon.security import AllowedHosts, ApiKeys, Cors
+from daemon.security import AllowedHosts, ApiKeys, Cors, well_formed_host
 from daemon.settings import Settings
 from daemon.telemetry import request_log, status_snapshot
 from protocol.messages import ClearCache
@@ -67,7 +67,57 @@ def create_app(pipeline: Pipeline, settings: Settings) -> QuartTrio:
     _install_observability(app, pipeline, settings)
     _install_guards(app, settings)
     _install_error_handlers(app, settings, pipeline)
+    hosts = AllowedHosts(settings.server.allowed_hosts, settings.server.host)
+    app.asgi_app = HostGuard(app.asgi_app, hosts, pipeline)  # type: ignore[method-assign]
     return app
+
+
+class HostGuard:
+    """ASGI middleware: the Host header must be well formed (else 400) and name this
+    server (else 403), checked before Quart's router parses it (a malformed one makes
+    the router raise outside any handler)."""
+
+    def __init__(self, app, hosts: AllowedHosts, pipeline: Pipeline):
+        self.app, self.hosts, self.telemetry = app, hosts, pipeline.telemetry
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http":
+            error = self.refusal(_header(scope, b"host"))
+            if error is not None:
+                await self.refuse(scope, send, error)
+                return
+        await self.app(scope, receive, send)
+
+    def refusal(self, host: str | None) -> ApiError | None:
+        if host is None:
+            return None  # HTTP/1.0 without Host: not a browser, nothing to rebind
+        if not well_formed_host(host):
+            return ApiError(400, f"malformed Host header {host[:100]!r}", code="bad_host")
+        if not self.hosts.allows(host):
+            return ApiError(
+                403,
+                f"host {host!r} is not served here (server.allowed_hosts)",
+                code="host_not_allowed",
+            )
+        return None
+
+    async def refuse(self, scope, send, error: ApiError) -> None:
+        self.telemetry.http_error(error.status)
+        request_log.info(
+            "request id=- status=%d path=%s error=%r", error.status, scope["path"], str(error)
+        )
+        anthropic_route = scope["path"].startswith("/v1/messages")
+        body = error.anthropic_body() if anthropic_route else error.body()
+        headers = [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(body))]
+        await send({"type": "http.response.start", "status": error.status, "headers": headers})
+        await send({"type": "http.response.body", "body": body})
+
+
+def _header(scope, name: bytes) -> str | None:
+    for key, value in scope["headers"]:
+        if key.lower() == name:
+            return value.decode("latin-1")
+    return None
 
 
 def _install_engine_routes(app: QuartTrio, pipeline: Pipeline, ready) -> None:
@@ -112,21 +162,13 @@ _OPEN_PATHS = frozenset({"/health"})
 
 
 def _install_guards(app: QuartTrio, settings: Settings) -> None:
-    """Host check; API keys on every route but /health; CORS preflight and headers for
-    allowed origins; JSON bodies only."""
+    """API keys on every route but /health; CORS preflight and headers for allowed
+    origins; JSON bodies only."""
     keys = ApiKeys.from_settings(settings.auth)
     cors = Cors(settings.server.cors_origins)
-    hosts = AllowedHosts(settings.server.allowed_hosts, settings.server.host)
 
     @app.before_request
     async def guard() -> Response | None:
-        host = request.headers.get("Host")
-        if not hosts.allows(host):
-            raise ApiError(
-                403,
-                f"host {host!r} is not served here (server.allowed_hosts)",
-                code="host_not_allowed",
-            )
         origin = request.headers.get("Origin")
         if request.method == "OPTIONS" and cors.allows(origin):
             return Response(b"", status=204, headers=cors.preflight_headers(origin or ""))

@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import ipaddress
+import re
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
@@ -103,6 +104,15 @@ class Cors:
 
 _LOOPBACK_NAMES = frozenset({"localhost", "127.0.0.1", "::1"})
 _ANY_ADDRESS = frozenset({"0.0.0.0", "::", ""})
+
+
+_LABEL = r"[A-Za-z0-9_](?:[A-Za-z0-9_-]{0,61}[A-Za-z0-9_])?"
+_HOST = re.compile(rf"(?:\[[0-9A-Fa-f:.]{{2,45}}\]|{_LABEL}(?:\.{_LABEL})*\.?)(?::[0-9]{{1,5}})?")
+
+
+def well_formed_host(value: str) -> bool:
+    """A DNS name or address, optionally with a port: what the URL router can parse."""
+    return len(value) <= 261 and _HOST.fullmatch(value) is not None
 
 
 def host_name(value: str) -> str:

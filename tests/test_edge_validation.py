@@ -338,6 +338,14 @@ async def test_a_foreign_host_header_is_403_in_the_api_format():
             assert r.status_code == 200, host
 
 
+async def test_a_malformed_host_header_is_400_even_when_any_host_is_allowed():
+    async with client(settings_with(server={"host": "0.0.0.0"})) as (c, _):
+        for host in ("a" * 300, "[::1", "x y", ""):  # the URL router raised on these: 500
+            r = await c.post(MESSAGES, json=MINIMAL[MESSAGES], headers={"Host": host})
+            _, message = await error_of(MESSAGES, r, 400)
+            assert "Host" in message
+
+
 async def test_allowed_hosts_setting_and_wildcard_binds():
     settings = settings_with(server={"allowed_hosts": ["llm.lan"]})
     async with client(settings) as (c, _):
