@@ -340,7 +340,7 @@ async def test_a_foreign_host_header_is_403_in_the_api_format():
 
 async def test_a_malformed_host_header_is_400_even_when_any_host_is_allowed():
     async with client(settings_with(server={"host": "0.0.0.0"})) as (c, _):
-        for host in ("a" * 300, "[::1", "x y", ""):  # the URL router raised on these: 500
+        for host in ("a" * 300, "x y", ""):  # the URL router raised on "a" * 300: a 500
             r = await c.post(MESSAGES, json=MINIMAL[MESSAGES], headers={"Host": host})
             _, message = await error_of(MESSAGES, r, 400)
             assert "Host" in message
