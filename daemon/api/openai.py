@@ -53,7 +53,12 @@ from protocol.messages import (
 
 
 def sampling_from(
-    w: wire._SamplingFields, max_tokens: int | None, v: Validator, top_logprobs_param: str, **extra
+    w: wire._SamplingFields,
+    max_tokens: int | None,
+    v: Validator,
+    top_logprobs_param: str,
+    max_tokens_param: str = "max_tokens",
+    **extra,
 ):
     """The OpenAI sampling fields as internal params (range-checked)."""
     params = SamplingParams(
@@ -72,7 +77,9 @@ def sampling_from(
         spec_prefill=w.spec_prefill,
         **extra,
     )
-    return v.sampling(params, top_logprobs_param=top_logprobs_param)
+    return v.sampling(
+        params, max_tokens_param=max_tokens_param, top_logprobs_param=top_logprobs_param
+    )
 
 
 def choice_ids(rid: str, n: int) -> list[str]:
@@ -124,9 +131,10 @@ def chat_requests(w: wire.ChatCompletionRequest, rid: str, v: Validator) -> list
     check(not w.top_logprobs or bool(w.logprobs), "top_logprobs", "needs logprobs: true")
     sampling = sampling_from(
         w,
-        w.max_completion_tokens or w.max_tokens,
+        w.max_tokens if w.max_completion_tokens is None else w.max_completion_tokens,
         v,
         "top_logprobs",
+        "max_tokens" if w.max_completion_tokens is None else "max_completion_tokens",
         logprobs=bool(w.logprobs),
         top_logprobs=w.top_logprobs or 0,
     )
