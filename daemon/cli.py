@@ -58,7 +58,7 @@ def serve(args: argparse.Namespace) -> int:
 
     try:
         trio.run(serve_forever, settings)
-    except (FileNotFoundError, ValueError, OSError, BaseExceptionGroup) as exc:
+    except (FileNotFoundError, ValueError, OSError, RuntimeError, BaseExceptionGroup) as exc:
         cause = _startup_cause(exc)
         if cause is None:
             raise
@@ -72,7 +72,11 @@ def _startup_cause(exc: BaseException) -> BaseException | None:
     if isinstance(exc, BaseExceptionGroup):
         causes = [_startup_cause(e) for e in exc.exceptions]
         return next((c for c in causes if c is not None), None)
-    return exc if isinstance(exc, FileNotFoundError | ValueError | OSError) else None
+    if isinstance(exc, FileNotFoundError | ValueError | OSError):
+        return exc
+    # MLX's loaders say what is wrong with a weights file ("[load_safetensors] ... Perhaps
+    # an incomplete download or corrupt file?"); any other RuntimeError is a bug: traceback.
+    return exc if isinstance(exc, RuntimeError) and str(exc).startswith("[load") else None
 
 
 def bench(argv: list[str]) -> int:

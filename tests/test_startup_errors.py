@@ -3,6 +3,7 @@ config errors found before the model loads."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -64,6 +65,18 @@ def test_a_corrupt_gguf_exits_1_with_one_line(tmp_path):
     code, stderr = serve(tmp_path, "", str(model))
     assert code == 1
     assert "not a readable GGUF file" in one_error_line(stderr)
+
+
+def test_a_corrupt_safetensors_file_exits_1_with_one_line(tmp_path):
+    model = tmp_path / "model"
+    model.mkdir()
+    config = {"model_type": "llama", "hidden_size": 8, "num_hidden_layers": 1}
+    config |= {"intermediate_size": 16, "num_attention_heads": 2, "rms_norm_eps": 1e-5}
+    (model / "config.json").write_text(json.dumps(config | {"vocab_size": 32}))
+    (model / "model.safetensors").write_bytes(b"\xff" * 500)
+    code, stderr = serve(tmp_path, "", str(model))
+    assert code == 1
+    assert "load_safetensors" in one_error_line(stderr)
 
 
 @pytest.mark.parametrize(
