@@ -83,6 +83,12 @@ def deep_arguments(depth):
     ]
 
 
+def long_call_name():
+    turns = deep_arguments(1)
+    turns[1]["tool_calls"][0]["function"]["name"] = "f" * 70_000
+    return turns
+
+
 TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
 
 
@@ -122,6 +128,7 @@ TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "ob
         ({"chat_template_kwargs": {"chat_template": "{{ 7 }}"}}, "chat_template_kwargs"),
         ({"messages": deep_arguments(50_000)}, "messages[1].tool_calls[0].function.arguments"),
         ({"messages": deep_arguments(65)}, "messages[1].tool_calls[0].function.arguments"),
+        ({"messages": long_call_name()}, "messages[1].tool_calls[0]"),
     ],
 )
 async def test_chat_fields_out_of_range_are_400_naming_the_field(extra, param):

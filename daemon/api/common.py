@@ -336,10 +336,17 @@ class Validator:
 
     def history(self, messages: tuple[Message, ...], param: str, exact: bool = False) -> None:
         """Every earlier tool call's arguments; ``exact``: ``messages[i]`` is the wire's i."""
+        limit = self.tokenizer.max_tool_chars
         for i, m in enumerate(messages):
             for j, call in enumerate(m.tool_calls):
-                where = f"{param}[{i}].tool_calls[{j}].function.arguments" if exact else param
-                self.arguments(call.arguments, where)
+                where = f"{param}[{i}].tool_calls[{j}]" if exact else param
+                check(
+                    max(len(call.name), len(call.id)) <= limit,
+                    where,
+                    f"a tool call's name and id must be at most {limit} characters "
+                    "(tokenizer.max_tool_chars)",
+                )
+                self.arguments(call.arguments, f"{where}.function.arguments" if exact else param)
 
 
 def json_constraint(kind: str, schema: dict | None, param: str) -> Constraint | None:
