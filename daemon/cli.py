@@ -43,14 +43,18 @@ def _overrides(args: argparse.Namespace) -> dict:
 def serve(args: argparse.Namespace) -> int:
     try:
         settings = load_settings(args.config, _overrides(args))
-        ApiKeys.from_settings(settings.auth)  # reads auth.api_key_file: fail before the model loads
-    except (SettingsError, ValueError) as exc:
+    except SettingsError as exc:
         print(f"mlxd: bad config: {exc}", file=sys.stderr)
         return 2
     logging.basicConfig(
         level=settings.logging.level,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+    try:
+        ApiKeys.from_settings(settings.auth)  # reads auth.api_key_file: fail before the model loads
+    except ValueError as exc:
+        logging.getLogger("mlxd").error("start-up failed: %s", exc)
+        return 1
     logging.getLogger("mlxd").info(blas.status())
     import trio
 

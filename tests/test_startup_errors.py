@@ -51,12 +51,13 @@ def test_bad_settings_exit_2_with_one_line_before_the_model_loads(tmp_path, conf
     assert "reading" not in stderr and "loading" not in stderr  # the model was never touched
 
 
-def test_a_key_file_with_no_key_exits_2(tmp_path):
+def test_a_key_file_with_no_key_exits_1_before_the_model_loads(tmp_path):
     keys = tmp_path / "keys"
     keys.write_text("# only a comment\n\n")
     code, stderr = serve(tmp_path, f'[auth]\napi_key_file = "{keys}"\n')
-    assert code == 2
+    assert code == 1
     assert "holds no key" in one_error_line(stderr)
+    assert "reading" not in stderr and "loading" not in stderr
 
 
 def test_a_corrupt_gguf_exits_1_with_one_line(tmp_path):
