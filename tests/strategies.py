@@ -177,13 +177,19 @@ def tame_text() -> st.SearchStrategy[str]:
 
 
 class Derive:
-    """Strategies from msgspec type info. ``hostile``: any node may be replaced by a hostile
-    value, required fields may go missing, tags may be wrong. Otherwise values are
-    plausible (what a careless but honest client sends), so requests reach the engine."""
+    """Strategies from msgspec type info, in one of three modes.
 
-    def __init__(self, hostile: bool):
-        self.hostile = hostile
-        self.hints = _hints(hostile, self)
+    ``tame``: plausible values (what a careless but honest client sends), so requests
+    reach the engine. ``edgy``: the same shapes, but every number and token id is
+    extreme (huge, negative, past the vocabulary): what must be caught before MLX,
+    which checks no bounds. ``hostile``: also any node may be replaced by any value,
+    required fields may go missing, tags may be wrong, unknown fields appear.
+    """
+
+    def __init__(self, mode: str):
+        self.hostile = mode == "hostile"
+        self.wild = mode != "tame"  # extreme numbers
+        self.hints = _hints(mode, self)
 
     def value(self, t: mi.Type) -> st.SearchStrategy[Any]:
         valid = self._valid(t)
@@ -215,13 +221,17 @@ class Derive:
             case mi.BoolType():
                 return st.booleans()
             case mi.IntType():
-                return integers() if h else st.integers(0, 8)
+                return self._number(st.integers(0, 8), integers())
             case mi.FloatType():
-                return st.one_of(floats(), integers()) if h else st.floats(0, 1)
+                return self._number(st.floats(0, 1), st.one_of(floats(), integers()))
             case mi.NoneType():
                 return st.none()
             case _:
                 return any_json() if h else st.one_of(st.none(), st.booleans(), tame_text())
+
+    def _number(self, tame: st.SearchStrategy, wild: st.SearchStrategy) -> st.SearchStrategy:
+        """Edgy: half the numbers extreme (one bad number is enough for a 400)."""
+        return wild if self.hostile else st.one_of(tame, wild) if self.wild else tame
 
     def _struct(self, t: mi.StructType) -> st.SearchStrategy[dict]:
         """Required fields (hostile: now and then dropped), optional ones half the time,
@@ -252,20 +262,24 @@ class Derive:
         return build()
 
 
+MODES = ("tame", "edgy", "hostile")
+
+
 @cache
-def derive(hostile: bool) -> Derive:
-    return Derive(hostile)
+def derive(mode: str) -> Derive:
+    return Derive(mode)
 
 
-def request_body(cls: type[msgspec.Struct], hostile: bool) -> st.SearchStrategy[Any]:
+def request_body(cls: type[msgspec.Struct], mode: str) -> st.SearchStrategy[Any]:
     """A request body for a wire request type: an object (hostile: sometimes anything)."""
-    return derive(hostile).value(mi.type_info(cls))
+    return derive(mode).value(mi.type_info(cls))
 
 
-def _hints(hostile: bool, d: Derive) -> dict[str, st.SearchStrategy[Any]]:
+def _hints(mode: str, d: Derive) -> dict[str, st.SearchStrategy[Any]]:
     """Values that mean something to the server, keyed by ``Struct.field`` or field name."""
     from protocol.responses import InputItem
 
+    hostile = mode == "hostile"
     words = text() if hostile else tame_text()
     items = st.deferred(lambda: d.value(mi.type_info(InputItem)))
     easy = st.fixed_dictionaries({"role": st.sampled_from(ROLES[:3]), "content": words})
@@ -273,7 +287,7 @@ def _hints(hostile: bool, d: Derive) -> dict[str, st.SearchStrategy[Any]]:
         "role": st.sampled_from(["user", "user", "assistant", "system"]),
         "InputMessage.role": st.sampled_from(["user", "assistant"]),
         "content": st.one_of(words, st.lists(content_part(hostile), max_size=2)),
-        "model": st.just("fake-model"),
+        "model": st.none(),  # the served id, whatever it is
         "previous_response_id": st.none(),  # stateless: always a 400
         "suffix": st.none(),  # insertion: always a 400
         "chat_template": st.none(),  # the model's own: always a 400
@@ -310,53 +324,62 @@ def _hints(hostile: bool, d: Derive) -> dict[str, st.SearchStrategy[Any]]:
         "top_k": st.integers(0, 50),
         "seed": st.integers(0, 2**32),
     }
-    if not hostile:
+    if mode == "tame":
         return tame
     small = st.one_of(st.integers(1, 8), st.sampled_from([0, -1, 4096, 4097, 10**6]))
-    schema = st.sampled_from(SCHEMAS)
-    kinds = ["function", "text", "json_object", "json_schema", "custom", "auto", "tool", "x"]
-    return tame | {
-        "role": st.sampled_from(ROLES),
-        "model": st.sampled_from(["fake-model", "gpt-4o", "", "x" * 300]),
+    numbers = {
         "logit_bias": st.dictionaries(st.sampled_from(TOKEN_IDS), floats(), max_size=3),
-        "prompt": st.one_of(
-            st.lists(st.one_of(st.integers(0, 300), st.sampled_from(INTS)), max_size=6),
-            st.lists(text(), max_size=2),
-        ),
-        "input": st.lists(st.one_of(easy, items), max_size=4),
+        "prompt": st.lists(st.one_of(st.integers(0, 300), st.sampled_from(INTS)), max_size=6),
         "max_tokens": small,
         "max_completion_tokens": small,
         "max_output_tokens": small,
         "budget_tokens": st.sampled_from([0, 1024, 2048, 10**6]),
         "n": st.sampled_from([1, 2, 3, 0, -1, 9, 10**9]),
         "top_logprobs": st.sampled_from([0, 1, 5, 20, 21, -1]),
-        "ChatCompletionRequest.logprobs": st.one_of(st.booleans(), st.sampled_from([0, 21])),
-        "CompletionRequest.logprobs": st.sampled_from([0, 3, 20, 21, -1, True]),
-        "parameters": schema,
-        "input_schema": schema,
-        "schema": schema,
-        "ResponseFormat.type": st.sampled_from(kinds),
-        "TextFormat.type": st.sampled_from(kinds),
-        "type": st.sampled_from(kinds),
-        "ChatCompletionRequest.tool_choice": st.sampled_from(["auto", "required", "any", "x"]),
-        "ResponsesRequest.tool_choice": st.sampled_from(["auto", "required", "any", "x"]),
-        "previous_response_id": st.one_of(st.none(), text()),
-        "suffix": st.one_of(st.none(), text()),
-        "chat_template": st.one_of(st.none(), text()),
-        "repetition_penalty": floats(),
-        "effort": st.sampled_from(["none", "minimal", "low", "high", "max"]),
-        "chat_template_kwargs": st.dictionaries(
-            st.sampled_from(["enable_thinking", "messages", "tools", "add_generation_prompt", "x"]),
-            any_json(),
-            max_size=2,
-        ),
-        "stop": st.one_of(text(), st.lists(text(), max_size=20)),
-        "name": st.sampled_from(["get_weather", "f", "", "a" * 200]),
+        "CompletionRequest.logprobs": st.sampled_from([0, 3, 20, 21, -1]),
         "temperature": floats(),
         "top_p": floats(),
         "top_k": integers(),
         "seed": integers(),
+        "repetition_penalty": floats(),
     }
+    if mode == "edgy":
+        return tame | {k: st.one_of(tame[k], v) if k in tame else v for k, v in numbers.items()}
+    schema = st.sampled_from(SCHEMAS)
+    kinds = ["function", "text", "json_object", "json_schema", "custom", "auto", "tool", "x"]
+    return (
+        tame
+        | numbers
+        | {
+            "role": st.sampled_from(ROLES),
+            "model": st.sampled_from(["fake-model", "gpt-4o", "", "x" * 300]),
+            "prompt": st.one_of(numbers["prompt"], st.lists(text(), max_size=2)),
+            "input": st.lists(st.one_of(easy, items), max_size=4),
+            "ChatCompletionRequest.logprobs": st.one_of(st.booleans(), st.sampled_from([0, 21])),
+            "CompletionRequest.logprobs": st.sampled_from([0, 3, 20, 21, -1, True]),
+            "parameters": schema,
+            "input_schema": schema,
+            "schema": schema,
+            "ResponseFormat.type": st.sampled_from(kinds),
+            "TextFormat.type": st.sampled_from(kinds),
+            "type": st.sampled_from(kinds),
+            "ChatCompletionRequest.tool_choice": st.sampled_from(["auto", "required", "any", "x"]),
+            "ResponsesRequest.tool_choice": st.sampled_from(["auto", "required", "any", "x"]),
+            "previous_response_id": st.one_of(st.none(), text()),
+            "suffix": st.one_of(st.none(), text()),
+            "chat_template": st.one_of(st.none(), text()),
+            "effort": st.sampled_from(["none", "minimal", "low", "high", "max"]),
+            "chat_template_kwargs": st.dictionaries(
+                st.sampled_from(
+                    ["enable_thinking", "messages", "tools", "add_generation_prompt", "x"]
+                ),
+                any_json(),
+                max_size=2,
+            ),
+            "stop": st.one_of(text(), st.lists(text(), max_size=20)),
+            "name": st.sampled_from(["get_weather", "f", "", "a" * 200]),
+        }
+    )
 
 
 # ---- serialising, headers ------------------------------------------------------------------

@@ -34,7 +34,7 @@ from pathlib import Path
 import httpx
 import pytest
 import trio
-from hypothesis import HealthCheck, Phase, assume, given, settings
+from hypothesis import HealthCheck, Phase, assume, example, given, settings
 from hypothesis import strategies as st
 
 from protocol import anthropic, openai, responses
@@ -57,6 +57,7 @@ FAKE_EXAMPLES = {
 }
 REAL_EXAMPLES = 40
 # In-stream error types that mean the server failed (OpenAI's, Anthropic's).
+JSON = "application/json"
 SERVER_ERROR_TYPES = {"server_error", "api_error", "overloaded_error", "service_unavailable"}
 
 
@@ -74,9 +75,10 @@ class Probe:
     content_type: str | None
     host: str | None
 
-    def headers(self) -> dict[str, str]:
-        headers = {} if self.content_type is None else {"Content-Type": self.content_type}
-        return headers | ({} if self.host is None else {"Host": self.host})
+    def headers(self) -> dict[str, bytes]:
+        """As bytes: httpx would refuse a non-ASCII value, a server may not."""
+        headers = {"Content-Type": self.content_type, "Host": self.host}
+        return {k: v.encode() for k, v in headers.items() if v is not None}
 
     def __repr__(self) -> str:
         body = self.body if len(self.body) <= 300 else self.body[:300] + b"..."
@@ -119,15 +121,65 @@ def failure(kind: str) -> type[AssertionError]:
 
 @st.composite
 def probes(draw, paths: list[str]) -> Probe:
-    """Half plausible requests (they reach the engine), half hostile ones."""
+    """A third each: plausible requests, extreme numbers, hostile anything (``fz.Derive``)."""
     path = draw(st.sampled_from(paths))
-    hostile = draw(st.booleans())
-    value = draw(fz.request_body(ROUTES[path], hostile))
-    if not hostile:
+    mode = draw(st.sampled_from(fz.MODES))
+    value = draw(fz.request_body(ROUTES[path], mode))
+    if mode != "hostile":
         body = fz.to_json(value, ascii_only=draw(st.booleans())).encode()
         return Probe(path, body, "application/json", None)
     body = draw(fz.http_body(value))
     return Probe(path, body, draw(fz.content_type()), draw(fz.host()))
+
+
+# A minimal valid body per route, for the fixed corner cases below.
+BASE = {
+    "/v1/chat/completions": {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4},
+    "/v1/completions": {"prompt": "hi", "max_tokens": 4},
+    "/v1/messages": {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4},
+    "/v1/messages/count_tokens": {"messages": [{"role": "user", "content": "hi"}]},
+    "/v1/responses": {"input": "hi", "max_output_tokens": 4},
+}
+# Fields set on top of a base body: each once crashed, or would crash, a server like this
+# one (MLX checks no bounds). Fields a route lacks are unknown there, hence ignored.
+CORNER_FIELDS = [
+    {"logit_bias": {"10000000": 5}},
+    {"logit_bias": {"-1": 1, "49152": 1}},
+    {"logit_bias": {"0": fz.RawNumber("1e400")}},
+    {"prompt": [10**7]},
+    {"prompt": [-1, 2**63]},
+    {"seed": 2**64},
+    {"seed": -(10**30)},
+    {"top_k": 10**12},
+    {"max_tokens": 10**30},
+    {"n": 10**9},
+    {"temperature": fz.RawNumber("NaN")},
+    {"top_p": 1e-320},
+    {"messages": [{"role": "user", "content": "a\x00\ud800b"}]},
+    {"messages": [{"role": "user", "content": [{"type": "text", "text": "\udfff"}]}]},
+    {"input": [{"type": "function_call_output", "call_id": "x", "output": fz.nested(60)}]},
+    {"response_format": {"type": "json_schema", "json_schema": {"schema": {"$ref": "#"}}}},
+]
+
+
+def corner_cases(path: str) -> list[Probe]:
+    """Fixed probes for ``path``, run before the generated ones (Hypothesis's explicit phase)."""
+    base = BASE[path]
+    ok = fz.to_json(base, True).encode()
+    probes = [
+        Probe(path, fz.to_json(base | extra, True).encode(), JSON, None) for extra in CORNER_FIELDS
+    ]
+    probes += [
+        Probe(path, ok, JSON, "a" * 300),  # an IDNA label over 63 characters
+        Probe(path, ok, JSON, "évil.example"),
+        Probe(path, ok, "text/plain", None),
+        Probe(path, ok, None, None),
+        Probe(path, fz.Deep(100_000).json().encode(), JSON, None),
+        Probe(path, ok.replace(b"hi", b"h\xff\xfei"), JSON, None),
+        Probe(path, ok.replace(b"hi", b"\xed\xa0\x80"), JSON, None),  # a UTF-8 encoded surrogate
+    ]
+    probes += [Probe(path, body, JSON, None) for body in (b"", b"null", b"[]", b"{", b"\x00")]
+    return probes
 
 
 def _reason(body: bytes) -> str:
@@ -247,6 +299,9 @@ def fuzz(fuzzer: Fuzzer, canary: Canary, paths: list[str], examples: int, fake: 
         if len(canary.errors) > canary_errors:
             raise failure("canary")(canary.errors[canary_errors:])
 
+    for path in paths:
+        for case in corner_cases(path):
+            prop = example(probe=case)(prop)
     logger = logging.getLogger()
     logger.addHandler(fuzzer.errors)
     try:
