@@ -4,14 +4,26 @@ A producer never blocks on a mailbox: text deltas merge while the client reads
 slowly, so one slow reader cannot stall the detokenizer (and through it the
 engine). The HTTP handler opens the mailbox, awaits ``get()`` and closes it
 when done; events for an unregistered mailbox are dropped (the client is gone).
+
+A mailbox holds at most one generation's output: pending deltas are merged
+every ``_MERGE_AT`` puts, and nothing is added after the final event. The
+registry reports each mailbox whose final event arrived (``ended()``), so the
+request's admission slot is freed when its generation ends, not when a client
+that may never read gets round to reading it.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import msgspec
 import trio
 
 from protocol.messages import Failed, Finished, MailboxEvent, Started, TextDelta, ToolCallDelta
+
+# Pending deltas are merged into one this often: a client that reads nothing costs
+# its output's text, not a growing list of small objects.
+_MERGE_AT = 64
 
 
 class Bell:
@@ -58,7 +70,13 @@ def merge_deltas(deltas: list[TextDelta]) -> TextDelta:
 class Mailbox:
     """Merged pending output of one request, in order: Started, text, final event."""
 
-    def __init__(self, request_id: str, stop: tuple[str, ...] = (), bell: Bell | None = None):
+    def __init__(
+        self,
+        request_id: str,
+        stop: tuple[str, ...] = (),
+        bell: Bell | None = None,
+        on_final: Callable[[Mailbox], None] | None = None,
+    ):
         self.request_id = request_id
         self.stop = stop
         self.engine_done = False  # set once the engine has ended the sequence itself
@@ -67,6 +85,7 @@ class Mailbox:
         self._final: Finished | Failed | None = None
         self._closed = False
         self._bell = bell or Bell()
+        self._on_final = on_final
 
     def put(self, event: MailboxEvent) -> None:
         if self._closed:
@@ -76,9 +95,13 @@ class Mailbox:
                 self._started = event
             case TextDelta():
                 self._deltas.append(event)
+                if len(self._deltas) >= _MERGE_AT:
+                    self._deltas = [merge_deltas(self._deltas)]
             case Finished() | Failed():
                 self._final = event
                 self._closed = True
+                if self._on_final is not None:
+                    self._on_final(self)
         self._bell.ring()
 
     def take(self) -> list[MailboxEvent]:
@@ -111,6 +134,8 @@ class Mailboxes:
     def __init__(self) -> None:
         self._open: dict[str, Mailbox] = {}
         self._emptied = trio.Event()
+        self._ended: list[Mailbox] = []
+        self._ended_bell = Bell()
 
     def __len__(self) -> int:
         return len(self._open)
@@ -130,8 +155,27 @@ class Mailboxes:
     ) -> Mailbox:
         if request_id in self._open:
             raise KeyError(f"duplicate request id {request_id}")
-        box = self._open[request_id] = Mailbox(request_id, stop, bell)
+        box = self._open[request_id] = Mailbox(request_id, stop, bell, self._ended_one)
         return box
+
+    def _ended_one(self, box: Mailbox) -> None:
+        self._ended.append(box)
+        self._ended_bell.ring()
+
+    async def ended(self) -> list[Mailbox]:
+        """Wait for mailboxes whose final event arrived since the last call; return them."""
+        while True:
+            self._ended_bell.reset()
+            if self._ended:
+                ended, self._ended = self._ended, []
+                return ended
+            await self._ended_bell.wait()
+
+    def fail_all(self, failure: Callable[[str], Failed]) -> int:
+        """End every open request with ``failure(request_id)``; return how many were open."""
+        for request_id, box in list(self._open.items()):
+            box.put(failure(request_id))
+        return len(self._open)
 
     def unregister(self, request_id: str) -> None:
         self._open.pop(request_id, None)

@@ -4,12 +4,16 @@
 stop matcher and an output parser (reasoning blocks, tool calls: see
 ``actors/parsers.py``), fed one ``EngineStep`` at a time; token logprobs become
 text pieces. The actor loop only adapts it to the engine's outbox. It never
-waits on a client: mailboxes merge and never block.
+waits on a client: mailboxes merge and never block. An exception in one
+request's share of a step fails that request (a logged 500), not the actor.
 """
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import trio
 
@@ -25,6 +29,7 @@ from actors.mailbox import Mailboxes
 from actors.parsers import OutputParser, Parsed
 from protocol.messages import (
     EngineStep,
+    Failed,
     Finished,
     FinishReason,
     LogprobPiece,
@@ -36,6 +41,8 @@ from protocol.messages import (
     TokenStep,
     ToolCallDelta,
 )
+
+log = logging.getLogger("mlxd")
 
 # Marker tokens each parser must see even where the tokenizer marks them special.
 _TOOL_MARKERS = {
@@ -72,13 +79,33 @@ class StreamState:
 
     def on_step(self, step: EngineStep) -> None:
         for started in step.started:
-            self._start(started)
-            self._mailboxes.deliver(started)
+            if self._guarded(started.request_id, self._start, started):
+                self._mailboxes.deliver(started)
         for tokens in step.tokens:
-            self._on_tokens(tokens)
+            self._guarded(tokens.request_id, self._on_tokens, tokens)
         for failed in step.failed:
             self._requests.pop(failed.request_id, None)
             self._mailboxes.deliver(failed)
+
+    def _guarded(self, request_id: str, work: Callable[[Any], None], arg: Any) -> bool:
+        """One request's share of a step; an exception fails that request alone (a 500,
+        logged), whose unfinished sequence its session then aborts in the engine."""
+        try:
+            work(arg)
+        except Exception as exc:  # a bug in one request's output, never the actor's
+            log.error("request %s: streaming its output failed", request_id, exc_info=exc)
+            self._requests.pop(request_id, None)
+            self._mailboxes.deliver(
+                Failed(
+                    request_id=request_id,
+                    status=500,
+                    code="internal_error",
+                    message=f"internal error while streaming the output "
+                    f"({type(exc).__name__}: {exc}); the server log has the traceback",
+                )
+            )
+            return False
+        return True
 
     def _start(self, started: Started) -> None:
         box = self._mailboxes.get(started.request_id)

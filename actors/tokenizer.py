@@ -10,12 +10,17 @@ output constraint (JSON schema, forced tool call) and decide how the streamer
 parses the output. For a vision model it also decodes and preprocesses the
 request's images with the model's processor (``actors/vision.py``). It runs in
 worker threads (templates, BPE, grammars and images are CPU work) and hands only
-numpy arrays to the engine. Any failure here is a 400 for that request alone,
-delivered to its mailbox.
+numpy arrays to the engine. Any failure here is that request's alone, delivered
+to its mailbox: a 400 for input it cannot build (a ``RecursionError`` from
+deeply nested arguments, a template error), a logged 500 for a bug. Chat
+templates are the model's own (clients cannot send one) and transformers
+renders them in Jinja's ``ImmutableSandboxedEnvironment`` (``range`` capped at
+100,000 items); their input is bounded by ``server.max_body_bytes``.
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Any, NamedTuple
 
 import jinja2
@@ -44,6 +49,8 @@ from protocol.messages import (
     TokenizedRequest,
     VisionInputs,
 )
+
+log = logging.getLogger("mlxd")
 
 # A user turn unlike any real one, to find where the system prompt's rendering ends.
 _PROBE = "\u2063probe\u2063"
@@ -285,6 +292,46 @@ class PromptBuilder:
             )
 
 
+def bad_input(exc: Exception) -> PromptError | None:
+    """The 400 for an exception that a request's content causes while its prompt is
+    built (too deep to render, a template that rejects it); None for anything else."""
+    if isinstance(exc, PromptError):
+        return exc
+    if isinstance(exc, RecursionError):
+        return PromptError(
+            "the request is nested too deeply to render its prompt (tool-call arguments, "
+            "chat_template_kwargs or content)",
+            "messages",
+            code="too_deeply_nested",
+        )
+    if isinstance(exc, jinja2.TemplateError):  # the sandbox's SecurityError included
+        return PromptError(f"chat template error: {exc}", "messages")
+    return None
+
+
+def request_failure(request_id: str, exc: Exception) -> Failed:
+    """The request's ``Failed`` for an exception while it was built: 400 for bad input,
+    500 (and the traceback in the log) for a bug. Either way only this request fails."""
+    error = bad_input(exc)
+    if error is None:
+        log.error("request %s: building the prompt failed", request_id, exc_info=exc)
+        return Failed(
+            request_id=request_id,
+            status=500,
+            code="internal_error",
+            message=f"internal error while building the prompt ({type(exc).__name__}: {exc}); "
+            "the server log has the traceback",
+        )
+    return Failed(
+        request_id=request_id,
+        status=400,
+        kind="invalid_request_error",
+        message=str(error),
+        param=error.param,
+        code=error.code,
+    )
+
+
 async def _tokenize_one(
     request: AdmittedRequest,
     builder: PromptBuilder,
@@ -294,17 +341,8 @@ async def _tokenize_one(
 ) -> None:
     try:
         tokenized = await trio.to_thread.run_sync(builder.build, request, limiter=limiter)
-    except PromptError as exc:
-        mailboxes.deliver(
-            Failed(
-                request_id=request.request_id,
-                status=400,
-                kind="invalid_request_error",
-                message=str(exc),
-                param=exc.param,
-                code=exc.code,
-            )
-        )
+    except Exception as exc:  # the request's failure, never the actor's
+        mailboxes.deliver(request_failure(request.request_id, exc))
         return
     if mailboxes.get(request.request_id) is None:
         return  # the client left while we tokenized; never start orphan work

@@ -4,7 +4,9 @@ A ``Session`` is one request's life: its mailbox is registered and an ``Admit``
 sent on entry; ``close()`` (shielded, idempotent) unregisters the mailbox, frees
 the admission slot and, unless the engine already ended the sequence, aborts it.
 A client disconnect cancels the handler, whose cleanup calls ``close()``: that is
-the abort path. The per-request deadline (``admission.request_timeout_s``) is
+the abort path. The slot and the sequence are freed earlier, by
+``Pipeline.release_ended``, as soon as the request's final event reaches its
+mailbox, so a client that stops reading holds neither. The per-request deadline (``admission.request_timeout_s``) is
 stamped on the request here and kept twice: the engine fails a sequence past it
 (so generation stops even while the client reads nothing), and the session
 stops waiting at it wherever the request is (queued, tokenizing, waiting for
@@ -28,6 +30,7 @@ import trio
 from actors.admission import AdmissionPolicy
 from actors.engine.types import ModelInfo
 from actors.mailbox import Bell, Mailbox, Mailboxes
+from actors.tokenizer import bad_input
 from daemon.telemetry import RequestTrace, Telemetry
 from protocol.messages import (
     Abort,
@@ -55,7 +58,7 @@ class Session:
     def __init__(self, pipeline: Pipeline, mailbox: Mailbox, timeout_s: float = 0.0):
         self._pipeline = pipeline
         self.mailbox = mailbox
-        self._closed = False
+        self._closed = self._released = False
         now = trio.current_time()
         self.timeout_s = timeout_s
         self.deadline = now + timeout_s if timeout_s > 0 else math.inf  # trio clock
@@ -74,7 +77,15 @@ class Session:
         p.sessions.pop(self.request_id, None)
         self.trace.close(trio.current_time())
         p.telemetry.request_done(self.trace)
-        with trio.CancelScope(shield=True):
+        await self.release()
+
+    async def release(self, *, shield: bool = True) -> None:
+        """Abort the sequence unless the engine ended it, and free the admission slot (once)."""
+        if self._released:
+            return
+        self._released = True
+        p = self._pipeline
+        with trio.CancelScope(shield=shield):
             if not self.mailbox.engine_done:
                 await p.engine.send(Abort(request_id=self.request_id))
             await p.admission.send(Release(request_id=self.request_id))
@@ -141,11 +152,37 @@ class Pipeline:
     count_limiter: trio.CapacityLimiter | None = None  # its worker threads (tokenizer.workers)
 
     async def count_tokens(self, request: AdmittedRequest) -> int:
-        """Prompt tokens of a request, rendered as it would be served (worker thread)."""
-        tokens = await trio.to_thread.run_sync(
-            self.builder.tokens, request, limiter=self.count_limiter
-        )
+        """Prompt tokens of a request, rendered as it would be served (worker thread).
+
+        Raises ``PromptError`` (a 400) for a prompt that bad input cannot build, as the
+        tokenizer actor fails such a request; any other exception is a bug (a 500).
+        """
+        try:
+            tokens = await trio.to_thread.run_sync(
+                self.builder.tokens, request, limiter=self.count_limiter
+            )
+        except Exception as exc:
+            error = bad_input(exc)
+            if error is None:
+                raise
+            raise error from exc
         return len(tokens)
+
+    async def release_ended(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        """Free the slot of each request whose final event reached its mailbox.
+
+        The slot follows the generation, not the client: a client that reads
+        nothing (its handler blocked writing to the socket) or has vanished keeps
+        its connection, but its slot comes back when the engine ends the sequence
+        (at the latest at the request's deadline). A stop-string or streamer
+        failure also aborts the engine's sequence here, at once.
+        """
+        task_status.started()
+        while True:
+            for box in await self.mailboxes.ended():
+                session = self.sessions.get(box.request_id)
+                if session is not None:  # unshielded: cancelled with the actors it sends to
+                    await session.release(shield=False)
 
     def __post_init__(self) -> None:
         self.telemetry.watch(self)

@@ -4,12 +4,14 @@
       ▲         (max_waiting)         (1)           (max_running)    (engine_outbox)      │
       └──────────────────────────── mailboxes (merge, never block) ◀─────────────────────┘
     HTTP ──Abort (session close)──▶ engine
+    mailbox final event ──▶ pipeline.release_ended ──Abort/Release──▶ engine, admission
     engine ──EngineStats (each step)──▶ pipeline.engine_stats ◀── /metrics, /v1/status
 
 The HTTP server starts first (``/health`` answers 503 while the model loads);
 the engine starts next, and ``nursery.start`` returns once the model is loaded;
 then the streamer, tokenizer and admission controller. SIGTERM/SIGINT switch to
-draining: new requests get 503, in-flight ones get ``drain_timeout_s`` to end.
+draining: new requests get 503, in-flight ones get ``drain_timeout_s`` to end,
+and those still open then end with a 503 error (an error event in a stream).
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ from actors.vision import ImageLimits
 from daemon.app import create_app
 from daemon.pipeline import Pipeline, ServerState
 from daemon.settings import Settings
-from protocol.messages import AdmissionInbox, AdmittedRequest, EngineInbox, EngineStep
+from protocol.messages import AdmissionInbox, AdmittedRequest, EngineInbox, EngineStep, Failed
 
 log = logging.getLogger("mlxd")
 
@@ -161,6 +163,8 @@ async def run_actors(
             policy,
             s.admission.retry_after_s,
         )
+        # Frees a request's slot when its final event arrives, read or not.
+        await nursery.start(pipeline.release_ended)
         pipeline.state = ServerState.READY
         log.info(
             "ready: serving %s (%s model, backend %s, context %d)",
@@ -173,12 +177,28 @@ async def run_actors(
 
 
 async def drain(pipeline: Pipeline, deadline_s: float) -> None:
-    """Stop admitting; give in-flight requests up to ``deadline_s`` to finish."""
+    """Stop admitting; give in-flight requests up to ``deadline_s`` to finish.
+
+    Requests still open then end with a 503 ``shutting_down`` failure: an error
+    status before the first token, an error event (and ``[DONE]``) in a stream.
+    """
     pipeline.state = ServerState.DRAINING
     log.info("draining %d in-flight requests (up to %.0fs)", len(pipeline.mailboxes), deadline_s)
     with trio.move_on_after(deadline_s):
         await pipeline.mailboxes.wait_empty()
-    log.info("drained; %d requests cut off", len(pipeline.mailboxes))
+    cut = pipeline.mailboxes.fail_all(lambda rid: _cut_off(rid, deadline_s))
+    log.info("drained; %d requests cut off", cut)
+
+
+def _cut_off(request_id: str, deadline_s: float) -> Failed:
+    return Failed(
+        request_id=request_id,
+        status=503,
+        kind="service_unavailable",
+        code="shutting_down",
+        message=f"the server is shutting down and the request did not finish within "
+        f"{deadline_s:g}s (server.drain_timeout_s)",
+    )
 
 
 async def _serve_http(

@@ -1,0 +1,219 @@
+"""Nothing one request does takes down an actor or holds what others need (fake runner).
+
+An exception in a request's own work (building its prompt, streaming its
+output) fails that request only; a client that reads nothing gives its
+admission slots back when generation ends; a drain that runs out of time ends
+open streams with an error event in each API's format.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+
+import httpx
+import msgspec
+import pytest
+import trio
+
+import actors.streamer
+from actors.mailbox import Mailbox, merge_deltas
+from actors.parsers import OutputParser
+from actors.tokenizer import PromptError
+from daemon.supervisor import drain
+from protocol.messages import Failed, Finished, TextDelta
+from tests.conftest import chat, collect, real_server, running_graph, settings_with, text_of
+
+
+def deep(depth: int) -> object:
+    value: object = 1
+    for _ in range(depth):
+        value = [value]
+    return value
+
+
+def with_kwargs(rid: str, text: str, **kwargs) -> object:
+    return msgspec.structs.replace(chat(rid, text), template_kwargs=kwargs)
+
+
+# ---- per-request failures -----------------------------------------------------------------
+
+
+async def test_recursion_while_building_a_prompt_is_that_requests_400():
+    async with running_graph() as (pipeline, _):
+        bad = await pipeline.submit(with_kwargs("deep", "hi", x=deep(5000)))
+        good = await pipeline.submit(chat("good", "fine"))
+        failed = (await collect(bad))[-1]
+        assert text_of(await collect(good)) == "FINE"
+        with pytest.raises(PromptError, match="nested too deeply"):
+            await pipeline.count_tokens(with_kwargs("count", "hi", x=deep(5000)))
+    assert isinstance(failed, Failed)
+    assert (failed.status, failed.code) == (400, "too_deeply_nested")
+
+
+async def test_a_bug_while_building_a_prompt_is_that_requests_500(monkeypatch, caplog):
+    async with running_graph() as (pipeline, _):
+        encode = pipeline.builder._encode
+
+        def buggy(text):
+            if "BOOM" in text:
+                raise ZeroDivisionError("scripted")
+            return encode(text)
+
+        monkeypatch.setattr(pipeline.builder, "_encode", buggy)
+        bad = await pipeline.submit(chat("bad", "BOOM"))
+        failed = (await collect(bad))[-1]
+        assert text_of(await collect(await pipeline.submit(chat("after", "ok")))) == "OK"
+    assert isinstance(failed, Failed)
+    assert (failed.status, failed.code) == (500, "internal_error")
+    assert "ZeroDivisionError: scripted" in failed.message
+    assert "building the prompt failed" in caplog.text
+
+
+class _BuggyParser(OutputParser):
+    def feed(self, text):
+        if "X" in text:
+            raise KeyError("scripted")
+        return super().feed(text)
+
+
+async def test_a_bug_while_streaming_fails_only_that_request(monkeypatch):
+    monkeypatch.setattr(actors.streamer, "OutputParser", _BuggyParser)
+    async with running_graph() as (pipeline, runner):
+        runner.step_delay = 0.002
+        bad = await pipeline.submit(chat("bad", "a" * 20 + "x" + "a" * 200))
+        good = await pipeline.submit(chat("good", "b" * 50))
+        failed = await collect(bad)
+        assert text_of(await collect(good)) == "B" * 50
+    # leaving running_graph asserted the engine idle: the failed sequence was aborted
+    assert isinstance(failed[-1], Failed) and failed[-1].status == 500
+    assert "KeyError" in failed[-1].message
+
+
+# ---- slots follow the generation, not the client ------------------------------------------
+
+
+async def test_unread_request_frees_its_slot_when_generation_ends():
+    settings = settings_with(admission={"max_running": 1, "max_waiting": 4})
+    async with running_graph(settings) as (pipeline, _):
+        unread = await pipeline.submit(chat("unread", "abc"))  # nobody reads it
+        with trio.fail_after(5):
+            assert text_of(await collect(await pipeline.submit(chat("next", "def")))) == "DEF"
+        assert unread.mailbox.take()[-1].finish_reason == "stop"
+        await unread.close()
+
+
+def test_a_mailbox_nobody_reads_merges_its_deltas():
+    box = Mailbox("r")
+    for i in range(1000):
+        box.put(TextDelta(text=str(i % 10), tokens=1))
+    assert len(box._deltas) < 64
+    (merged,) = box.take()
+    assert merged == merge_deltas([TextDelta(text=str(i % 10), tokens=1) for i in range(1000)])
+
+
+async def _status(http: httpx.AsyncClient) -> dict:
+    return (await http.get("/v1/status")).json()
+
+
+async def test_a_client_that_reads_nothing_gives_its_slots_back():
+    """Eight streamed choices, big chunks, a client that never reads: hypercorn's write
+    blocks (the handler with it), yet the slots come back at the request's deadline."""
+    settings = settings_with(
+        admission={"max_running": 8, "max_waiting": 0, "request_timeout_s": 1.0}
+    )
+    body = {
+        "messages": [{"role": "user", "content": "!" + "y" * 1500}],
+        "n": 8,
+        "stream": True,
+        "max_tokens": 1500,
+        "logprobs": True,
+        "top_logprobs": 20,
+    }
+    async with real_server(settings) as (url, pipeline, runner):
+        runner.step_delay = 0.0
+        host, port = url.removeprefix("http://").split(":")
+        raw = trio.socket.socket()
+        raw.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        with raw:  # closing it fails the stuck write: the handler ends, its sessions close
+            await raw.connect((host, int(port)))
+            payload = json.dumps(body).encode()
+            head = f"POST /v1/chat/completions HTTP/1.1\r\nHost: {host}\r\n"
+            head += f"Content-Type: application/json\r\nContent-Length: {len(payload)}\r\n\r\n"
+            await raw.send(head.encode() + payload)
+            async with httpx.AsyncClient(base_url=url, timeout=10) as http:
+                with trio.fail_after(5):
+                    while (await _status(http))["admission"]["running"] < 8:
+                        await trio.sleep(0.02)
+                busy = await http.post(
+                    "/v1/chat/completions", json={"messages": [body["messages"][0]]}
+                )
+                assert busy.status_code == 429
+                with trio.fail_after(10):
+                    while (await _status(http))["admission"]["running"]:
+                        await trio.sleep(0.05)
+                # The handler is still stuck writing to the client: its sessions are open.
+                assert len(pipeline.sessions) == 8
+                served = await http.post(
+                    "/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]}
+                )
+                assert served.status_code == 200
+                assert served.json()["choices"][0]["message"]["content"] == "HI"
+                assert (await _status(http))["admission"]["running"] == 0
+
+
+# ---- drain cut-off ------------------------------------------------------------------------
+
+LONG = [{"role": "user", "content": "z" * 1500}]
+STREAMS = {
+    "openai": ("/v1/chat/completions", {"messages": LONG, "stream": True}),
+    "anthropic": ("/v1/messages", {"messages": LONG, "stream": True, "max_tokens": 2000}),
+    "responses": ("/v1/responses", {"input": "z" * 1500, "stream": True}),
+}
+
+
+async def test_drain_cut_off_ends_open_streams_with_an_error_event():
+    settings = settings_with(engine={"default_max_tokens": 3000})
+    ends: dict[str, str] = {}
+    async with real_server(settings) as (url, pipeline, runner):
+        runner.step_delay = 0.01
+        async with httpx.AsyncClient(base_url=url, timeout=10) as http:
+
+            async def stream(name, started):
+                path, body = STREAMS[name]
+                async with http.stream("POST", path, json=body) as r:
+                    assert r.status_code == 200
+                    chunks = r.aiter_raw()
+                    text = (await anext(chunks)).decode()
+                    started.set()
+                    async for chunk in chunks:
+                        text += chunk.decode()
+                ends[name] = text
+
+            async with trio.open_nursery() as nursery:
+                for name in STREAMS:
+                    started = trio.Event()
+                    nursery.start_soon(stream, name, started)
+                    await started.wait()
+                with trio.fail_after(5):
+                    await drain(pipeline, deadline_s=0.1)
+        assert len(pipeline.mailboxes) == 0
+    openai = ends["openai"].split("\n\n")
+    assert openai[-1] == "" and openai[-2] == "data: [DONE]"
+    error = json.loads(openai[-3].removeprefix("data: "))["error"]
+    assert error["code"] == "shutting_down" and "drain_timeout_s" in error["message"]
+    assert ends["anthropic"].rstrip().rsplit("\n\n", 1)[-1].startswith("event: error")
+    assert '"overloaded_error"' in ends["anthropic"]
+    assert "event: response.failed" in ends["responses"]
+    assert "shutting down" in ends["responses"]
+
+
+async def test_drain_cut_off_before_the_first_token_is_a_503():
+    async with running_graph() as (pipeline, runner):
+        runner.step_delay = 0.01
+        busy = await pipeline.submit(chat("busy", "q" * 3000))
+        with trio.fail_after(5):
+            await drain(pipeline, deadline_s=0.05)
+        events = await collect(busy)
+    assert isinstance(events[-1], Failed) and events[-1].status == 503
+    assert not any(isinstance(e, Finished) for e in events)
