@@ -81,6 +81,7 @@ class MemorySettings(_Section):
     kv_budget_mb: NonNegative = 0
     set_mlx_limit: bool = True
     cache_limit_mb: NonNegative = 256
+    release_after_idle_s: Seconds = 2.0
 
 
 class TokenizerSettings(_Section):

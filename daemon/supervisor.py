@@ -132,6 +132,7 @@ async def run_actors(
         prefill_chunk_tokens=s.engine.prefill_chunk_tokens,
         queue_timeout_s=s.admission.queue_timeout_s,
         retry_after_s=s.admission.retry_after_s,
+        release_after_idle_s=s.memory.release_after_idle_s,
         publish=pipeline.publish,
     )
     async with trio.open_nursery() as nursery:

@@ -2,9 +2,12 @@
 
 Prints how many got a full answer (200), how many were refused (429 queue
 full, 503 queue timeout / overloaded) and anything else, whether ``/health``
-stayed 200 throughout, and TTFT p50/p99 of the admitted requests.
+stayed 200 throughout, and TTFT p50/p99 of the admitted requests. With
+``--pid`` (the server's process) also its resident memory before the burst, at
+its peak, and ``--settle`` seconds after it (MLX's freed buffers go back to the
+system when the engine goes idle).
 
-    python -m scripts.flood --url http://127.0.0.1:8000 -n 200 --max-tokens 32
+    python -m scripts.flood --url http://127.0.0.1:8000 -n 200 --max-tokens 32 --pid PID
 """
 
 from __future__ import annotations
@@ -40,12 +43,24 @@ async def _one(client, url: str, prompt: str, max_tokens: int) -> tuple[int, flo
         return r.status_code, ttft, finish
 
 
-async def flood(url: str, n: int, max_tokens: int) -> dict:
+def rss_mb(pid: int | None) -> float:
+    """Resident memory of process ``pid`` in MiB (Linux /proc); 0 without a pid."""
+    if pid is None:
+        return 0.0
+    with open(f"/proc/{pid}/status") as f:
+        line = next(ln for ln in f if ln.startswith("VmRSS:"))
+    return int(line.split()[1]) / 1024
+
+
+async def flood(
+    url: str, n: int, max_tokens: int, pid: int | None = None, settle_s: float = 3.0
+) -> dict:
     import httpx
     import trio
 
     results: list[tuple[int, float | None, str]] = []
     health: list[int] = []
+    rss = [rss_mb(pid)]
     limits = httpx.Limits(max_connections=n + 8, max_keepalive_connections=n + 8)
     async with httpx.AsyncClient(timeout=600, limits=limits) as client:
 
@@ -55,6 +70,7 @@ async def flood(url: str, n: int, max_tokens: int) -> dict:
         async def watch(done: trio.Event) -> None:
             while not done.is_set():
                 health.append((await client.get(f"{url}/health")).status_code)
+                rss.append(rss_mb(pid))
                 await trio.sleep(0.25)
 
         done = trio.Event()
@@ -67,6 +83,7 @@ async def flood(url: str, n: int, max_tokens: int) -> dict:
             done.set()
         wall = time.perf_counter() - t0
         health.append((await client.get(f"{url}/health")).status_code)
+        await trio.sleep(settle_s if pid else 0)
     ttfts = [t for status, t, _ in results if status == 200 and t is not None]
     return {
         "requests": n,
@@ -76,6 +93,12 @@ async def flood(url: str, n: int, max_tokens: int) -> dict:
         "health": dict(Counter(health)),
         "ttft_p50_ms": round(1000 * percentile(ttfts, 50)),
         "ttft_p99_ms": round(1000 * percentile(ttfts, 99)),
+        **(
+            {"rss_before_mb": round(rss[0]), "rss_peak_mb": round(max(rss))}
+            | {"rss_after_mb": round(rss_mb(pid))}
+            if pid
+            else {}
+        ),
     }
 
 
@@ -86,8 +109,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--url", default="http://127.0.0.1:8000")
     parser.add_argument("-n", type=int, default=200, help="concurrent requests")
     parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--pid", type=int, help="the server's process id: report its memory")
+    parser.add_argument("--settle", type=float, default=3.0, help="seconds before the last reading")
     args = parser.parse_args(argv)
-    print(json.dumps(trio.run(flood, args.url.rstrip("/"), args.n, args.max_tokens), indent=2))
+    url = args.url.rstrip("/")
+    result = trio.run(flood, url, args.n, args.max_tokens, args.pid, args.settle)
+    print(json.dumps(result, indent=2))
     return 0
 
 

@@ -7,11 +7,13 @@ it runs one engine step, then in a single trip to the trio thread sends that
 ``EngineStep`` downstream, publishes the engine's ``EngineStats`` (a small
 snapshot that /metrics and /v1/status read, so no metric is observed on the
 engine thread) and drains the inbox without blocking. Cancellation is checked
-every step.
+every step. Idle for ``release_after_idle_s``, it gives the runner's freed
+buffers back to the system, so memory returns near idle after a burst.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -33,6 +35,7 @@ class EngineOptions:
     prefill_chunk_tokens: int
     queue_timeout_s: float = 0.0
     retry_after_s: float = 1.0
+    release_after_idle_s: float = 2.0  # idle this long: give freed buffers back (a burst ended)
     publish: Publish | None = None  # called on the trio thread after every step
 
 
@@ -59,15 +62,36 @@ def _drain(inbox: trio.MemoryReceiveChannel[EngineInbox]) -> list[EngineInbox]:
             return messages
 
 
+_QUIET = object()  # ``_receive`` timed out: the engine has been idle a while
+
+
 async def _receive(
-    inbox: trio.MemoryReceiveChannel[EngineInbox], publish: Publish, stats: EngineStats
-) -> EngineInbox | None:
-    """Idle: publish the idle snapshot, then block until a message comes."""
+    inbox: trio.MemoryReceiveChannel[EngineInbox],
+    publish: Publish,
+    stats: EngineStats,
+    timeout_s: float = math.inf,
+) -> EngineInbox | object | None:
+    """Idle: publish the idle snapshot, then wait for a message (``_QUIET`` after
+    ``timeout_s``; None when every sender closed)."""
     publish(stats)
     try:
-        return await inbox.receive()
+        with trio.move_on_after(timeout_s):
+            return await inbox.receive()
+        return _QUIET
     except trio.EndOfChannel:
         return None
+
+
+def _wait_idle(core: EngineCore, inbox, publish: Publish, options: EngineOptions):
+    """Block until a message comes; after ``release_after_idle_s`` of quiet, give the
+    runner's freed buffers back to the system (memory returns near idle after a burst)."""
+    first = trio.from_thread.run(
+        _receive, inbox, publish, core.stats(), options.release_after_idle_s
+    )
+    if first is _QUIET:
+        core.runner.release_buffers()
+        first = trio.from_thread.run(_receive, inbox, publish, core.stats())
+    return first
 
 
 async def _exchange(
@@ -120,8 +144,7 @@ def _engine_loop(
         for message in trio.from_thread.run(_exchange, *exchange):
             _handle(core, message)
         if core.idle:
-            core.runner.release_buffers()  # after a burst, memory goes back near idle
-            first = trio.from_thread.run(_receive, inbox, publish, core.stats())
+            first = _wait_idle(core, inbox, publish, options)
             if first is None:
                 return  # every sender closed: shutdown
             _handle(core, first)

@@ -12,7 +12,10 @@ generation actor's thread: MLX streams are thread-local.
 from __future__ import annotations
 
 import copy
+import ctypes
+import ctypes.util
 import dataclasses
+import functools
 import json
 import logging
 import os
@@ -368,6 +371,7 @@ class MlxRunner:
     def release_buffers(self) -> None:
         """The engine is idle: hand MLX's cached free buffers back to the system."""
         mx.clear_cache()
+        _trim_heap()
 
     def _probe(self, cache: list[Any]) -> None:
         self.model(mx.array([[0]]), cache=cache)
@@ -382,6 +386,26 @@ class MlxRunner:
         del cache
         mx.clear_cache()
         return layers
+
+
+def _libc_trim() -> Callable[[], object] | None:
+    """glibc's ``malloc_trim(0)``, where the C library has it (Linux; not macOS)."""
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        return functools.partial(libc.malloc_trim, 0)
+    except (OSError, AttributeError):
+        return None
+
+
+_TRIM = _libc_trim()
+
+
+def _trim_heap() -> None:
+    """Give freed heap pages back to the system. On the CPU backend MLX's buffers come
+    from malloc, and glibc keeps large freed chunks in its arenas (its mmap threshold
+    rises as they are freed): without this, resident memory stays near the burst's peak."""
+    if _TRIM is not None:
+        _TRIM()
 
 
 def _leaf_caches(caches) -> list[Any]:
