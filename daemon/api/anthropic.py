@@ -18,8 +18,9 @@ import functools
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable
 
+import trio
 from quart import Response, request
 from quart_trio import QuartTrio
 
@@ -328,18 +329,19 @@ def stream_events(
 
 
 class CountGate:
-    """Bounds ``count_tokens``, which skips admission: ``tokenizer.workers`` count at once
-    (``pipeline.count_limiter``), ``count_tokens_max_waiting`` more wait, the rest get a 429
-    before their body is read."""
+    """Bounds ``count_tokens``, which skips admission: ``tokenizer.workers`` requests read,
+    decode and count at once, ``count_tokens_max_waiting`` more wait (their bodies unread),
+    the rest get a 429."""
 
     def __init__(self, v: Validator):
         t = v.tokenizer
         self.slots = t.workers + t.count_tokens_max_waiting
+        self.running = trio.CapacityLimiter(t.workers)
         self.retry_after_s = v.retry_after_s
         self.inside = 0
 
-    @contextlib.contextmanager
-    def enter(self) -> Iterator[None]:
+    @contextlib.asynccontextmanager
+    async def enter(self) -> AsyncIterator[None]:
         if self.inside >= self.slots:
             raise ApiError(
                 429,
@@ -350,7 +352,8 @@ class CountGate:
             )
         self.inside += 1
         try:
-            yield
+            async with self.running:
+                yield
         finally:
             self.inside -= 1
 
@@ -373,7 +376,7 @@ def install(app: QuartTrio, pipeline: Pipeline, v: Validator, ready: Callable[[]
 
     @app.post("/v1/messages/count_tokens")
     async def count_tokens() -> Response:
-        with gate.enter():
+        async with gate.enter():
             w = v.decode(wire.count_decoder, await request.get_data(cache=False))
             model = ready()
             v.check_model(w.model, model)
