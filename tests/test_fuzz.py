@@ -2,22 +2,28 @@
 crash the daemon or harm another request.
 
 Requests come from ``tests/strategies.py``, derived from the wire structs in
-``protocol/`` and mixed with hostile values, bytes and headers. They go over a
-real socket to the app behind hypercorn, one at a time from a worker thread
-(Hypothesis drives them, so a failure is shrunk to a minimal request), while a
-canary task keeps sending a well-formed request whose answer is known.
+``protocol/`` (a new field is fuzzed without touching this file), a third each
+plausible, with extreme numbers and token ids, and hostile (wrong types, deep
+nesting, odd unicode, invalid UTF-8, missing and unknown fields, odd
+Content-Type and Host headers); a fifth of the clients hang up after the first
+bytes. Fixed corner cases (``CORNER_FIELDS``, ``http_corner_cases``) run
+first, every time. Requests go over a real socket to the app behind hypercorn,
+one at a time from a worker thread (Hypothesis drives them, so a failure is
+shrunk to a minimal request and reported per kind, named after the server's
+exception), while a canary task keeps sending a well-formed request.
 
 Every example must get a status below 500 within ``hang_s``, and a streamed
-200 must not carry a server error. Requests are sent one at a time and the
-queue holds 64, so the server is never legitimately overloaded: a 503 counts
-as a failure like any 5xx (a 429 would pass, being a client-side answer, but
-cannot occur here). After the run the engine is idle, ``/health`` answers
-200, the canary never failed, and the process's RSS grew less than a bound.
+200 must not carry a server error. Requests are sent one at a time (beside
+the canary), so the server is never legitimately overloaded: a 503 counts as a
+failure like any 5xx (a 429 would pass, being a client-side answer, but cannot
+occur here). After the run the engine is idle, ``/health`` answers 200, the
+canary never failed, and the process's RSS grew less than a bound.
 
-Two tiers: the scripted fake runner (``FAKE_EXAMPLES`` per route), and the
-real default model (``REAL_EXAMPLES`` over all routes, ``mlx`` marker): MLX
-does no bounds checks of its own, so an unchecked token id can crash it.
-Run with ``-s`` to see each run's summary line.
+Two tiers: the scripted fake runner (``FAKE_EXAMPLES`` per route, its own
+server each), and the real default model (``REAL_EXAMPLES`` over all routes,
+``mlx`` marker; answers capped at 32 tokens to fit a CPU): MLX does no bounds
+checks of its own, so an unchecked token id can crash it. Run with ``-s`` to
+see each run's summary line (requests, statuses, failures, the commonest 400s).
 """
 
 from __future__ import annotations
@@ -56,8 +62,8 @@ FAKE_EXAMPLES = {
     "/v1/responses": 70,
 }
 REAL_EXAMPLES = 40
-# In-stream error types that mean the server failed (OpenAI's, Anthropic's).
 JSON = "application/json"
+# In-stream error types that mean the server failed (OpenAI's, Anthropic's).
 SERVER_ERROR_TYPES = {"server_error", "api_error", "overloaded_error", "service_unavailable"}
 
 
