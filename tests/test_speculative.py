@@ -255,9 +255,9 @@ async def test_status_and_metrics_report_acceptance_per_drafter():
     assert metric(text, "mlxd_spec_drafted_tokens_total", 'drafter="tiny"') == 10
     assert metric(text, "mlxd_spec_accepted_tokens_total", 'drafter="tiny"') == 7
     body = openai.chat_decoder.decode(b'{"messages": [], "speculative": false}')
-    assert not sampling_from(body, None, Validator(settings)).speculative
+    assert not sampling_from(body, None, Validator(settings), "top_logprobs").speculative
     body = openai.chat_decoder.decode(b'{"messages": []}')
-    assert sampling_from(body, None, Validator(settings)).speculative
+    assert sampling_from(body, None, Validator(settings), "top_logprobs").speculative
 
 
 def test_grammar_and_logprobs_are_a_400_while_speculating():
