@@ -33,6 +33,7 @@ class ServerSettings(_Section):
     max_body_bytes: Positive = 4_194_304
     drain_timeout_s: Seconds = 30.0
     flush_timeout_s: Seconds = 5.0
+    send_timeout_s: Seconds = 30.0
     backlog: Positive = 1024
     cors_origins: list[str] = []
     allowed_hosts: list[str] = []
