@@ -17,12 +17,16 @@ and those still open then end with a 503 error (an error event in a stream).
 from __future__ import annotations
 
 import logging
+import os
 import signal
+import socket
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NoReturn
 
 import trio
 from hypercorn.config import Config as HypercornConfig
+from hypercorn.config import Sockets
 from hypercorn.trio import serve as hypercorn_serve
 
 from actors import admission, streamer, tokenizer
@@ -216,18 +220,49 @@ async def _serve_http(
         done.set()
 
 
+class HttpConfig(HypercornConfig):
+    """hypercorn's config, whose listening TCP sockets carry ``send_timeout_s``.
+
+    hypercorn shields its socket writes from cancellation, so a response being
+    written to a client that reads nothing blocks until the kernel gives up on
+    the connection. ``TCP_USER_TIMEOUT`` (Linux; accepted connections inherit
+    it) makes the kernel give up once the client has taken no bytes for
+    ``send_timeout_s``: the write fails, the handler ends, its sessions close.
+    """
+
+    send_timeout_s: float = 0.0
+
+    def create_sockets(self) -> Sockets:
+        sockets = super().create_sockets()
+        option = getattr(socket, "TCP_USER_TIMEOUT", None)
+        if option is not None and self.send_timeout_s > 0:
+            for sock in sockets.insecure_sockets + sockets.secure_sockets:
+                if sock.family in (socket.AF_INET, socket.AF_INET6):
+                    sock.setsockopt(socket.IPPROTO_TCP, option, int(self.send_timeout_s * 1000))
+        return sockets
+
+
+def http_config(s: Settings) -> HttpConfig:
+    config = HttpConfig()
+    config.bind = [f"{s.server.host}:{s.server.port}"]
+    config.accesslog = None
+    config.graceful_timeout = s.server.flush_timeout_s
+    config.backlog = s.server.backlog
+    config.send_timeout_s = s.server.send_timeout_s
+    return config
+
+
 async def serve(settings: Settings, factory: RunnerFactory | None = None) -> None:
     """Serve HTTP until SIGTERM/SIGINT, then drain and return.
 
     Shutdown order: stop admitting (503), wait for in-flight generations (up to
-    ``drain_timeout_s``), let hypercorn finish writing open responses (up to
-    ``flush_timeout_s``), and only then cancel the actors.
+    ``drain_timeout_s``; then they end with a 503 error), let hypercorn finish
+    writing open responses (up to ``flush_timeout_s``), and only then cancel
+    the actors. A response still stuck writing to a client that reads nothing
+    after ``send_timeout_s`` more (where the kernel cannot cut it off) ends the
+    process without it.
     """
-    config = HypercornConfig()
-    config.bind = [f"{settings.server.host}:{settings.server.port}"]
-    config.accesslog = None
-    config.graceful_timeout = settings.server.flush_timeout_s
-    config.backlog = settings.server.backlog
+    config = http_config(settings)
     graph = open_graph(settings)
     stop_http, http_done = trio.Event(), trio.Event()
     async with trio.open_nursery() as nursery:
@@ -242,8 +277,20 @@ async def serve(settings: Settings, factory: RunnerFactory | None = None) -> Non
                 break
             await drain(graph.pipeline, settings.server.drain_timeout_s)
             stop_http.set()
-            await http_done.wait()  # hypercorn returns once open responses are written
+            server = settings.server
+            with trio.move_on_after(server.flush_timeout_s + server.send_timeout_s + 1):
+                await http_done.wait()  # hypercorn returns once open responses are written
+            if not http_done.is_set():
+                _exit_past_stuck_writes()
         actors.cancel()
+
+
+def _exit_past_stuck_writes() -> NoReturn:
+    """hypercorn cannot return while a shielded write blocks on a client that reads
+    nothing, and nothing can cancel that write: the drain is over, so exit now."""
+    log.warning("exiting with responses still blocked on clients that read nothing")
+    logging.shutdown()
+    os._exit(0)
 
 
 async def _run_in_scope(scope: trio.CancelScope, graph: Graph, settings: Settings, factory) -> None:

@@ -189,7 +189,7 @@ def daemon(tmp_path_factory):
     config.write_text(
         f'[model]\ncache_dir = "{tmp / "cache"}"\n'
         "[admission]\nmax_running = 24\nmax_waiting = 32\nrequest_timeout_s = 60.0\n"
-        "[server]\ndrain_timeout_s = 5.0\n"
+        "[server]\ndrain_timeout_s = 3.0\nflush_timeout_s = 2.0\nsend_timeout_s = 2.0\n"
     )
     log = tmp / "mlxd.log"
     with log.open("w") as out:
@@ -241,7 +241,9 @@ async def _stream_tokens(http: httpx.AsyncClient) -> list[str]:
     return tokens
 
 
-async def _non_reading_client(url: str, opened: trio.Event, close: trio.Event) -> None:
+async def _non_reading_client(
+    url: str, opened: trio.Event, close: trio.Event, max_tokens: int = 24
+) -> None:
     """A streamed n=8 request with big chunks whose reader never reads (held until ``close``)."""
     host, port = url.removeprefix("http://").split(":")
     body = json.dumps(
@@ -249,7 +251,7 @@ async def _non_reading_client(url: str, opened: trio.Event, close: trio.Event) -
             "messages": USER,
             "n": 8,
             "stream": True,
-            "max_tokens": 24,
+            "max_tokens": max_tokens,
             "temperature": 0,
             "logprobs": True,
             "top_logprobs": 20,
@@ -353,3 +355,28 @@ def test_hostile_payloads_get_4xx_and_harm_no_one(daemon):
     assert set(out["counted"].values()) <= {200, 429}, out["counted"]
     assert out["attacked"] == out["alone"]
     assert len(out["alone"]) == NORMAL["max_tokens"]
+
+
+async def _sigterm_while_a_client_reads_nothing(url: str, proc: subprocess.Popen) -> int:
+    """SIGTERM while a stream is stuck on a client that reads nothing: the drain cuts it
+    off and the process still exits (0) in about drain + flush + send timeouts."""
+    opened, close = trio.Event(), trio.Event()
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(_non_reading_client, url, opened, close, 400)
+        await opened.wait()
+        async with httpx.AsyncClient(base_url=url, timeout=10) as http:
+            with trio.fail_after(60):
+                while (await _status(http))["engine"]["decoding"] < 8:
+                    await trio.sleep(0.1)
+        proc.send_signal(signal.SIGTERM)
+        code = await trio.to_thread.run_sync(lambda: proc.wait(timeout=30))
+        close.set()
+    return code
+
+
+def test_sigterm_with_a_stuck_client_still_exits_cleanly(daemon):
+    url, proc, log = daemon
+    assert trio.run(_sigterm_while_a_client_reads_nothing, url, proc) == 0
+    text = log.read_text()
+    assert "requests cut off" in text
+    assert "Traceback" not in text, f"a traceback in {log}"

@@ -10,17 +10,20 @@ from __future__ import annotations
 
 import json
 import socket
+from contextlib import asynccontextmanager
 
 import httpx
 import msgspec
 import pytest
 import trio
+from hypercorn.trio import serve
 
 import actors.streamer
 from actors.mailbox import Mailbox, merge_deltas
 from actors.parsers import OutputParser
 from actors.tokenizer import PromptError
-from daemon.supervisor import drain
+from daemon.app import create_app
+from daemon.supervisor import drain, http_config
 from protocol.messages import Failed, Finished, TextDelta
 from tests.conftest import chat, collect, real_server, running_graph, settings_with, text_of
 
@@ -116,50 +119,71 @@ async def _status(http: httpx.AsyncClient) -> dict:
     return (await http.get("/v1/status")).json()
 
 
+# Eight streamed choices with big chunks: far more than the socket buffers hold.
+UNREAD = {
+    "messages": [{"role": "user", "content": "!" + "y" * 1500}],
+    "n": 8,
+    "stream": True,
+    "max_tokens": 1500,
+    "logprobs": True,
+    "top_logprobs": 20,
+}
+
+
+@asynccontextmanager
+async def unread_stream(url: str):
+    """A raw connection that sends ``UNREAD`` and never reads; closed on exit."""
+    host, port = url.removeprefix("http://").split(":")
+    raw = trio.socket.socket()
+    raw.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    with raw:
+        await raw.connect((host, int(port)))
+        payload = json.dumps(UNREAD).encode()
+        head = f"POST /v1/chat/completions HTTP/1.1\r\nHost: {host}\r\n"
+        head += f"Content-Type: application/json\r\nContent-Length: {len(payload)}\r\n\r\n"
+        await raw.send(head.encode() + payload)
+        yield
+
+
 async def test_a_client_that_reads_nothing_gives_its_slots_back():
-    """Eight streamed choices, big chunks, a client that never reads: hypercorn's write
-    blocks (the handler with it), yet the slots come back at the request's deadline."""
+    """hypercorn's write to the client blocks (the handler with it), yet the slots come
+    back when the generation ends (here at the request's deadline)."""
     settings = settings_with(
         admission={"max_running": 8, "max_waiting": 0, "request_timeout_s": 1.0}
     )
-    body = {
-        "messages": [{"role": "user", "content": "!" + "y" * 1500}],
-        "n": 8,
-        "stream": True,
-        "max_tokens": 1500,
-        "logprobs": True,
-        "top_logprobs": 20,
-    }
+    hi = {"messages": [{"role": "user", "content": "hi"}]}
     async with real_server(settings) as (url, pipeline, runner):
         runner.step_delay = 0.0
-        host, port = url.removeprefix("http://").split(":")
-        raw = trio.socket.socket()
-        raw.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-        with raw:  # closing it fails the stuck write: the handler ends, its sessions close
-            await raw.connect((host, int(port)))
-            payload = json.dumps(body).encode()
-            head = f"POST /v1/chat/completions HTTP/1.1\r\nHost: {host}\r\n"
-            head += f"Content-Type: application/json\r\nContent-Length: {len(payload)}\r\n\r\n"
-            await raw.send(head.encode() + payload)
-            async with httpx.AsyncClient(base_url=url, timeout=10) as http:
-                with trio.fail_after(5):
-                    while (await _status(http))["admission"]["running"] < 8:
-                        await trio.sleep(0.02)
-                busy = await http.post(
-                    "/v1/chat/completions", json={"messages": [body["messages"][0]]}
-                )
-                assert busy.status_code == 429
-                with trio.fail_after(10):
-                    while (await _status(http))["admission"]["running"]:
-                        await trio.sleep(0.05)
-                # The handler is still stuck writing to the client: its sessions are open.
-                assert len(pipeline.sessions) == 8
-                served = await http.post(
-                    "/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]}
-                )
-                assert served.status_code == 200
-                assert served.json()["choices"][0]["message"]["content"] == "HI"
-                assert (await _status(http))["admission"]["running"] == 0
+        async with unread_stream(url), httpx.AsyncClient(base_url=url, timeout=10) as http:
+            with trio.fail_after(5):
+                while (await _status(http))["admission"]["running"] < 8:
+                    await trio.sleep(0.02)
+            assert (await http.post("/v1/chat/completions", json=hi)).status_code == 429
+            with trio.fail_after(10):
+                while (await _status(http))["admission"]["running"]:
+                    await trio.sleep(0.05)
+            # The handler is still stuck writing to the client: its sessions are open.
+            assert len(pipeline.sessions) == 8
+            served = await http.post("/v1/chat/completions", json=hi)
+            assert served.status_code == 200
+            assert served.json()["choices"][0]["message"]["content"] == "HI"
+            assert (await _status(http))["admission"]["running"] == 0
+
+
+@pytest.mark.skipif(not hasattr(socket, "TCP_USER_TIMEOUT"), reason="Linux only")
+async def test_a_client_that_reads_nothing_is_cut_off_after_send_timeout_s():
+    settings = settings_with(server={"send_timeout_s": 1.0, "port": 0, "host": "127.0.0.1"})
+    async with running_graph(settings) as (pipeline, runner), trio.open_nursery() as nursery:
+        runner.step_delay = 0.0
+        binds = await nursery.start(serve, create_app(pipeline, settings), http_config(settings))
+        async with unread_stream(binds[0]):
+            with trio.fail_after(5):
+                while len(pipeline.sessions) < 8:
+                    await trio.sleep(0.02)
+            with trio.fail_after(10):  # the kernel aborts the connection; the handler ends
+                while pipeline.sessions:
+                    await trio.sleep(0.05)
+        nursery.cancel_scope.cancel()
 
 
 # ---- drain cut-off ------------------------------------------------------------------------
