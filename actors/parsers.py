@@ -147,14 +147,12 @@ class ReasoningParser:
 
 def _arguments_text(args: object) -> str | None:
     """Arguments as JSON object text; a JSON string holding an object is accepted too."""
-    if isinstance(args, str):
-        try:
+    try:
+        if isinstance(args, str):
             args = json.loads(args)
-        except ValueError:
-            return None
-    if not isinstance(args, dict):
+        return json.dumps(args, ensure_ascii=False) if isinstance(args, dict) else None
+    except (ValueError, RecursionError):  # not JSON, or nested too deeply to be arguments
         return None
-    return json.dumps(args, ensure_ascii=False)
 
 
 def call_from_json(obj: object, make_id: IdFactory) -> ToolCall | None:
@@ -168,6 +166,14 @@ def call_from_json(obj: object, make_id: IdFactory) -> ToolCall | None:
     return ToolCall(id=make_id(), name=obj["name"], arguments=text)
 
 
+def _json_string(body: str) -> str:
+    """A JSON string's body unescaped; as written when its escapes are not JSON's."""
+    try:
+        return json.loads(f'"{body}"')
+    except ValueError:
+        return body
+
+
 def _json_values(text: str, separators: str = "") -> list[object] | None:
     """Consecutive JSON values separated by whitespace (and ``separators``); None if not."""
     decoder, values, pos = json.JSONDecoder(), [], 0
@@ -178,7 +184,7 @@ def _json_values(text: str, separators: str = "") -> list[object] | None:
             return values
         try:
             value, pos = decoder.raw_decode(text, pos)
-        except ValueError:
+        except (ValueError, RecursionError):  # a model can emit any nesting
             return None
         values.append(value)
 
@@ -251,7 +257,7 @@ class TaggedToolParser:
         end = buffer.find(self._close)
         header = _HERMES_HEADER.match(buffer)
         if header is not None and (end < 0 or header.end() <= end):
-            name = json.loads(f'"{header.group(1)}"')
+            name = _json_string(header.group(1))
             out.calls.append(CallPiece(arguments="", id=self._make_id(), name=name))
             self._streaming, self._called, self._space = True, True, ""
             return buffer[header.end() :]

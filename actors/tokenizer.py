@@ -339,11 +339,14 @@ async def _tokenize_one(
     outbox: trio.MemorySendChannel[Submit],
     mailboxes: Mailboxes,
 ) -> None:
-    try:
-        tokenized = await trio.to_thread.run_sync(builder.build, request, limiter=limiter)
-    except Exception as exc:  # the request's failure, never the actor's
-        mailboxes.deliver(request_failure(request.request_id, exc))
-        return
+    async with limiter:
+        if mailboxes.get(request.request_id) is None:
+            return  # the client left while this waited for a worker: skip its work
+        try:
+            tokenized = await trio.to_thread.run_sync(builder.build, request)
+        except Exception as exc:  # the request's failure, never the actor's
+            mailboxes.deliver(request_failure(request.request_id, exc))
+            return
     if mailboxes.get(request.request_id) is None:
         return  # the client left while we tokenized; never start orphan work
     await outbox.send(Submit(request=tokenized))

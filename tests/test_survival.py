@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import socket
+import time
 from contextlib import asynccontextmanager
 
 import httpx
@@ -24,8 +25,10 @@ from actors.parsers import OutputParser
 from actors.tokenizer import PromptError
 from daemon.app import create_app
 from daemon.supervisor import drain, http_config
-from protocol.messages import Failed, Finished, TextDelta
+from protocol.messages import Failed, Finished, OutputSpec, TextDelta
 from tests.conftest import chat, collect, real_server, running_graph, settings_with, text_of
+
+_NEST = "[" * 5000 + "]" * 5000
 
 
 def deep(depth: int) -> object:
@@ -73,6 +76,28 @@ async def test_a_bug_while_building_a_prompt_is_that_requests_500(monkeypatch, c
     assert "building the prompt failed" in caplog.text
 
 
+async def test_a_request_whose_client_left_while_queued_is_never_built(monkeypatch):
+    settings = settings_with(tokenizer={"workers": 1})
+    async with running_graph(settings) as (pipeline, _):
+        build, built = pipeline.builder.build, []
+
+        def slow_build(request):
+            built.append(request.request_id)
+            if request.request_id == "slow":
+                time.sleep(0.3)  # holds the only worker
+            return build(request)
+
+        monkeypatch.setattr(pipeline.builder, "build", slow_build)
+        slow = await pipeline.submit(chat("slow", "a"))
+        await trio.sleep(0.05)
+        gone = await pipeline.submit(chat("gone", "b"))
+        await trio.sleep(0.05)
+        await gone.close()  # the client leaves while waiting for the worker
+        assert text_of(await collect(slow)) == "A"
+        assert text_of(await collect(await pipeline.submit(chat("next", "c")))) == "C"
+    assert built == ["slow", "next"]
+
+
 class _BuggyParser(OutputParser):
     def feed(self, text):
         if "X" in text:
@@ -91,6 +116,29 @@ async def test_a_bug_while_streaming_fails_only_that_request(monkeypatch):
     # leaving running_graph asserted the engine idle: the failed sequence was aborted
     assert isinstance(failed[-1], Failed) and failed[-1].status == 500
     assert "KeyError" in failed[-1].message
+
+
+# Model output an attacker can ask for: JSON escapes that are not JSON's, nesting past
+# the recursion limit. Each parser hands such text back as content (never raises).
+HOSTILE_OUTPUT = {
+    "hermes": [
+        '<tool_call>\n{"name": "a\\x", "arguments": {"q": 1}}\n</tool_call>',
+        '<tool_call>\n{"name": "f", "arguments": ' + _NEST + "}\n</tool_call>",
+    ],
+    "mistral": ["[TOOL_CALLS]f[ARGS]" + '{"a":' * 3000 + "1" + "}" * 3000],
+    "llama3": ['<|python_tag|>{"name": "f", "parameters": ' + _NEST + "}"],
+    "json": [_NEST],
+}
+
+
+@pytest.mark.parametrize(
+    ("fmt", "text"), [(f, t) for f, texts in HOSTILE_OUTPUT.items() for t in texts]
+)
+def test_output_parsers_survive_hostile_model_output(fmt, text):
+    parser = OutputParser(OutputSpec(tool_format=fmt))
+    parsed = parser.feed(text)
+    parsed.extend(parser.flush())
+    assert all(c.arguments in ("", '{"q": 1}') for c in parsed.calls)
 
 
 # ---- slots follow the generation, not the client ------------------------------------------
