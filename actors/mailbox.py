@@ -87,6 +87,11 @@ class Mailbox:
         self._bell = bell or Bell()
         self._on_final = on_final
 
+    @property
+    def ended(self) -> bool:
+        """The final event has arrived (it may not have been taken yet)."""
+        return self._closed
+
     def put(self, event: MailboxEvent) -> None:
         if self._closed:
             return

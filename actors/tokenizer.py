@@ -340,16 +340,21 @@ async def _tokenize_one(
     mailboxes: Mailboxes,
 ) -> None:
     async with limiter:
-        if mailboxes.get(request.request_id) is None:
+        if _gone(mailboxes, request.request_id):
             return  # the client left while this waited for a worker: skip its work
         try:
             tokenized = await trio.to_thread.run_sync(builder.build, request)
         except Exception as exc:  # the request's failure, never the actor's
             mailboxes.deliver(request_failure(request.request_id, exc))
             return
-    if mailboxes.get(request.request_id) is None:
-        return  # the client left while we tokenized; never start orphan work
+    if _gone(mailboxes, request.request_id):
+        return  # the client left (or the drain ended it) while we tokenized: no orphan work
     await outbox.send(Submit(request=tokenized))
+
+
+def _gone(mailboxes: Mailboxes, request_id: str) -> bool:
+    box = mailboxes.get(request_id)
+    return box is None or box.ended
 
 
 async def run(

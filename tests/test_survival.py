@@ -289,3 +289,21 @@ async def test_drain_cut_off_before_the_first_token_is_a_503():
         events = await collect(busy)
     assert isinstance(events[-1], Failed) and events[-1].status == 503
     assert not any(isinstance(e, Finished) for e in events)
+
+
+async def test_a_request_cut_off_while_tokenizing_never_reaches_the_engine(monkeypatch):
+    async with running_graph() as (pipeline, runner):
+        build = pipeline.builder.build
+
+        def slow_build(request):
+            time.sleep(0.3)
+            return build(request)
+
+        monkeypatch.setattr(pipeline.builder, "build", slow_build)
+        session = await pipeline.submit(chat("slow", "a"))
+        await trio.sleep(0.05)
+        await drain(pipeline, deadline_s=0)
+        await trio.sleep(0.4)  # the build finishes while the session is still open
+        events = await collect(session)
+    assert isinstance(events[-1], Failed) and events[-1].code == "shutting_down"
+    assert "slow" not in {rid for rid, _ in runner.prefill_log}
