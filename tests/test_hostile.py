@@ -320,6 +320,9 @@ async def _scenario(url: str) -> dict:
             nursery.start_soon(normal)
             nursery.start_soon(_non_reading_client, url, opened, close)
             await opened.wait()
+            vanished = trio.Event()
+            vanished.set()  # a client that sends a streamed n=8 request and leaves at once
+            nursery.start_soon(_non_reading_client, url, trio.Event(), vanished, 200)
             with trio.fail_after(90):
                 await _attack(url, results, out["counted"])
             await normal_done.wait()
