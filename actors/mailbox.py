@@ -6,7 +6,10 @@ engine). The HTTP handler opens the mailbox, awaits ``get()`` and closes it
 when done; events for an unregistered mailbox are dropped (the client is gone).
 
 A mailbox holds at most one generation's output: pending deltas are merged
-every ``_MERGE_AT`` puts, and nothing is added after the final event. The
+every ``_MERGE_AT`` puts, and nothing is added after the final event. A client
+that leaves more than ``max_unread`` bytes untaken (``streaming.max_unread_bytes``,
+counted as the text plus ~64 bytes per logprob entry) has its pending output
+dropped and its request failed (408 ``client_not_reading``). The
 registry reports each mailbox whose final event arrived (``ended()``), so the
 request's admission slot is freed when its generation ends, not when a client
 that may never read gets round to reading it.
@@ -24,6 +27,14 @@ from protocol.messages import Failed, Finished, MailboxEvent, Started, TextDelta
 # Pending deltas are merged into one this often: a client that reads nothing costs
 # its output's text, not a growing list of small objects.
 _MERGE_AT = 64
+_LOGPROB_BYTES = 64  # about what one logprob entry costs in the response JSON
+
+
+def _size(delta: TextDelta) -> int:
+    """About how many bytes of response a delta becomes."""
+    calls = sum(len(c.arguments) + len(c.name or "") for c in delta.tool_calls)
+    entries = sum(1 + len(p.top) for p in delta.logprobs)
+    return len(delta.text) + len(delta.reasoning) + calls + _LOGPROB_BYTES * entries
 
 
 class Bell:
@@ -76,6 +87,7 @@ class Mailbox:
         stop: tuple[str, ...] = (),
         bell: Bell | None = None,
         on_final: Callable[[Mailbox], None] | None = None,
+        max_unread: int = 0,
     ):
         self.request_id = request_id
         self.stop = stop
@@ -86,6 +98,8 @@ class Mailbox:
         self._closed = False
         self._bell = bell or Bell()
         self._on_final = on_final
+        self._max_unread = max_unread  # 0: no cap
+        self._unread = 0
 
     @property
     def ended(self) -> bool:
@@ -100,6 +114,11 @@ class Mailbox:
                 self._started = event
             case TextDelta():
                 self._deltas.append(event)
+                self._unread += _size(event)
+                if self._max_unread and self._unread > self._max_unread:
+                    self._deltas, self._unread = [], 0
+                    self.put(self._not_reading())
+                    return
                 if len(self._deltas) >= _MERGE_AT:
                     self._deltas = [merge_deltas(self._deltas)]
             case Finished() | Failed():
@@ -109,8 +128,19 @@ class Mailbox:
                     self._on_final(self)
         self._bell.ring()
 
+    def _not_reading(self) -> Failed:
+        return Failed(
+            request_id=self.request_id,
+            status=408,
+            kind="timeout_error",
+            code="client_not_reading",
+            message=f"the client left over {self._max_unread} bytes of output unread "
+            "(streaming.max_unread_bytes); generation was stopped",
+        )
+
     def take(self) -> list[MailboxEvent]:
         """Everything pending, merged, without waiting (maybe nothing)."""
+        self._unread = 0
         events: list[MailboxEvent] = []
         if self._started is not None:
             events.append(self._started)
@@ -136,7 +166,8 @@ class Mailbox:
 class Mailboxes:
     """The registry of open mailboxes, shared by the stages that deliver to them."""
 
-    def __init__(self) -> None:
+    def __init__(self, max_unread_bytes: int = 0) -> None:
+        self._max_unread = max_unread_bytes
         self._open: dict[str, Mailbox] = {}
         self._emptied = trio.Event()
         self._ended: list[Mailbox] = []
@@ -160,7 +191,8 @@ class Mailboxes:
     ) -> Mailbox:
         if request_id in self._open:
             raise KeyError(f"duplicate request id {request_id}")
-        box = self._open[request_id] = Mailbox(request_id, stop, bell, self._ended_one)
+        box = Mailbox(request_id, stop, bell, self._ended_one, self._max_unread)
+        self._open[request_id] = box
         return box
 
     def _ended_one(self, box: Mailbox) -> None:

@@ -159,6 +159,7 @@ class VisionSettings(_Section):
 
 class StreamingSettings(_Section):
     engine_outbox: Positive = 4
+    max_unread_bytes: NonNegative = 4_194_304
 
 
 _LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")

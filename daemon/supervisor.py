@@ -90,7 +90,7 @@ def open_graph(s: Settings) -> Graph:
     pipeline = Pipeline(
         admission=admission_tx,
         engine=engine[0].clone(),
-        mailboxes=Mailboxes(),
+        mailboxes=Mailboxes(s.streaming.max_unread_bytes),
         request_timeout_s=s.admission.request_timeout_s,
     )
     return Graph(

@@ -163,6 +163,19 @@ def test_a_mailbox_nobody_reads_merges_its_deltas():
     assert merged == merge_deltas([TextDelta(text=str(i % 10), tokens=1) for i in range(1000)])
 
 
+def test_a_mailbox_past_max_unread_drops_its_output_and_fails():
+    ended = []
+    box = Mailbox("r", on_final=ended.append, max_unread=100)
+    for _ in range(10):
+        box.put(TextDelta(text="x" * 9, tokens=1))
+    assert box.take()[0].text == "x" * 90  # taking resets the count
+    for _ in range(12):
+        box.put(TextDelta(text="x" * 9, tokens=1))
+    (failed,) = box.take()
+    assert (failed.status, failed.code) == (408, "client_not_reading")
+    assert ended == [box]
+
+
 async def _status(http: httpx.AsyncClient) -> dict:
     return (await http.get("/v1/status")).json()
 
@@ -216,6 +229,24 @@ async def test_a_client_that_reads_nothing_gives_its_slots_back():
             assert served.status_code == 200
             assert served.json()["choices"][0]["message"]["content"] == "HI"
             assert (await _status(http))["admission"]["running"] == 0
+
+
+async def test_a_client_that_reads_nothing_is_stopped_past_max_unread_bytes():
+    settings = settings_with(
+        admission={"max_running": 8, "max_waiting": 0}, streaming={"max_unread_bytes": 65536}
+    )
+    async with real_server(settings) as (url, pipeline, runner):
+        runner.step_delay = 0.005  # 1500 steps: longer than the test waits
+        async with unread_stream(url), httpx.AsyncClient(base_url=url, timeout=10) as http:
+            with trio.fail_after(5):
+                while (await _status(http))["admission"]["running"] < 8:
+                    await trio.sleep(0.02)
+            with trio.fail_after(5):  # each choice fails once 64 KiB wait unread
+                while (await _status(http))["engine"]["decoding"]:
+                    await trio.sleep(0.05)
+            assert (await _status(http))["admission"]["running"] == 0
+            sizes = [box._unread for box in map(pipeline.mailboxes.get, pipeline.sessions) if box]
+            assert max(sizes, default=0) <= 65536
 
 
 @pytest.mark.skipif(not hasattr(socket, "TCP_USER_TIMEOUT"), reason="Linux only")
