@@ -6,11 +6,11 @@ the admission slot and, unless the engine already ended the sequence, aborts it.
 A client disconnect cancels the handler, whose cleanup calls ``close()``: that is
 the abort path. The slot and the sequence are freed earlier, by
 ``Pipeline.release_ended``, as soon as the request's final event reaches its
-mailbox, so a client that stops reading holds neither. The per-request deadline (``admission.request_timeout_s``) is
-stamped on the request here and kept twice: the engine fails a sequence past it
-(so generation stops even while the client reads nothing), and the session
-stops waiting at it wherever the request is (queued, tokenizing, waiting for
-memory). Either way the client gets a 504 ``request_timeout`` (or, once
+mailbox, so a client that stops reading holds neither. The per-request
+deadline (``admission.request_timeout_s``) is stamped on the request here and
+kept twice: the engine fails a sequence past it (so generation stops even
+while the client reads nothing), and the session stops waiting at it wherever
+the request is (queued, tokenizing, waiting for memory). Either way the client gets a 504 ``request_timeout`` (or, once
 streaming, an error event) and ``close()`` aborts whatever is left. Each session
 keeps a ``RequestTrace`` that it hands to the telemetry when it closes.
 """
