@@ -105,18 +105,23 @@ def nested(depth: int, leaf: Any = 0) -> Any:
     return out
 
 
-def any_json() -> st.SearchStrategy[Any]:
-    """Any JSON value, some of them deep (what a validation limit must stop)."""
-    leaves = st.one_of(st.none(), st.booleans(), integers(), floats(), text())
-    tree = st.recursive(
+def json_tree(words: st.SearchStrategy[str] | None = None) -> st.SearchStrategy[Any]:
+    """Small JSON values of any shape (strings from ``words``, else ``text()``)."""
+    words = words or text()
+    leaves = st.one_of(st.none(), st.booleans(), integers(), floats(), words)
+    return st.recursive(
         leaves,
         lambda inner: st.one_of(
-            st.lists(inner, max_size=4), st.dictionaries(text(), inner, max_size=4)
+            st.lists(inner, max_size=4), st.dictionaries(words, inner, max_size=4)
         ),
         max_leaves=12,
     )
+
+
+def any_json() -> st.SearchStrategy[Any]:
+    """Any JSON value, some of them deep (what a validation limit must stop)."""
     deep = st.sampled_from([64, 200, 1000, 5000, 50_000]).map(Deep)
-    return st.one_of(tree, deep)
+    return st.one_of(json_tree(), deep)
 
 
 # ---- meaningful values for some field names ------------------------------------------------
@@ -446,3 +451,47 @@ def host() -> st.SearchStrategy[str | None]:
     """None: the client's own Host header."""
     odd = ["", "evil.example", "a" * 300, "[::1", "localhost:99999", "x y", "127.0.0.1:0"]
     return st.sampled_from([None] * 12 + odd)
+
+
+# ---- model output (the fake model echoes the prompt after a leading "!") ------------------
+
+
+def call_json() -> st.SearchStrategy[str]:
+    """Tool-call payloads: well-formed, half-formed, or not JSON at all."""
+    name = st.sampled_from(["get_weather", "f", "unknown_tool", "", "a" * 100])
+    tree = json_tree(tame_text())
+    args = st.one_of(st.dictionaries(tame_text(), tree, max_size=3), tree)
+    call = st.builds(
+        lambda n, a, key: to_json({"name": n, key: a}, False),
+        name,
+        args,
+        st.sampled_from(["arguments", "parameters", "args"]),
+    )
+    calls = st.lists(call, min_size=1, max_size=3).map(lambda cs: "[" + ",".join(cs) + "]")
+    cut = st.builds(lambda s, n: s[: n % (len(s) + 1)], st.one_of(call, calls), st.integers(0, 99))
+    raw = st.sampled_from(['{"name": 1}', "{", "}", "[]", "null", '{"a":' * 100, "\\ud800"])
+    return st.one_of(call, calls, cut, raw, tame_text())
+
+
+def model_output() -> st.SearchStrategy[str]:
+    """Text for the model to say, in every markup the output parsers look for."""
+    payload = call_json()
+    close = st.sampled_from(["", "</tool_call>", "</tool_call>x", "</tool_call><tool_call>"])
+    hermes = st.builds(lambda p, c: f"<tool_call>{p}{c}", payload, close)
+    mistral = st.one_of(
+        payload.map(lambda p: "[TOOL_CALLS]" + p),
+        st.builds(lambda p: f"[TOOL_CALLS]get_weather[ARGS]{p}", payload),
+    )
+    llama = st.builds(
+        lambda tag, ps: tag + ";".join(ps),
+        st.sampled_from(["", "<|python_tag|>"]),
+        st.lists(payload, min_size=1, max_size=3),
+    )
+    think = st.builds(
+        lambda t, end, rest: f"<think>{t}{end}{rest}",
+        tame_text(),
+        st.sampled_from(["", "</think>", "</think></think>", "<think>"]),
+        st.one_of(hermes, tame_text()),
+    )
+    pieces = st.one_of(hermes, mistral, llama, think, payload, tame_text())
+    return st.lists(pieces, min_size=1, max_size=3).map("".join)

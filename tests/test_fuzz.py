@@ -62,6 +62,7 @@ FAKE_EXAMPLES = {
     "/v1/responses": 70,
 }
 REAL_EXAMPLES = 40
+OUTPUT_EXAMPLES = 25  # per tool-call format
 JSON = "application/json"
 # In-stream error types that mean the server failed (OpenAI's, Anthropic's).
 SERVER_ERROR_TYPES = {"server_error", "api_error", "overloaded_error", "service_unavailable"}
@@ -167,6 +168,8 @@ CORNER_FIELDS = [
     {"messages": [{"role": "user", "content": [{"type": "text", "text": "\udfff"}]}]},
     {"input": [{"type": "function_call_output", "call_id": "x", "output": fz.nested(60)}]},
     {"response_format": {"type": "json_schema", "json_schema": {"schema": {"$ref": "#"}}}},
+    {"messages": [{"role": "user", "content": "x" * 300_000}]},  # longer than the context
+    {"prompt": "x" * 300_000, "input": "x" * 300_000},
 ]
 
 
@@ -188,6 +191,7 @@ def http_corner_cases(path: str) -> list[Probe]:
         Probe(path, ok, "text/plain", None),
         Probe(path, ok, None, None),
         Probe(path, fz.Deep(100_000).json().encode(), JSON, None),
+        Probe(path, b'{"x": "' + b"x" * (5 << 20) + b'"}', JSON, None),  # over max_body_bytes
         Probe(path, ok.replace(b"hi", b"h\xff\xfei"), JSON, None),
         Probe(path, ok.replace(b"hi", b"\xed\xa0\x80"), JSON, None),  # a UTF-8 encoded surrogate
     ]
@@ -195,20 +199,32 @@ def http_corner_cases(path: str) -> list[Probe]:
 
 
 def _reason(body: bytes) -> str:
-    """A 400's gist: its ``param``, else the start of its message."""
+    """A 400's gist: the start of its message (Anthropic's starts with the param)."""
     try:
         error = json.loads(body)["error"]
     except (ValueError, KeyError, TypeError):
         return "?"
-    return str(error.get("param") or error.get("message", "?")[:40])
+    param = f"{error['param']}: " if error.get("param") else ""
+    return param + str(error.get("message", "?"))[:32]
+
+
+def _is_json(body: bytes) -> bool:
+    try:
+        json.loads(body)
+    except ValueError:
+        return False
+    return True
 
 
 def stream_error(body: bytes) -> str | None:
-    """The first server-side error event in an SSE body, if any."""
+    """The first malformed frame or server-side error event in an SSE body, if any."""
     for line in body.split(b"\n"):
-        if not line.startswith(b"data: {"):
+        if not line.startswith(b"data: ") or line == b"data: [DONE]":
             continue
-        event = json.loads(line.removeprefix(b"data: "))
+        try:
+            event = json.loads(line.removeprefix(b"data: "))
+        except ValueError:
+            return f"malformed SSE frame: {line[:300]!r}"
         error = event.get("error") if isinstance(event, dict) else None
         if isinstance(error, dict) and error.get("type") in SERVER_ERROR_TYPES:
             return f"in-stream error: {error}"
@@ -262,8 +278,13 @@ class Fuzzer:
             self.rejected[_reason(body)] += 1
         if r.status_code >= 500:
             return f"HTTP {r.status_code}: {body[:300]!r}"
-        if r.headers.get("content-type", "").startswith("text/event-stream") and not probe.hang_up:
+        kind = r.headers.get("content-type", "")
+        if probe.hang_up:
+            return None
+        if kind.startswith("text/event-stream"):
             return stream_error(body)
+        if kind.startswith("application/json") and not _is_json(body):
+            return f"malformed JSON answer: {body[:300]!r}"
         return None
 
 
@@ -303,7 +324,7 @@ class Tier:
     mb_bound: float  # RSS growth allowed over the run
 
 
-def fuzz(fuzzer: Fuzzer, canary: Canary, tier: Tier) -> None:
+def fuzz(fuzzer: Fuzzer, canary: Canary, tier: Tier, strategy: st.SearchStrategy) -> None:
     """Run Hypothesis over the tier's routes in this (worker) thread."""
 
     @settings(
@@ -315,7 +336,7 @@ def fuzz(fuzzer: Fuzzer, canary: Canary, tier: Tier) -> None:
         suppress_health_check=list(HealthCheck),
         print_blob=False,
     )
-    @given(probe=probes(tier.paths))
+    @given(probe=strategy)
     def prop(probe: Probe) -> None:
         assume(not tier.fake or (b"FAIL" not in probe.body and b"OOM" not in probe.body))
         canary_errors = len(canary.errors)
@@ -333,7 +354,7 @@ def fuzz(fuzzer: Fuzzer, canary: Canary, tier: Tier) -> None:
         logger.removeHandler(fuzzer.errors)
 
 
-async def run_tier(url: str, tier: Tier, canary: Canary) -> None:
+async def run_tier(url: str, tier: Tier, canary: Canary, strategy: st.SearchStrategy) -> None:
     """Fuzz while the canary runs; then the server must still be healthy, its RSS bounded."""
     fuzzer = Fuzzer(url, hang_s=tier.hang_s)
     rss_before, started = _kib_rss(), time.monotonic()
@@ -341,7 +362,7 @@ async def run_tier(url: str, tier: Tier, canary: Canary) -> None:
 
     async def fuzz_then_stop():
         try:
-            await trio.to_thread.run_sync(fuzz, fuzzer, canary, tier)
+            await trio.to_thread.run_sync(fuzz, fuzzer, canary, tier, strategy)
         finally:
             stop.set()
 
@@ -374,8 +395,58 @@ async def test_fuzz_fake_runner(path):
     tier = Tier(f"fake {path}", [path], FAKE_EXAMPLES[path], corners, 20.0, True, 300)
     async with real_server() as (url, _, _):
         body = {"messages": [{"role": "user", "content": "!" + "canary " * 10}], "temperature": 0}
-        await run_tier(url, tier, Canary(url, body, expect="canary " * 10))
+        await run_tier(url, tier, Canary(url, body, expect="canary " * 10), probes([path]))
     # leaving real_server asserted the engine idle: nothing held, nothing running
+
+
+WEATHER = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+TOOLS = {
+    "/v1/chat/completions": [
+        {"type": "function", "function": {"name": n, "parameters": WEATHER}}
+        for n in ("get_weather", "f")
+    ],
+    "/v1/messages": [{"name": n, "input_schema": WEATHER} for n in ("get_weather", "f")],
+    "/v1/responses": [
+        {"type": "function", "name": n, "parameters": WEATHER} for n in ("get_weather", "f")
+    ],
+}
+
+
+@st.composite
+def output_probes(draw) -> Probe:
+    """A request, with tools offered, whose answer (the fake echoes it) is hostile markup."""
+    path = draw(st.sampled_from(list(TOOLS)))
+    said = "!" + draw(fz.model_output())
+    body: dict = {"tools": TOOLS[path], "stream": draw(st.booleans()), "max_tokens": 300}
+    if path == "/v1/responses":
+        body |= {"input": said, "max_output_tokens": 300}
+    else:
+        body["messages"] = [{"role": "user", "content": said}]
+    if path == "/v1/chat/completions":
+        body |= {"n": draw(st.integers(1, 2)), "logprobs": draw(st.booleans())}
+        body["parallel_tool_calls"] = draw(st.booleans())
+    hang_up = draw(st.sampled_from([False] * 4 + [True]))
+    return Probe(
+        path,
+        fz.to_json(body, draw(st.booleans())).encode("utf-8", "surrogatepass"),
+        JSON,
+        None,
+        hang_up,
+    )
+
+
+@pytest.mark.parametrize("tool_format", ["hermes", "mistral", "llama3", "json"])
+async def test_fuzz_fake_output_parsers(tool_format):
+    """What the model says is the client's to choose (prompt injection; here, the fake's
+    echo): tool-call and reasoning markup, whole, broken or nested, must not crash the
+    streamer's parsers."""
+    settings = settings_with(
+        tokenizer={"tool_format": tool_format, "reasoning_tags": "<think>,</think>"}
+    )
+    tier = Tier(f"fake output {tool_format}", list(TOOLS), OUTPUT_EXAMPLES, [], 20.0, True, 300)
+    async with real_server(settings) as (url, _, _):
+        body = {"messages": [{"role": "user", "content": "!" + "canary " * 10}], "temperature": 0}
+        await run_tier(url, tier, Canary(url, body, expect="canary " * 10), output_probes())
 
 
 @pytest.fixture(scope="module")
@@ -401,4 +472,4 @@ async def test_fuzz_real_model(real_settings):
             "temperature": 0,
             "max_tokens": 8,
         }
-        await run_tier(url, tier, Canary(url, body, expect=None))
+        await run_tier(url, tier, Canary(url, body, expect=None), probes(tier.paths))
