@@ -52,7 +52,7 @@ def mlx_runner_factory(settings: Settings) -> RunnerFactory:
     """Loads the real model; runs on the generation thread (imports MLX there)."""
 
     def factory():
-        from actors.engine.runner import load_runner
+        from actors.engine.loading import load_runner
 
         m = settings.model
         return load_runner(

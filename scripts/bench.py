@@ -267,7 +267,7 @@ def _engine_level(core, requests: list, mode: str = "engine") -> LevelResult:
 
 def run_engine(levels: list[int], max_tokens: int, config: Path | None) -> list[LevelResult]:
     from actors.engine.core import EngineCore
-    from actors.engine.runner import load_runner
+    from actors.engine.loading import load_runner
     from daemon.settings import load_settings
 
     settings = load_settings(config)

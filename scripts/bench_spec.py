@@ -83,7 +83,7 @@ def verify_cost(args) -> None:
     import mlx.core as mx
     from mlx_lm.models.cache import make_prompt_cache
 
-    from actors.engine.runner import load_runner
+    from actors.engine.loading import load_runner
     from actors.engine.speculative import merge_caches
 
     cache_dir = Path(args.cache_dir).expanduser()
@@ -124,7 +124,7 @@ def verify_cost(args) -> None:
 
 
 def bench(args) -> None:
-    from actors.engine.runner import load_model, load_runner
+    from actors.engine.loading import load_model, load_runner
     from actors.engine.spec_runner import SpeculativeRunner
 
     cache_dir = Path(args.cache_dir).expanduser()

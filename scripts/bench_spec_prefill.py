@@ -55,7 +55,8 @@ def _ttft(runner, request, chunk: int) -> tuple[float, float]:
 
 
 def bench(args) -> None:
-    from actors.engine.runner import MlxRunner, load_model, load_runner, make_spec_prefill
+    from actors.engine.loading import load_model, load_runner, make_spec_prefill
+    from actors.engine.runner import MlxRunner
     from daemon.settings import SpecPrefillSettings
 
     cache_dir = Path(args.cache_dir).expanduser()

@@ -10,7 +10,7 @@ from protocol.messages import Failed, SamplingParams, TokenizedRequest
 
 
 def load(model_dir: Path, max_batch: int = 8, kind: str = "auto"):
-    from actors.engine.runner import load_runner
+    from actors.engine.loading import load_runner
 
     return load_runner(
         str(model_dir), model_dir, dequantize_on_cpu=True, max_batch=max_batch, kind=kind

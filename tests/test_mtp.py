@@ -18,7 +18,7 @@ from tests.test_speculative import _requests, _schedule, assert_sampled_runs_rep
 
 
 def mtp_runner(model_dir, *, k=3, spec_max_batch=8, max_batch=8):
-    from actors.engine.runner import load_mtp_drafter
+    from actors.engine.loading import load_mtp_drafter
     from actors.engine.spec_runner import SpeculativeRunner
 
     plain, info = load(model_dir, max_batch)
@@ -144,7 +144,7 @@ def test_prefix_cache_hits_start_the_head_without_a_hidden_state(tiny_models):
 def test_load_runner_picks_the_drafter(tiny_models):
     """``drafter = "auto"``: the MTP head when the checkpoint has one, else the draft model;
     ``"mtp"`` on a model without a head turns speculation off and says why."""
-    from actors.engine.runner import load_runner
+    from actors.engine.loading import load_runner
     from daemon.settings import SpeculativeSettings
 
     def spec(model, **kw):
@@ -197,7 +197,7 @@ def test_vision_model_text_requests_speculate_with_mtp_images_decode_plainly(tin
     """A Qwen3.5 VLM whose text backbone has an MTP head: in one mixed schedule, text-only
     requests go through the speculative lane (drafted, verified), image requests through
     the plain batch, and every request's tokens equal plain decoding's."""
-    from actors.engine.runner import load_runner
+    from actors.engine.loading import load_runner
     from actors.engine.vlm_mtp import VlmMtpRunner
     from actors.tokenizer import PromptBuilder
     from daemon.settings import SpeculativeSettings

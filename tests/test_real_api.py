@@ -206,7 +206,7 @@ def test_forced_call_grammar_round_trips_through_each_parser(settings, fmt):  # 
 
     from mlx_lm.utils import load_tokenizer
 
-    from actors.engine.runner import resolve_model_dir
+    from actors.engine.loading import resolve_model_dir
     from actors.grammar import GrammarCompiler, tool_call_lark, tool_call_schema
     from actors.parsers import OutputParser
     from protocol.messages import Constraint, OutputSpec, Tool

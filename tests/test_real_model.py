@@ -68,7 +68,7 @@ async def test_paris(settings):
 
 def test_memory_estimate_matches_the_model_config(settings):
     """KV bytes per token = layers × 2 (K, V) × KV heads × head dim × dtype size."""
-    from actors.engine.runner import load_runner
+    from actors.engine.loading import load_runner
 
     m = settings.model
     runner, info = load_runner(

@@ -25,7 +25,8 @@ def _settings(**values):
 
 
 def sparse_runner(model_dir, scorer_dir=None, **values):
-    from actors.engine.runner import MlxRunner, load_model, make_spec_prefill
+    from actors.engine.loading import load_model, make_spec_prefill
+    from actors.engine.runner import MlxRunner
 
     plain, info = load(model_dir)
     scorer = load_model(scorer_dir, dequantize_on_cpu=True)[0] if scorer_dir else plain.model

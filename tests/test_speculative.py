@@ -28,7 +28,7 @@ JOINS = (0, 0, 1, 2, 3, 5, 8, 13)
 
 
 def speculative(target_dir, draft_dir, *, k=3, spec_max_batch=8, max_batch=8):
-    from actors.engine.runner import load_model
+    from actors.engine.loading import load_model
     from actors.engine.spec_runner import SpeculativeRunner
 
     plain, info = load(target_dir, max_batch)

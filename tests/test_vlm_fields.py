@@ -321,7 +321,7 @@ def test_structured_output_with_vision_mtp_speculation_on(tiny_models):
     """The vision MTP runner decodes grammar requests in its plain lane: served, not a 400."""
     from types import SimpleNamespace
 
-    from actors.engine.runner import load_runner
+    from actors.engine.loading import load_runner
     from actors.engine.vlm_mtp import VlmMtpRunner
     from daemon.api.common import _check_speculation
     from daemon.settings import SpeculativeSettings

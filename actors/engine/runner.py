@@ -1,4 +1,4 @@
-"""Runs MLX model code: mlx-lm behind a small runner protocol (``vlm_runner`` adds mlx-vlm).
+"""The base runner: mlx-lm behind a small runner protocol, with the sampling it batches.
 
 ``MlxRunner`` prefills each request on its own prompt cache (so a failure is
 that request's alone, and long prompts go a chunk per engine step), then hands
@@ -7,6 +7,9 @@ the cache to mlx-lm's ``BatchGenerator`` with ``insert(..., caches=...)``; every
 (attention, sliding window, SSM state, cache lists) works: ``caches`` checks at
 start-up that every layer can be batched. All methods must be called on the
 generation actor's thread: MLX streams are thread-local.
+
+The variants (``spec_runner``, ``vlm_runner``, ``vlm_mtp``) subclass it; only
+``loading``, the engine's composition root, picks one and loads the model.
 """
 
 from __future__ import annotations
@@ -14,14 +17,10 @@ from __future__ import annotations
 import copy
 import ctypes
 import ctypes.util
-import dataclasses
 import functools
-import json
 import logging
-import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
@@ -36,16 +35,15 @@ from mlx_lm.sample_utils import (
     greedy_sampler,
     make_logits_processors,
 )
-from mlx_lm.utils import dequantize_model
-from mlx_lm.utils import load as mlx_lm_load
 
 from actors.engine import caches
 from actors.engine.caches import check_batchable, layer_kinds
 from actors.engine.guards import RowGuard, bias_processor
 from actors.engine.logits import GrammarProcessor, token_logprobs
-from actors.engine.memory import AttentionLayer, Layer, MemoryModel, StateLayer, kv_budget
+from actors.engine.memory import AttentionLayer, Layer, StateLayer
 from actors.engine.prefix_cache import PrefixCache
-from actors.engine.types import Decoded, ModelInfo, model_kind
+from actors.engine.spec_prefill import positioned, set_position
+from actors.engine.types import Decoded
 from actors.grammar import CompiledGrammar
 from protocol.messages import SamplingParams, TokenizedRequest
 
@@ -91,20 +89,6 @@ def make_processors(params: SamplingParams, grammar: object | None = None) -> li
     if isinstance(grammar, CompiledGrammar):
         processors.append(GrammarProcessor(grammar))
     return processors
-
-
-def backend() -> str:
-    if mx.metal.is_available():
-        return "metal"
-    if hasattr(mx, "cuda") and mx.cuda.is_available():
-        return "cuda"
-    return "cpu"
-
-
-def load_model(model_dir: Path, *, dequantize_on_cpu: bool) -> tuple[nn.Module, Any, dict]:
-    """Load an mlx-lm model directory; on the CPU backend optionally as float32."""
-    model, tokenizer, config = mlx_lm_load(str(model_dir), return_config=True)
-    return dequantize_for_cpu(model, config, dequantize_on_cpu), tokenizer, config
 
 
 @dataclass
@@ -196,8 +180,6 @@ class MlxRunner:
         if self.spec_prefill is not None:
             pending.sparse = self.spec_prefill.plan(prompt, done, request.sampling.spec_prefill)
         if pending.sparse is not None:
-            from actors.engine.spec_prefill import positioned
-
             pending.cache, pending.checkpoints = positioned(cache), []
             self._sparse.add(request.request_id)
         self._pending[request.request_id] = pending
@@ -270,8 +252,6 @@ class MlxRunner:
             self._remember(prompt[:-1], pending.cache, live=True)
         if self.spec_prefill is None:
             return pending.cache
-        from actors.engine.spec_prefill import positioned, set_position
-
         cache = positioned(pending.cache)
         set_position(cache, len(prompt) - 1)
         return cache
@@ -423,264 +403,3 @@ def _layer_of(cache: Any) -> Layer:
     arrays = [a for _, a in tree_flatten((cache.keys, cache.values))]
     per_token = sum(a.nbytes // a.shape[2] for a in arrays)
     return AttentionLayer(bytes_per_token=int(per_token), window=getattr(cache, "max_size", None))
-
-
-def device_memory_bytes() -> int:
-    """Memory MLX may use: Metal's recommended working set, the GPU's memory, or system RAM."""
-    info = mx.device_info()
-    for key in ("max_recommended_working_set_size", "memory_size", "total_memory"):
-        if info.get(key):
-            return int(info[key])
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-
-
-def memory_model(runner: MlxRunner, settings: Any) -> MemoryModel | None:
-    """Probe the model's caches, size the request budget, and set MLX's memory limit."""
-    if settings is None:
-        return None
-    device = device_memory_bytes()
-    weights = mx.get_active_memory()
-    budget = kv_budget(
-        device_bytes=device,
-        weights_bytes=weights,
-        fraction=settings.device_fraction,
-        headroom_bytes=settings.headroom_mb << 20,
-        explicit_bytes=settings.kv_budget_mb << 20,
-    )
-    if settings.set_mlx_limit:
-        mx.set_memory_limit(int(device * settings.device_fraction))
-    # Freed buffers MLX keeps for reuse; the rest go back to the system (and all of
-    # them whenever the engine goes idle, ``release_buffers``).
-    mx.set_cache_limit(settings.cache_limit_mb << 20)
-    model = MemoryModel(layers=runner.probe_layers(), budget_bytes=budget)
-    log.info(
-        "memory: %.0f MiB device, %.0f MiB weights, %.0f MiB for requests "
-        "(%d KV bytes per token, %d bytes of fixed state per request)",
-        device / 2**20,
-        weights / 2**20,
-        budget / 2**20,
-        model.kv_bytes_per_token,
-        model.state_bytes,
-    )
-    return model
-
-
-def resolve_model_dir(path: str, cache_dir: Path, progress) -> tuple[str, Path]:
-    """A model directory as given, or a GGUF file converted (and cached) into one."""
-    from actors.engine.gguf import convert_gguf, default_model_path
-
-    source = Path(path).expanduser() if path else default_model_path()
-    if not source.exists():
-        raise FileNotFoundError(f"model not found: {source}")
-    if source.suffix == ".gguf":
-        return source.stem, convert_gguf(source, cache_dir, progress)
-    return source.name, source
-
-
-def config_value(config: dict[str, Any], key: str, default: Any = None) -> Any:
-    """A setting from the model's config, at the top level or in its ``text_config``."""
-    if config.get(key) is not None:
-        return config[key]
-    return config.get("text_config", {}).get(key, default)
-
-
-def dequantize_for_cpu(model: nn.Module, config: dict[str, Any], enabled: bool) -> nn.Module:
-    if enabled and backend() == "cpu" and "quantization" in config:
-        log.info("CPU backend: dequantizing weights to float32 (model.dequantize_on_cpu)")
-        model = dequantize_model(model)
-        model.set_dtype(mx.float32)
-        mx.eval(model.parameters())
-    return model
-
-
-def make_prefix_cache(settings: Any) -> PrefixCache | None:
-    if settings is None or not settings.enabled:
-        return None
-    budget = settings.max_bytes or int(device_memory_bytes() * settings.memory_fraction)
-    log.info("prefix cache: %.0f MiB budget, %d-token blocks", budget / 2**20, settings.block_size)
-    return PrefixCache(block_size=settings.block_size, max_bytes=budget)
-
-
-def _off(reason: str) -> Any:
-    from actors.engine.speculative import SpecStats
-
-    return SpecStats(notes=[f"off: {reason}"])
-
-
-def _prefill_off(reason: str) -> Any:
-    from actors.engine.spec_prefill import SpecPrefillStats
-
-    return SpecPrefillStats(enabled=False, notes=[f"off: {reason}"])
-
-
-def make_spec_prefill(model: nn.Module, scorer: tuple[nn.Module, str], settings: Any) -> Any:
-    """SpecPrefill for this model, or (its stats saying why) off for its cache layout."""
-    from actors.engine.spec_prefill import SpecPrefill, SpecPrefillStats, unsupported_layers
-
-    stats = SpecPrefillStats(scorer=scorer[1])
-    why = unsupported_layers(make_prompt_cache(model), settings.hybrid)
-    if why is not None:
-        log.warning("SpecPrefill is off for this model: %s", why)
-        stats.enabled, stats.notes = False, [f"off: {why}"]
-    elif any(not hasattr(c, "keys") for c in make_prompt_cache(model)):
-        stats.notes.append("hybrid model: SSM layers see only the kept tokens")
-    return SpecPrefill(scorer[0], settings, stats)
-
-
-def load_draft(
-    path: str, cache_dir: Path, model: nn.Module, model_id: str, dequantize_on_cpu: bool
-) -> tuple[nn.Module, str]:
-    """The draft model and its name; "" means the served model drafts for itself."""
-    if not path:
-        return model, f"{model_id} (self)"
-    draft_id, draft_dir = resolve_model_dir(path, cache_dir, log.info)
-    log.info("loading draft model %s from %s", draft_id, draft_dir)
-    return load_model(draft_dir, dequantize_on_cpu=dequantize_on_cpu)[0], draft_id
-
-
-def _enabled(section: Any) -> bool:
-    return section is not None and section.enabled
-
-
-def _load_vision(
-    model_id: str, model_dir: Path, max_batch: int, dequantize_on_cpu: bool, extras: dict
-) -> tuple[MlxRunner, ModelInfo]:
-    """A vision model: MTP speculation for text-only requests when its text backbone has a
-    head; no draft-model speculation or SpecPrefill yet, and the status says so."""
-    from actors.engine.vlm_runner import load_vlm_runner
-
-    runner, info = load_vlm_runner(
-        model_id, model_dir, max_batch=max_batch, dequantize_on_cpu=dequantize_on_cpu
-    )
-    speculative = extras["speculative"]
-    if _enabled(speculative):
-        runner, stats = _vision_speculation(runner, model_dir, speculative, dequantize_on_cpu)
-        info = dataclasses.replace(info, spec_stats=stats)
-    info = dataclasses.replace(info, memory=memory_model(runner, extras["memory"]))
-    if _enabled(extras["spec_prefill"]):
-        log.warning("SpecPrefill is not implemented for vision models: off")
-        info = dataclasses.replace(
-            info, spec_prefill_stats=_prefill_off("vision models prefill in full")
-        )
-    return runner, info
-
-
-def _vision_speculation(runner, model_dir: Path, speculative: Any, dequantize_on_cpu: bool):
-    """The runner and its speculation stats: MTP for text-only requests, or off and why."""
-    from actors.engine.speculative import UnsupportedForSpeculation
-    from actors.engine.vlm_mtp import VlmMtpRunner
-
-    if speculative.drafter == "draft_model":
-        log.warning("draft-model speculation is not implemented for vision models: off")
-        return runner, _off("vision models speculate only with an MTP head (drafter = mtp)")
-    config = json.loads((model_dir / "config.json").read_text())
-    try:
-        drafter = load_mtp_drafter(runner.model, model_dir, config, dequantize_on_cpu)
-        mtp = VlmMtpRunner(
-            runner.model,
-            [t for (t,) in runner._stop_tokens],
-            runner._max_batch,
-            drafter=drafter,
-            num_draft=speculative.num_draft_tokens,
-            spec_max_batch=speculative.max_batch,
-        )
-    except (ValueError, UnsupportedForSpeculation) as exc:
-        log.warning("speculative decoding is off for this vision model: %s", exc)
-        return runner, _off(f"vision model: {exc}")
-    return mtp, mtp.spec_stats
-
-
-def load_mtp_drafter(model: nn.Module, model_dir: Path, config: dict, dequantize_on_cpu: bool):
-    """The model's own MTP head as a drafter; ``ValueError`` saying why it has none."""
-    from actors.engine.mtp import MTPDrafter, load_mtp
-
-    head = dequantize_for_cpu(load_mtp(model_dir, config), config, dequantize_on_cpu)
-    log.info("speculative decoding: drafting with the model's MTP head")
-    return MTPDrafter(head, model, name="mtp")
-
-
-def _helpers(model, model_id, cache_dir, dequantize_on_cpu, speculative, spec_prefill, where):
-    """The drafter (speculation) and the SpecPrefill scorer, sharing one load when they can.
-
-    ``where``: the model's directory and config (an MTP head is read from there).
-    """
-    draft, drafter, off = None, "", None
-    if _enabled(speculative) and speculative.drafter in ("auto", "mtp"):
-        try:
-            draft = load_mtp_drafter(model, *where, dequantize_on_cpu)
-            drafter = draft.name
-        except ValueError as exc:
-            if speculative.drafter == "mtp":
-                log.warning("speculative decoding is off: %s", exc)
-                off = _off(f"drafter = mtp: {exc}")
-    if _enabled(speculative) and draft is None and off is None:
-        draft, drafter = load_draft(
-            speculative.draft_model, cache_dir, model, model_id, dequantize_on_cpu
-        )
-    sparse = None
-    if _enabled(spec_prefill):
-        usable = draft is not None and isinstance(draft, nn.Module)  # an MTP head cannot score
-        scorer = (draft, drafter) if usable and not spec_prefill.scorer_model else None
-        scorer = scorer or load_draft(
-            spec_prefill.scorer_model, cache_dir, model, model_id, dequantize_on_cpu
-        )
-        sparse = make_spec_prefill(model, scorer, spec_prefill)
-    return draft, drafter, sparse, off
-
-
-def load_runner(
-    path: str,
-    cache_dir: Path,
-    *,
-    dequantize_on_cpu: bool,
-    max_batch: int,
-    kind: str = "auto",
-    prefix_cache: Any = None,
-    memory: Any = None,
-    speculative: Any = None,
-    spec_prefill: Any = None,
-) -> tuple[MlxRunner, ModelInfo]:
-    """Load the model for serving; call on the generation thread.
-
-    The kind (text or vision) comes from the model's config unless ``kind`` names it.
-    ``memory`` (the ``[memory]`` settings) turns on the memory estimate and budget;
-    without it the engine has no memory gate.
-    """
-    model_id, model_dir = resolve_model_dir(path, cache_dir, log.info)
-    config = json.loads((model_dir / "config.json").read_text())
-    kind = model_kind(config, kind)
-    log.info("loading %s model %s from %s (MLX backend: %s)", kind, model_id, model_dir, backend())
-    if kind == "vision":
-        extras = {"memory": memory, "speculative": speculative, "spec_prefill": spec_prefill}
-        return _load_vision(model_id, model_dir, max_batch, dequantize_on_cpu, extras)
-    model, tokenizer, config = load_model(model_dir, dequantize_on_cpu=dequantize_on_cpu)
-    info = ModelInfo(
-        model_id=model_id,
-        model_dir=model_dir,
-        context_length=int(config_value(config, "max_position_embeddings", 4096)),
-        vocab_size=int(config_value(config, "vocab_size") or len(tokenizer.vocab)),
-        tokenizer=tokenizer,
-        backend=backend(),
-    )
-    cache = make_prefix_cache(prefix_cache)
-    stops = sorted(tokenizer.eos_token_ids)
-    where = (model_dir, config)
-    helpers = (model, model_id, cache_dir, dequantize_on_cpu, speculative, spec_prefill, where)
-    draft, drafter, sparse, off = _helpers(*helpers)
-    on = sparse if sparse is not None and sparse.stats.enabled else None
-    runner: MlxRunner
-    if draft is not None:
-        from actors.engine.spec_runner import make_speculative_runner
-
-        runner = make_speculative_runner(
-            model, draft, stops, max_batch, speculative, cache, drafter, spec_prefill=on
-        )
-    else:
-        runner = MlxRunner(model, stops, max_batch, prefix_cache=cache, spec_prefill=on)
-    return runner, dataclasses.replace(
-        info,
-        cache_stats=cache.stats if cache else None,
-        spec_stats=getattr(runner, "spec_stats", off),
-        spec_prefill_stats=sparse.stats if sparse is not None else None,
-        memory=memory_model(runner, memory),
-    )

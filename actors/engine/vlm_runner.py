@@ -18,18 +18,15 @@ batch's deltas to the language model (mlx-vlm's own batch decode contract).
 
 from __future__ import annotations
 
-import json
 import logging
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
 
 from actors.engine.caches import RowDeltas
-from actors.engine.runner import MlxRunner, Pending, backend, config_value, dequantize_for_cpu
-from actors.engine.types import ModelInfo
+from actors.engine.runner import MlxRunner, Pending
 
 log = logging.getLogger("mlxd.runner")
 
@@ -124,46 +121,3 @@ def _uses_rope_deltas(model: nn.Module) -> bool:
     """Whether the model positions tokens with a per-sequence M-RoPE delta."""
     features = model.get_input_embeddings(mx.array([[0]]), None)
     return getattr(features, "rope_deltas", None) is not None
-
-
-def _stop_tokens(processor: Any, config: dict[str, Any]) -> list[int]:
-    tokenizer = processor.tokenizer
-    ids = set(getattr(getattr(tokenizer, "stopping_criteria", None), "eos_token_ids", []) or [])
-    for value in (tokenizer.eos_token_id, config_value(config, "eos_token_id")):
-        if isinstance(value, int):
-            ids.add(value)
-        elif isinstance(value, list):
-            ids.update(value)
-    return sorted(ids)
-
-
-def load_vlm_runner(
-    model_id: str, model_dir: Path, *, max_batch: int, dequantize_on_cpu: bool
-) -> tuple[VlmRunner, ModelInfo]:
-    """Load an mlx-vlm model directory (weights, processor) for serving."""
-    from mlx_vlm.utils import load
-
-    config = json.loads((model_dir / "config.json").read_text())
-    model, processor = load(str(model_dir))
-    model = dequantize_for_cpu(model, config, dequantize_on_cpu)
-    tokenizer = processor.tokenizer
-    if not getattr(tokenizer, "chat_template", None) and getattr(processor, "chat_template", None):
-        # Many VLM checkpoints keep the template with the processor only: the template
-        # traits (tool format, tools in template, reasoning tags) are read from the tokenizer.
-        tokenizer.chat_template = processor.chat_template
-    log.info(
-        "vision model: %s with %s",
-        type(model).__module__,
-        type(getattr(processor, "image_processor", None)).__name__,
-    )
-    info = ModelInfo(
-        model_id=model_id,
-        model_dir=model_dir,
-        context_length=int(config_value(config, "max_position_embeddings", 4096)),
-        vocab_size=int(config_value(config, "vocab_size") or len(tokenizer)),
-        tokenizer=tokenizer,
-        backend=backend(),
-        kind="vision",
-        processor=processor,
-    )
-    return VlmRunner(model, _stop_tokens(processor, config), max_batch), info

@@ -1,0 +1,342 @@
+"""The engine's composition root: loads a model and picks the runner that serves it.
+
+The only module that imports the runner variants: a text model gets the plain
+``MlxRunner`` or, with speculation on, a ``SpeculativeRunner`` drafting with the
+model's MTP head or a draft model; a vision model gets a ``VlmRunner``, or a
+``VlmMtpRunner`` when its text backbone has an MTP head. Around the runner it
+builds the prefix cache, SpecPrefill (with its scorer), and the memory model. Call
+``load_runner`` on the generation thread: MLX streams are thread-local.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.utils import dequantize_model
+from mlx_lm.utils import load as mlx_lm_load
+
+from actors.engine.gguf import convert_gguf, default_model_path
+from actors.engine.memory import MemoryModel, kv_budget
+from actors.engine.mtp import MTPDrafter, load_mtp
+from actors.engine.prefix_cache import PrefixCache
+from actors.engine.runner import MlxRunner
+from actors.engine.spec_prefill import SpecPrefill, SpecPrefillStats, unsupported_layers
+from actors.engine.spec_runner import make_speculative_runner
+from actors.engine.speculative import SpecStats, UnsupportedForSpeculation
+from actors.engine.types import ModelInfo, model_kind
+from actors.engine.vlm_mtp import VlmMtpRunner
+from actors.engine.vlm_runner import VlmRunner
+
+log = logging.getLogger("mlxd.runner")
+
+
+def backend() -> str:
+    if mx.metal.is_available():
+        return "metal"
+    if hasattr(mx, "cuda") and mx.cuda.is_available():
+        return "cuda"
+    return "cpu"
+
+
+def load_model(model_dir: Path, *, dequantize_on_cpu: bool) -> tuple[nn.Module, Any, dict]:
+    """Load an mlx-lm model directory; on the CPU backend optionally as float32."""
+    model, tokenizer, config = mlx_lm_load(str(model_dir), return_config=True)
+    return dequantize_for_cpu(model, config, dequantize_on_cpu), tokenizer, config
+
+
+def device_memory_bytes() -> int:
+    """Memory MLX may use: Metal's recommended working set, the GPU's memory, or system RAM."""
+    info = mx.device_info()
+    for key in ("max_recommended_working_set_size", "memory_size", "total_memory"):
+        if info.get(key):
+            return int(info[key])
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def memory_model(runner: MlxRunner, settings: Any) -> MemoryModel | None:
+    """Probe the model's caches, size the request budget, and set MLX's memory limit."""
+    if settings is None:
+        return None
+    device = device_memory_bytes()
+    weights = mx.get_active_memory()
+    budget = kv_budget(
+        device_bytes=device,
+        weights_bytes=weights,
+        fraction=settings.device_fraction,
+        headroom_bytes=settings.headroom_mb << 20,
+        explicit_bytes=settings.kv_budget_mb << 20,
+    )
+    if settings.set_mlx_limit:
+        mx.set_memory_limit(int(device * settings.device_fraction))
+    # Freed buffers MLX keeps for reuse; the rest go back to the system (and all of
+    # them whenever the engine goes idle, ``release_buffers``).
+    mx.set_cache_limit(settings.cache_limit_mb << 20)
+    model = MemoryModel(layers=runner.probe_layers(), budget_bytes=budget)
+    log.info(
+        "memory: %.0f MiB device, %.0f MiB weights, %.0f MiB for requests "
+        "(%d KV bytes per token, %d bytes of fixed state per request)",
+        device / 2**20,
+        weights / 2**20,
+        budget / 2**20,
+        model.kv_bytes_per_token,
+        model.state_bytes,
+    )
+    return model
+
+
+def resolve_model_dir(path: str, cache_dir: Path, progress) -> tuple[str, Path]:
+    """A model directory as given, or a GGUF file converted (and cached) into one."""
+    source = Path(path).expanduser() if path else default_model_path()
+    if not source.exists():
+        raise FileNotFoundError(f"model not found: {source}")
+    if source.suffix == ".gguf":
+        return source.stem, convert_gguf(source, cache_dir, progress)
+    return source.name, source
+
+
+def config_value(config: dict[str, Any], key: str, default: Any = None) -> Any:
+    """A setting from the model's config, at the top level or in its ``text_config``."""
+    if config.get(key) is not None:
+        return config[key]
+    return config.get("text_config", {}).get(key, default)
+
+
+def dequantize_for_cpu(model: nn.Module, config: dict[str, Any], enabled: bool) -> nn.Module:
+    if enabled and backend() == "cpu" and "quantization" in config:
+        log.info("CPU backend: dequantizing weights to float32 (model.dequantize_on_cpu)")
+        model = dequantize_model(model)
+        model.set_dtype(mx.float32)
+        mx.eval(model.parameters())
+    return model
+
+
+def make_prefix_cache(settings: Any) -> PrefixCache | None:
+    if settings is None or not settings.enabled:
+        return None
+    budget = settings.max_bytes or int(device_memory_bytes() * settings.memory_fraction)
+    log.info("prefix cache: %.0f MiB budget, %d-token blocks", budget / 2**20, settings.block_size)
+    return PrefixCache(block_size=settings.block_size, max_bytes=budget)
+
+
+def _off(reason: str) -> SpecStats:
+    return SpecStats(notes=[f"off: {reason}"])
+
+
+def _prefill_off(reason: str) -> SpecPrefillStats:
+    return SpecPrefillStats(enabled=False, notes=[f"off: {reason}"])
+
+
+def make_spec_prefill(
+    model: nn.Module, scorer: tuple[nn.Module, str], settings: Any
+) -> SpecPrefill:
+    """SpecPrefill for this model, or (its stats saying why) off for its cache layout."""
+    stats = SpecPrefillStats(scorer=scorer[1])
+    why = unsupported_layers(make_prompt_cache(model), settings.hybrid)
+    if why is not None:
+        log.warning("SpecPrefill is off for this model: %s", why)
+        stats.enabled, stats.notes = False, [f"off: {why}"]
+    elif any(not hasattr(c, "keys") for c in make_prompt_cache(model)):
+        stats.notes.append("hybrid model: SSM layers see only the kept tokens")
+    return SpecPrefill(scorer[0], settings, stats)
+
+
+def load_draft(
+    path: str, cache_dir: Path, model: nn.Module, model_id: str, dequantize_on_cpu: bool
+) -> tuple[nn.Module, str]:
+    """The draft model and its name; "" means the served model drafts for itself."""
+    if not path:
+        return model, f"{model_id} (self)"
+    draft_id, draft_dir = resolve_model_dir(path, cache_dir, log.info)
+    log.info("loading draft model %s from %s", draft_id, draft_dir)
+    return load_model(draft_dir, dequantize_on_cpu=dequantize_on_cpu)[0], draft_id
+
+
+def _enabled(section: Any) -> bool:
+    return section is not None and section.enabled
+
+
+def _stop_tokens(processor: Any, config: dict[str, Any]) -> list[int]:
+    tokenizer = processor.tokenizer
+    ids = set(getattr(getattr(tokenizer, "stopping_criteria", None), "eos_token_ids", []) or [])
+    for value in (tokenizer.eos_token_id, config_value(config, "eos_token_id")):
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, list):
+            ids.update(value)
+    return sorted(ids)
+
+
+def load_vlm(
+    model_id: str, model_dir: Path, *, max_batch: int, dequantize_on_cpu: bool
+) -> tuple[VlmRunner, ModelInfo]:
+    """Load an mlx-vlm model directory (weights, processor) for serving."""
+    # mlx-vlm (and the processors it pulls in) is imported only when a vision model loads.
+    from mlx_vlm.utils import load
+
+    config = json.loads((model_dir / "config.json").read_text())
+    model, processor = load(str(model_dir))
+    model = dequantize_for_cpu(model, config, dequantize_on_cpu)
+    tokenizer = processor.tokenizer
+    if not getattr(tokenizer, "chat_template", None) and getattr(processor, "chat_template", None):
+        # Many VLM checkpoints keep the template with the processor only: the template
+        # traits (tool format, tools in template, reasoning tags) are read from the tokenizer.
+        tokenizer.chat_template = processor.chat_template
+    log.info(
+        "vision model: %s with %s",
+        type(model).__module__,
+        type(getattr(processor, "image_processor", None)).__name__,
+    )
+    info = ModelInfo(
+        model_id=model_id,
+        model_dir=model_dir,
+        context_length=int(config_value(config, "max_position_embeddings", 4096)),
+        vocab_size=int(config_value(config, "vocab_size") or len(tokenizer)),
+        tokenizer=tokenizer,
+        backend=backend(),
+        kind="vision",
+        processor=processor,
+    )
+    return VlmRunner(model, _stop_tokens(processor, config), max_batch), info
+
+
+def _load_vision(
+    model_id: str, model_dir: Path, max_batch: int, dequantize_on_cpu: bool, extras: dict
+) -> tuple[MlxRunner, ModelInfo]:
+    """A vision model: MTP speculation for text-only requests when its text backbone has a
+    head; no draft-model speculation or SpecPrefill yet, and the status says so."""
+    runner, info = load_vlm(
+        model_id, model_dir, max_batch=max_batch, dequantize_on_cpu=dequantize_on_cpu
+    )
+    speculative = extras["speculative"]
+    if _enabled(speculative):
+        runner, stats = _vision_speculation(runner, model_dir, speculative, dequantize_on_cpu)
+        info = dataclasses.replace(info, spec_stats=stats)
+    info = dataclasses.replace(info, memory=memory_model(runner, extras["memory"]))
+    if _enabled(extras["spec_prefill"]):
+        log.warning("SpecPrefill is not implemented for vision models: off")
+        info = dataclasses.replace(
+            info, spec_prefill_stats=_prefill_off("vision models prefill in full")
+        )
+    return runner, info
+
+
+def _vision_speculation(runner, model_dir: Path, speculative: Any, dequantize_on_cpu: bool):
+    """The runner and its speculation stats: MTP for text-only requests, or off and why."""
+    if speculative.drafter == "draft_model":
+        log.warning("draft-model speculation is not implemented for vision models: off")
+        return runner, _off("vision models speculate only with an MTP head (drafter = mtp)")
+    config = json.loads((model_dir / "config.json").read_text())
+    try:
+        drafter = load_mtp_drafter(runner.model, model_dir, config, dequantize_on_cpu)
+        mtp = VlmMtpRunner(
+            runner.model,
+            [t for (t,) in runner._stop_tokens],
+            runner._max_batch,
+            drafter=drafter,
+            num_draft=speculative.num_draft_tokens,
+            spec_max_batch=speculative.max_batch,
+        )
+    except (ValueError, UnsupportedForSpeculation) as exc:
+        log.warning("speculative decoding is off for this vision model: %s", exc)
+        return runner, _off(f"vision model: {exc}")
+    return mtp, mtp.spec_stats
+
+
+def load_mtp_drafter(model: nn.Module, model_dir: Path, config: dict, dequantize_on_cpu: bool):
+    """The model's own MTP head as a drafter; ``ValueError`` saying why it has none."""
+    head = dequantize_for_cpu(load_mtp(model_dir, config), config, dequantize_on_cpu)
+    log.info("speculative decoding: drafting with the model's MTP head")
+    return MTPDrafter(head, model, name="mtp")
+
+
+def _helpers(model, model_id, cache_dir, dequantize_on_cpu, speculative, spec_prefill, where):
+    """The drafter (speculation) and the SpecPrefill scorer, sharing one load when they can.
+
+    ``where``: the model's directory and config (an MTP head is read from there).
+    """
+    draft, drafter, off = None, "", None
+    if _enabled(speculative) and speculative.drafter in ("auto", "mtp"):
+        try:
+            draft = load_mtp_drafter(model, *where, dequantize_on_cpu)
+            drafter = draft.name
+        except ValueError as exc:
+            if speculative.drafter == "mtp":
+                log.warning("speculative decoding is off: %s", exc)
+                off = _off(f"drafter = mtp: {exc}")
+    if _enabled(speculative) and draft is None and off is None:
+        draft, drafter = load_draft(
+            speculative.draft_model, cache_dir, model, model_id, dequantize_on_cpu
+        )
+    sparse = None
+    if _enabled(spec_prefill):
+        usable = draft is not None and isinstance(draft, nn.Module)  # an MTP head cannot score
+        scorer = (draft, drafter) if usable and not spec_prefill.scorer_model else None
+        scorer = scorer or load_draft(
+            spec_prefill.scorer_model, cache_dir, model, model_id, dequantize_on_cpu
+        )
+        sparse = make_spec_prefill(model, scorer, spec_prefill)
+    return draft, drafter, sparse, off
+
+
+def load_runner(
+    path: str,
+    cache_dir: Path,
+    *,
+    dequantize_on_cpu: bool,
+    max_batch: int,
+    kind: str = "auto",
+    prefix_cache: Any = None,
+    memory: Any = None,
+    speculative: Any = None,
+    spec_prefill: Any = None,
+) -> tuple[MlxRunner, ModelInfo]:
+    """Load the model for serving; call on the generation thread.
+
+    The kind (text or vision) comes from the model's config unless ``kind`` names it.
+    ``memory`` (the ``[memory]`` settings) turns on the memory estimate and budget;
+    without it the engine has no memory gate.
+    """
+    model_id, model_dir = resolve_model_dir(path, cache_dir, log.info)
+    config = json.loads((model_dir / "config.json").read_text())
+    kind = model_kind(config, kind)
+    log.info("loading %s model %s from %s (MLX backend: %s)", kind, model_id, model_dir, backend())
+    if kind == "vision":
+        extras = {"memory": memory, "speculative": speculative, "spec_prefill": spec_prefill}
+        return _load_vision(model_id, model_dir, max_batch, dequantize_on_cpu, extras)
+    model, tokenizer, config = load_model(model_dir, dequantize_on_cpu=dequantize_on_cpu)
+    info = ModelInfo(
+        model_id=model_id,
+        model_dir=model_dir,
+        context_length=int(config_value(config, "max_position_embeddings", 4096)),
+        vocab_size=int(config_value(config, "vocab_size") or len(tokenizer.vocab)),
+        tokenizer=tokenizer,
+        backend=backend(),
+    )
+    cache = make_prefix_cache(prefix_cache)
+    stops = sorted(tokenizer.eos_token_ids)
+    where = (model_dir, config)
+    helpers = (model, model_id, cache_dir, dequantize_on_cpu, speculative, spec_prefill, where)
+    draft, drafter, sparse, off = _helpers(*helpers)
+    on = sparse if sparse is not None and sparse.stats.enabled else None
+    runner: MlxRunner
+    if draft is not None:
+        runner = make_speculative_runner(
+            model, draft, stops, max_batch, speculative, cache, drafter, spec_prefill=on
+        )
+    else:
+        runner = MlxRunner(model, stops, max_batch, prefix_cache=cache, spec_prefill=on)
+    return runner, dataclasses.replace(
+        info,
+        cache_stats=cache.stats if cache else None,
+        spec_stats=getattr(runner, "spec_stats", off),
+        spec_prefill_stats=sparse.stats if sparse is not None else None,
+        memory=memory_model(runner, memory),
+    )
