@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 from daemon import blas, service
+from daemon.bench import main as bench_main
 from daemon.security import ApiKeys
 from daemon.settings import SettingsError, load_settings
 
@@ -84,8 +85,6 @@ def _startup_cause(exc: BaseException) -> BaseException | None:
 
 
 def bench(argv: list[str]) -> int:
-    from scripts.bench import main as bench_main
-
     return bench_main(argv)
 
 

@@ -17,7 +17,7 @@ import json
 import time
 from collections import Counter
 
-from scripts.bench import percentile, prompts
+from daemon.bench import percentile, prompts
 
 
 async def _one(client, url: str, prompt: str, max_tokens: int) -> tuple[int, float | None, str]:
