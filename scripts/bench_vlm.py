@@ -1,6 +1,6 @@
 """Decode throughput of a mixed image + text batch vs the same requests one at a time.
 
-Builds the tiny random-weight test models (``tests/tiny_models.py``) in a temporary
+Builds the tiny random-weight test models (``scripts/tiny_models.py``) in a temporary
 directory and drives the real runner in-process: every request is prefilled first
 (untimed), then decode steps are timed until all finish. Prints numbers; asserts
 nothing. Run from the repository root:
@@ -21,7 +21,7 @@ from daemon import blas
 
 def _requests(builder, n: int, max_tokens: int):
     from protocol.messages import ChatRequest, Message, SamplingParams
-    from tests.test_vision import data_url, png
+    from scripts.tiny_models import data_url, png
 
     out = []
     for i in range(n):
@@ -57,11 +57,11 @@ def _decode_rate(runner, requests) -> tuple[int, float]:
 
 
 def bench(model_dir: Path, n: int, max_tokens: int) -> None:
+    from actors.engine.loading import load_runner
     from actors.tokenizer import PromptBuilder
     from actors.vision import ImageLimits
-    from tests.engine_driver import load
 
-    runner, info = load(model_dir, max_batch=n)
+    runner, info = load_runner(str(model_dir), model_dir, dequantize_on_cpu=True, max_batch=n)
     builder = PromptBuilder(
         info.tokenizer,
         info.context_length,
@@ -94,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     print(blas.status())
     from actors.engine.gguf import convert_gguf, default_model_path
-    from tests import tiny_models as tm
+    from scripts import tiny_models as tm
 
     configs = {"qwen2_vl": tm.qwen2_vl_config, "qwen3_5_vl": tm.qwen3_5_vl_config}
     with tempfile.TemporaryDirectory() as tmp:

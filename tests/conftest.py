@@ -125,8 +125,8 @@ def smollm_tokenizer(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory, smollm_tokenizer):
-    """``tiny_models(name)``: the directory of a tiny model from ``tests/tiny_models.py``."""
-    from tests import tiny_models as tm
+    """``tiny_models(name)``: the directory of a tiny model from ``scripts/tiny_models.py``."""
+    from scripts import tiny_models as tm
 
     root = tmp_path_factory.mktemp("tiny-models")
     builders = {

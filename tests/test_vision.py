@@ -2,16 +2,15 @@
 
 from __future__ import annotations
 
-import base64
 import io
 import threading
 from http.server import BaseHTTPRequestHandler, HTTPServer
 
-import numpy as np
 import pytest
 
 from actors.engine.types import model_kind
 from actors.vision import ImageLimits, VisionError, load_image, load_images, split_images
+from scripts.tiny_models import data_url, png
 
 LIMITS = ImageLimits(
     max_images=2,
@@ -22,15 +21,6 @@ LIMITS = ImageLimits(
 )
 
 
-def png(width=40, height=30, seed=0) -> bytes:
-    from PIL import Image
-
-    pixels = (np.random.RandomState(seed).rand(height, width, 3) * 255).astype(np.uint8)
-    buf = io.BytesIO()
-    Image.fromarray(pixels).save(buf, format="PNG")
-    return buf.getvalue()
-
-
 def flat_png(width, height, mode="RGB") -> bytes:
     """A one-colour PNG: a few kilobytes however many pixels."""
     from PIL import Image
@@ -38,10 +28,6 @@ def flat_png(width, height, mode="RGB") -> bytes:
     buf = io.BytesIO()
     Image.new(mode, (width, height)).save(buf, format="PNG")
     return buf.getvalue()
-
-
-def data_url(data: bytes, mime="image/png") -> str:
-    return f"data:{mime};base64,{base64.b64encode(data).decode()}"
 
 
 def image_part(url):

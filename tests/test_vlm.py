@@ -18,9 +18,9 @@ from actors.tokenizer import PromptBuilder
 from actors.vision import ImageLimits
 from daemon.supervisor import mlx_runner_factory
 from protocol.messages import ChatRequest, Message, SamplingParams
+from scripts.tiny_models import data_url, png
 from tests.conftest import real_server, settings_with
 from tests.engine_driver import alone, drive, load
-from tests.test_vision import data_url, png
 
 pytestmark = pytest.mark.mlx
 

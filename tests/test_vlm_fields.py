@@ -24,11 +24,10 @@ from actors.tools import template_traits
 from actors.vision import ImageLimits
 from daemon.supervisor import mlx_runner_factory
 from protocol.messages import ChatRequest, Constraint, Message, SamplingParams, Tool
+from scripts.tiny_models import QWEN_VL_TEMPLATE, data_url, png
 from tests.conftest import real_server, settings_with
 from tests.engine_driver import alone, load
 from tests.test_http import client
-from tests.test_vision import data_url, png
-from tests.tiny_models import QWEN_VL_TEMPLATE
 
 mlx = pytest.mark.mlx
 

@@ -1,4 +1,6 @@
-"""Tiny random-weight models for the ``mlx`` test tier, built offline from config dicts.
+"""Tiny random-weight models (and test images) for the ``mlx`` test tier and the benchmarks.
+
+Built offline from config dicts, outside ``tests/`` so benchmarks can use them too.
 
 Each builder writes a model directory (``config.json``, ``model.safetensors`` and the
 tokenizer files) that mlxd loads exactly as it loads a real checkpoint. The tokenizer
@@ -8,11 +10,15 @@ configs use its vocabulary size and tiny hidden sizes so every test stays fast.
 
 from __future__ import annotations
 
+import base64
 import importlib
+import io
 import json
 import shutil
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 VOCAB = 49152  # SmolLM2's vocabulary
 _TOKENIZER_FILES = (
@@ -328,3 +334,17 @@ def build_vlm(config: dict[str, Any], tokenizer_dir: Path, out: Path, seed: int 
     (out / "video_preprocessor_config.json").write_text(pre)
     (out / "processor_config.json").write_text(json.dumps({"processor_class": "Qwen2VLProcessor"}))
     return out
+
+
+def png(width=40, height=30, seed=0) -> bytes:
+    """A PNG of random pixels (``seed`` picks them)."""
+    from PIL import Image
+
+    pixels = (np.random.RandomState(seed).rand(height, width, 3) * 255).astype(np.uint8)
+    buf = io.BytesIO()
+    Image.fromarray(pixels).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def data_url(data: bytes, mime="image/png") -> str:
+    return f"data:{mime};base64,{base64.b64encode(data).decode()}"
