@@ -34,7 +34,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.base import create_attention_mask
-from mlx_lm.models.cache import KVCache
+from mlx_lm.models.cache import BatchKVCache, KVCache
 
 from actors.engine.speculative import (
     Drafter,
@@ -256,8 +256,6 @@ class MTPDrafter(Drafter):
         self.hidden.append(hidden)
 
     def _empty_batch_cache(self) -> list[Any]:
-        from mlx_lm.models.cache import BatchKVCache
-
         return [BatchKVCache([0]) for _ in self.head.layers]
 
     def propose(self, rows: list[SpecRow], k: int, draw: Callable) -> list[list[int]]:

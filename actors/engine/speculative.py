@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import mlx.core as mx
+from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
 
 from protocol.messages import SamplingParams
@@ -298,8 +299,6 @@ class ModelDrafter(Drafter):
     """A separate small model sharing the tokenizer (or the target itself): its own caches."""
 
     def __init__(self, model: Any, name: str = "draft model"):
-        from mlx_lm.models.cache import make_prompt_cache
-
         self.model, self.name = model, name
         self._make_cache = lambda: make_prompt_cache(model)
         check_rewindable(self._make_cache())

@@ -68,6 +68,8 @@ class VlmRunner(MlxRunner):
     """Per-request vision encoding and chunked prefill, then the shared decode batch."""
 
     def __init__(self, model: nn.Module, stop_tokens: list[int], max_batch: int):
+        # mlx-vlm is imported only when a vision model loads (``loading`` imports this
+        # module for every model).
         from mlx_vlm.models.cache import make_prompt_cache
 
         language_model = model.language_model
