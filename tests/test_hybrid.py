@@ -1,6 +1,6 @@
 """Hybrid-cache models (SSM / linear-attention state mixed with attention) in one batch.
 
-Tiny random-weight models with a real tokenizer (``tests/tiny_models.py``):
+Tiny random-weight models with a real tokenizer (``scripts/tiny_models.py``):
 ``qwen3_5`` interleaves GatedDeltaNet layers (ArraysCache) with full attention
 (KVCache); ``baichuan_m1`` gives every layer a CacheList of a conv state
 (ArraysCache) and a KV cache, a RotatingKVCache (window 8, shorter than most

@@ -1,6 +1,6 @@
 """Vision-language models: image and text requests in one continuous batch.
 
-Tiny random-weight mlx-vlm models (``tests/tiny_models.py``) with SmolLM2's
+Tiny random-weight mlx-vlm models (``scripts/tiny_models.py``) with SmolLM2's
 tokenizer plus Qwen-VL's vision tokens and an offline image-processor config:
 ``qwen2_vl`` (plain attention, M-RoPE) and ``qwen3_5_vl`` (a Qwen3.5 VLM, whose
 language model is a GatedDeltaNet/attention hybrid).

@@ -6,7 +6,7 @@ chat template; the output spec (tool-call and reasoning parsing) applies; JSON
 schemas and forced tool calls compile against the processor's tokenizer and the
 vision runner's decode applies them; Anthropic ``image`` blocks become the same
 image parts as OpenAI ``image_url``. On the tiny random-weight ``qwen2_vl`` model
-(``tests/tiny_models.py``): only a grammar makes its output well formed.
+(``scripts/tiny_models.py``): only a grammar makes its output well formed.
 """
 
 from __future__ import annotations
