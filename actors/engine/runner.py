@@ -42,7 +42,7 @@ from actors.engine.guards import RowGuard, bias_processor
 from actors.engine.logits import GrammarProcessor, token_logprobs
 from actors.engine.memory import AttentionLayer, Layer, StateLayer
 from actors.engine.prefix_cache import PrefixCache
-from actors.engine.spec_prefill import positioned, set_position
+from actors.engine.spec_prefill import SpecPrefill, positioned, set_position
 from actors.engine.types import Decoded
 from actors.grammar import CompiledGrammar
 from protocol.messages import SamplingParams, TokenizedRequest
@@ -127,11 +127,11 @@ class MlxRunner:
         make_cache: Callable[[], list[Any]] | None = None,
         decode_model: Callable[..., mx.array] | None = None,
         prefix_cache: PrefixCache | None = None,
-        spec_prefill: Any = None,
+        spec_prefill: SpecPrefill | None = None,
     ):
         self.model = model
         self.prefix_cache = prefix_cache
-        self.spec_prefill = spec_prefill  # a ``spec_prefill.SpecPrefill`` (None: off)
+        self.spec_prefill = spec_prefill  # None: off
         self._sparse: set[str] = set()  # requests sparse-prefilled: never remembered
         self._make_cache = make_cache or (lambda: make_prompt_cache(model))
         cache = self._make_cache()
