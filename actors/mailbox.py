@@ -209,10 +209,11 @@ class Mailboxes:
             await self._ended_bell.wait()
 
     def fail_all(self, failure: Callable[[str], Failed]) -> int:
-        """End every open request with ``failure(request_id)``; return how many were open."""
-        for request_id, box in list(self._open.items()):
-            box.put(failure(request_id))
-        return len(self._open)
+        """End every unfinished request with ``failure(request_id)``; return how many."""
+        unfinished = [box for box in self._open.values() if not box.ended]
+        for box in unfinished:
+            box.put(failure(box.request_id))
+        return len(unfinished)
 
     def unregister(self, request_id: str) -> None:
         self._open.pop(request_id, None)
