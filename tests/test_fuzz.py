@@ -33,6 +33,7 @@ import logging
 import time
 import traceback
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import cache
 from pathlib import Path
@@ -55,14 +56,15 @@ ROUTES = {
     "/v1/responses": responses.ResponsesRequest,
 }
 FAKE_EXAMPLES = {
-    "/v1/chat/completions": 100,
-    "/v1/completions": 70,
-    "/v1/messages": 70,
-    "/v1/messages/count_tokens": 40,
-    "/v1/responses": 70,
+    "/v1/chat/completions": 80,
+    "/v1/completions": 60,
+    "/v1/messages": 60,
+    "/v1/messages/count_tokens": 30,
+    "/v1/responses": 60,
 }
-REAL_EXAMPLES = 40
-OUTPUT_EXAMPLES = 25  # per tool-call format
+REAL_EXAMPLES = 30  # bursts of up to three requests
+OUTPUT_EXAMPLES = 20  # per tool-call format
+BURST_EXAMPLES = 30  # of up to three requests at once
 JSON = "application/json"
 # In-stream error types that mean the server failed (OpenAI's, Anthropic's).
 SERVER_ERROR_TYPES = {"server_error", "api_error", "overloaded_error", "service_unavailable"}
@@ -198,6 +200,15 @@ def http_corner_cases(path: str) -> list[Probe]:
     return probes + [Probe(path, body, JSON, None) for body in (b"", b"null", b"[]", b"{", b"\x00")]
 
 
+def alone(probes: st.SearchStrategy[Probe]) -> st.SearchStrategy[tuple[Probe, ...]]:
+    return probes.map(lambda p: (p,))
+
+
+def bursts(paths: list[str]) -> st.SearchStrategy[tuple[Probe, ...]]:
+    """Up to three probes sent at once: they may share a tokenizer worker and a batch."""
+    return st.lists(probes(paths), min_size=1, max_size=3).map(tuple)
+
+
 def _reason(body: bytes) -> str:
     """A 400's gist: the start of its message (Anthropic's starts with the param)."""
     try:
@@ -244,16 +255,17 @@ class Fuzzer:
     rejected: Counter = field(default_factory=Counter)  # 400s by reason, for the summary
     slowest: float = 0.0
 
-    def check(self, probe: Probe) -> None:
-        """Send ``probe``; raise ``failure(kind)`` unless the answer is acceptable."""
-        self.tried += 1
+    def check(self, probes: tuple[Probe, ...]) -> None:
+        """Send the probes at once; raise ``failure(kind)`` unless every answer is acceptable."""
+        self.tried += len(probes)
         logged = len(self.errors.seen)
-        problem = self._problem(probe)
-        if problem is None:
+        with ThreadPoolExecutor(len(probes)) as pool:
+            problems = [p for p in pool.map(self._problem, probes) if p is not None]
+        if not problems:
             return
-        kind = ", ".join(dict.fromkeys(self.errors.seen[logged:])) or problem.split(":")[0]
+        kind = ", ".join(dict.fromkeys(self.errors.seen[logged:])) or problems[0].split(":")[0]
         self.failures[kind] += 1
-        raise failure(kind)(problem)
+        raise failure(kind)("; ".join(problems))
 
     def _problem(self, probe: Probe) -> str | None:
         """None when the answer is acceptable, else what is wrong with it."""
@@ -321,7 +333,8 @@ class Tier:
     corners: list[Probe]
     hang_s: float
     fake: bool  # the fake runner fails prompts with FAIL / OOM on purpose: not sent
-    mb_bound: float  # RSS growth allowed over the run
+    mb_bound: float  # RSS growth allowed over the run, once idle
+    settle_s: float = 0.0  # then: prefix cache cleared, the engine idle this long (real model)
 
 
 def fuzz(fuzzer: Fuzzer, canary: Canary, tier: Tier, strategy: st.SearchStrategy) -> None:
@@ -336,16 +349,17 @@ def fuzz(fuzzer: Fuzzer, canary: Canary, tier: Tier, strategy: st.SearchStrategy
         suppress_health_check=list(HealthCheck),
         print_blob=False,
     )
-    @given(probe=strategy)
-    def prop(probe: Probe) -> None:
-        assume(not tier.fake or (b"FAIL" not in probe.body and b"OOM" not in probe.body))
+    @given(probes=strategy)
+    def prop(probes: tuple[Probe, ...]) -> None:
+        bodies = b"".join(p.body for p in probes)
+        assume(not tier.fake or (b"FAIL" not in bodies and b"OOM" not in bodies))
         canary_errors = len(canary.errors)
-        fuzzer.check(probe)
+        fuzzer.check(probes)
         if len(canary.errors) > canary_errors:
             raise failure("canary")(canary.errors[canary_errors:])
 
     for case in tier.corners:
-        prop = example(probe=case)(prop)
+        prop = example(probes=(case,))(prop)
     logger = logging.getLogger()
     logger.addHandler(fuzzer.errors)
     try:
@@ -378,12 +392,17 @@ async def run_tier(url: str, tier: Tier, canary: Canary, strategy: st.SearchStra
             f"{time.monotonic() - started:.1f} s, "
             f"statuses {dict(sorted(fuzzer.statuses.items(), key=str))}, "
             f"slowest {fuzzer.slowest:.2f} s, canary {canary.sent} sent "
-            f"{len(canary.errors)} failed, RSS {growth_mb:+.0f} MB, "
+            f"{len(canary.errors)} failed, RSS {growth_mb:+.0f} MB at the end, "
             f"failures {dict(fuzzer.failures) or 'none'}; "
             f"400s mostly {dict(fuzzer.rejected.most_common(6))}"
         )
     async with httpx.AsyncClient(base_url=url, timeout=10) as http:
         health = await http.get("/health")
+        if tier.settle_s:  # what is still held once MLX gave its freed buffers back
+            await http.delete("/v1/cache")
+            await trio.sleep(tier.settle_s)
+            growth_mb = (_kib_rss() - rss_before) / 1024
+            print(f"fuzz {tier.name}: RSS {growth_mb:+.0f} MB once idle, prefix cache cleared")
     assert health.status_code == 200, health.text
     assert not canary.errors
     assert growth_mb < tier.mb_bound
@@ -395,8 +414,16 @@ async def test_fuzz_fake_runner(path):
     tier = Tier(f"fake {path}", [path], FAKE_EXAMPLES[path], corners, 20.0, True, 300)
     async with real_server() as (url, _, _):
         body = {"messages": [{"role": "user", "content": "!" + "canary " * 10}], "temperature": 0}
-        await run_tier(url, tier, Canary(url, body, expect="canary " * 10), probes([path]))
+        await run_tier(url, tier, Canary(url, body, expect="canary " * 10), alone(probes([path])))
     # leaving real_server asserted the engine idle: nothing held, nothing running
+
+
+async def test_fuzz_fake_runner_bursts():
+    """Probes for every route, up to three at once."""
+    tier = Tier("fake bursts, all routes", list(ROUTES), BURST_EXAMPLES, [], 20.0, True, 300)
+    async with real_server() as (url, _, _):
+        body = {"messages": [{"role": "user", "content": "!" + "canary " * 10}], "temperature": 0}
+        await run_tier(url, tier, Canary(url, body, expect="canary " * 10), bursts(tier.paths))
 
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
@@ -446,7 +473,7 @@ async def test_fuzz_fake_output_parsers(tool_format):
     tier = Tier(f"fake output {tool_format}", list(TOOLS), OUTPUT_EXAMPLES, [], 20.0, True, 300)
     async with real_server(settings) as (url, _, _):
         body = {"messages": [{"role": "user", "content": "!" + "canary " * 10}], "temperature": 0}
-        await run_tier(url, tier, Canary(url, body, expect="canary " * 10), output_probes())
+        await run_tier(url, tier, Canary(url, body, expect="canary " * 10), alone(output_probes()))
 
 
 @pytest.fixture(scope="module")
@@ -465,11 +492,12 @@ async def test_fuzz_real_model(real_settings):
     from daemon.supervisor import mlx_runner_factory
 
     corners = corner_cases("/v1/chat/completions") + corner_cases("/v1/completions")
-    tier = Tier("real, all routes", list(ROUTES), REAL_EXAMPLES, corners, 90.0, False, 500)
+    settle = real_settings.memory.release_after_idle_s + 1
+    tier = Tier("real, all routes", list(ROUTES), REAL_EXAMPLES, corners, 90.0, False, 500, settle)
     async with real_server(real_settings, mlx_runner_factory(real_settings)) as (url, _, _):
         body = {
             "messages": [{"role": "user", "content": "What is the capital of France?"}],
             "temperature": 0,
             "max_tokens": 8,
         }
-        await run_tier(url, tier, Canary(url, body, expect=None), probes(tier.paths))
+        await run_tier(url, tier, Canary(url, body, expect=None), bursts(tier.paths))
