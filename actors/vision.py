@@ -146,7 +146,13 @@ def decode_image(data: bytes, limits: ImageLimits) -> Any:
             return image.convert("RGB")
     except VisionError:
         raise
-    except (OSError, ValueError, SyntaxError, Image.DecompressionBombWarning) as exc:
+    except (
+        OSError,
+        ValueError,
+        SyntaxError,
+        Image.DecompressionBombWarning,
+        Image.DecompressionBombError,
+    ) as exc:
         raise VisionError(f"cannot decode image: {exc}") from exc
 
 
