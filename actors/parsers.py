@@ -145,19 +145,30 @@ class ReasoningParser:
 # ---- tool calls -----------------------------------------------------------------------
 
 
+def _utf8(text: str) -> bool:
+    """False for text with lone surrogates: JSON escapes (``\\ud800``) can make them, UTF-8
+    cannot carry them, so no answer holding them could be sent."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def _arguments_text(args: object) -> str | None:
     """Arguments as JSON object text; a JSON string holding an object is accepted too."""
     try:
         if isinstance(args, str):
             args = json.loads(args)
-        return json.dumps(args, ensure_ascii=False) if isinstance(args, dict) else None
+        text = json.dumps(args, ensure_ascii=False) if isinstance(args, dict) else None
     except (ValueError, RecursionError):  # not JSON, or nested too deeply to be arguments
         return None
+    return text if text is not None and _utf8(text) else None
 
 
 def call_from_json(obj: object, make_id: IdFactory) -> ToolCall | None:
     """``{"name": …, "arguments"|"parameters": {…}}`` → a ToolCall, or None."""
-    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not _utf8(obj["name"]):
         return None
     args = obj.get("arguments", obj.get("parameters", {}))
     text = _arguments_text(args)
@@ -169,9 +180,10 @@ def call_from_json(obj: object, make_id: IdFactory) -> ToolCall | None:
 def _json_string(body: str) -> str:
     """A JSON string's body unescaped; as written when its escapes are not JSON's."""
     try:
-        return json.loads(f'"{body}"')
+        text = json.loads(f'"{body}"')
     except ValueError:
         return body
+    return text if _utf8(text) else body
 
 
 def _json_values(text: str, separators: str = "") -> list[object] | None:
