@@ -152,9 +152,7 @@ async def _handle(
 def _rejection(request_id: str, policy: AdmissionPolicy, retry_after_s: float) -> Failed:
     return Failed(
         request_id=request_id,
-        status=429,
-        kind="rate_limit_exceeded",
-        code="queue_full",
+        reason="queue_full",
         message=(
             f"server is at capacity ({policy.max_running} running, "
             f"{policy.max_waiting} waiting: admission.max_running, admission.max_waiting); "
@@ -167,9 +165,7 @@ def _rejection(request_id: str, policy: AdmissionPolicy, retry_after_s: float) -
 def _timed_out(request_id: str, policy: AdmissionPolicy, retry_after_s: float) -> Failed:
     return Failed(
         request_id=request_id,
-        status=503,
-        kind="service_unavailable",
-        code="queue_timeout",
+        reason="queue_timeout",
         message=(
             f"waited over {policy.queue_timeout_s:g}s in the queue "
             "(admission.queue_timeout_s); retry later"

@@ -131,9 +131,7 @@ class Mailbox:
     def _not_reading(self) -> Failed:
         return Failed(
             request_id=self.request_id,
-            status=408,
-            kind="timeout_error",
-            code="client_not_reading",
+            reason="client_not_reading",
             message=f"the client left over {self._max_unread} bytes of output unread "
             "(streaming.max_unread_bytes); generation was stopped",
         )

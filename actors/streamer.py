@@ -98,8 +98,7 @@ class StreamState:
             self._mailboxes.deliver(
                 Failed(
                     request_id=request_id,
-                    status=500,
-                    code="internal_error",
+                    reason="internal_error",
                     message=f"internal error while streaming the output "
                     f"({type(exc).__name__}: {exc}); the server log has the traceback",
                 )

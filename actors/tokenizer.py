@@ -45,6 +45,7 @@ from protocol.messages import (
     Failed,
     Message,
     OutputSpec,
+    Reason,
     Submit,
     TokenizedRequest,
     VisionInputs,
@@ -85,10 +86,10 @@ class _Prompt(NamedTuple):
 class PromptError(ValueError):
     """A request whose prompt cannot be built; becomes an HTTP 400."""
 
-    def __init__(self, message: str, param: str | None = None, code: str | None = None):
+    def __init__(self, message: str, param: str | None = None, reason: Reason = "invalid_request"):
         super().__init__(message)
         self.param = param
-        self.code = code
+        self.reason: Reason = reason
 
 
 class PromptBuilder:
@@ -288,7 +289,7 @@ class PromptBuilder:
         m = self.memory
         if m is not None and m.request_bytes(prompt, max_tokens) > m.budget_bytes:
             raise PromptError(
-                m.too_large_message(prompt, max_tokens), "max_tokens", code="request_too_large"
+                m.too_large_message(prompt, max_tokens), "max_tokens", reason="request_too_large"
             )
 
 
@@ -302,7 +303,7 @@ def bad_input(exc: Exception) -> PromptError | None:
             "the request is nested too deeply to render its prompt (tool-call arguments, "
             "chat_template_kwargs or content)",
             "messages",
-            code="too_deeply_nested",
+            reason="too_deeply_nested",
         )
     if isinstance(exc, jinja2.TemplateError):  # the sandbox's SecurityError included
         return PromptError(f"chat template error: {exc}", "messages")
@@ -317,18 +318,15 @@ def request_failure(request_id: str, exc: Exception) -> Failed:
         log.error("request %s: building the prompt failed", request_id, exc_info=exc)
         return Failed(
             request_id=request_id,
-            status=500,
-            code="internal_error",
+            reason="internal_error",
             message=f"internal error while building the prompt ({type(exc).__name__}: {exc}); "
             "the server log has the traceback",
         )
     return Failed(
         request_id=request_id,
-        status=400,
-        kind="invalid_request_error",
+        reason=error.reason,
         message=str(error),
         param=error.param,
-        code=error.code,
     )
 
 

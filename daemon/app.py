@@ -4,7 +4,9 @@
 ``daemon/api/anthropic.py`` Anthropic Messages and ``daemon/api/responses.py``
 the OpenAI Responses API, over the shared plumbing in ``daemon/api/common.py``.
 Errors before the first token get a real status code; errors after it end the
-stream with an error event. Errors use the format of the API that was called.
+stream with an error event. Each API module answers the errors raised on its
+routes in its own format; errors with no route (an unknown path or method) and
+the operations routes use OpenAI's.
 Every route but ``/health`` needs an API key when keys are configured; CORS
 headers are added only for configured origins. Before any of that, the Host
 header must name this server (``server.allowed_hosts``, else 403), and a POST
@@ -21,11 +23,11 @@ import trio
 from prometheus_client import CONTENT_TYPE_LATEST
 from quart import Response, request
 from quart_trio import QuartTrio
-from werkzeug.exceptions import HTTPException
 
 from daemon.api import anthropic, openai, responses
 from daemon.api.body import is_json_type
-from daemon.api.common import ApiError, Validator, json_response
+from daemon.api.common import Validator, json_response
+from daemon.api.errors import ApiError, install_errors
 from daemon.pipeline import Pipeline, ServerState
 from daemon.security import AllowedHosts, ApiKeys, Cors, well_formed_host
 from daemon.settings import Settings
@@ -45,14 +47,18 @@ def create_app(pipeline: Pipeline, settings: Settings) -> QuartTrio:
 
     def ready() -> str:
         if pipeline.state is not ServerState.READY or pipeline.info is None:
-            raise ApiError(
-                503, f"server is {pipeline.state.value}", kind="service_unavailable", retry_after=1
-            )
+            raise ApiError("not_ready", f"server is {pipeline.state.value}", retry_after=1)
         return pipeline.info.model_id
 
-    openai.install(app, pipeline, validator, ready)
-    anthropic.install(app, pipeline, validator, ready)
-    responses.install(app, pipeline, validator, ready)
+    def on_error(error: ApiError, path: str) -> None:
+        """An error before the request reached the pipeline: counted and logged here."""
+        pipeline.telemetry.http_error(error.status)
+        request_log.info("request id=- status=%d path=%s error=%r", error.status, path, str(error))
+
+    max_body = settings.server.max_body_bytes
+    install_errors(app, openai.ERRORS, on_error, max_body)  # unrouted: OpenAI's format
+    for api in (openai, anthropic, responses):
+        api.install(app, pipeline, validator, ready, on_error)
 
     @app.get("/health")
     async def health() -> Response:
@@ -66,51 +72,43 @@ def create_app(pipeline: Pipeline, settings: Settings) -> QuartTrio:
     _install_engine_routes(app, pipeline, ready)
     _install_observability(app, pipeline, settings)
     _install_guards(app, settings)
-    _install_error_handlers(app, settings, pipeline)
     hosts = AllowedHosts(settings.server.allowed_hosts, settings.server.host)
-    app.asgi_app = HostGuard(app.asgi_app, hosts, pipeline)  # type: ignore[method-assign]
+    app.asgi_app = HostGuard(app.asgi_app, hosts)  # type: ignore[method-assign]
     return app
+
+
+_REFUSED = "mlxd.host_refused"  # the scope key HostGuard leaves its refusal under
 
 
 class HostGuard:
     """ASGI middleware: the Host header must be well formed (else 400) and name this
-    server (else 403), checked before Quart's router parses it (a malformed one makes
-    the router raise outside any handler)."""
+    server (else 403). It is checked before Quart's router parses it (a malformed one
+    makes the router raise outside any handler): a refused request reaches the app
+    with a harmless Host and the refusal, which the first guard raises, so the error
+    is answered in the format of the API whose route was asked for."""
 
-    def __init__(self, app, hosts: AllowedHosts, pipeline: Pipeline):
-        self.app, self.hosts, self.telemetry = app, hosts, pipeline.telemetry
+    def __init__(self, app, hosts: AllowedHosts):
+        self.app, self.hosts = app, hosts
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] == "http":
             error = self.refusal(_header(scope, b"host"))
             if error is not None:
-                await self.refuse(scope, send, error)
-                return
+                headers = [(k, v) for k, v in scope["headers"] if k.lower() != b"host"]
+                headers.append((b"host", b"localhost"))
+                scope = {**scope, "headers": headers, _REFUSED: error}
         await self.app(scope, receive, send)
 
     def refusal(self, host: str | None) -> ApiError | None:
         if host is None:
             return None  # HTTP/1.0 without Host: not a browser, nothing to rebind
         if not well_formed_host(host):
-            return ApiError(400, f"malformed Host header {host[:100]!r}", code="bad_host")
+            return ApiError("bad_host", f"malformed Host header {host[:100]!r}")
         if not self.hosts.allows(host):
             return ApiError(
-                403,
-                f"host {host!r} is not served here (server.allowed_hosts)",
-                code="host_not_allowed",
+                "host_not_allowed", f"host {host!r} is not served here (server.allowed_hosts)"
             )
         return None
-
-    async def refuse(self, scope, send, error: ApiError) -> None:
-        self.telemetry.http_error(error.status)
-        request_log.info(
-            "request id=- status=%d path=%s error=%r", error.status, scope["path"], str(error)
-        )
-        anthropic_route = scope["path"].startswith("/v1/messages")
-        body = error.anthropic_body() if anthropic_route else error.body()
-        headers = [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(body))]
-        await send({"type": "http.response.start", "status": error.status, "headers": headers})
-        await send({"type": "http.response.body", "body": body})
 
 
 def _header(scope, name: bytes) -> str | None:
@@ -169,22 +167,23 @@ def _install_guards(app: QuartTrio, settings: Settings) -> None:
 
     @app.before_request
     async def guard() -> Response | None:
+        refused = request.scope.get(_REFUSED)
+        if refused is not None:
+            raise refused
         origin = request.headers.get("Origin")
         if request.method == "OPTIONS" and cors.allows(origin):
             return Response(b"", status=204, headers=cors.preflight_headers(origin or ""))
         if keys.enabled and request.path not in _OPEN_PATHS and not keys.allows(request.headers):
             raise ApiError(
-                401,
+                "invalid_api_key",
                 "missing or invalid API key: send 'Authorization: Bearer KEY' or 'x-api-key: KEY'",
-                code="invalid_api_key",
                 headers={"WWW-Authenticate": "Bearer"},
             )
         content_type = request.headers.get("Content-Type")
         if request.method == "POST" and not is_json_type(content_type):
             raise ApiError(
-                415,
+                "unsupported_media_type",
                 f"the body must be JSON (Content-Type: application/json), not {content_type!r}",
-                code="unsupported_media_type",
             )
         return None
 
@@ -194,34 +193,3 @@ def _install_guards(app: QuartTrio, settings: Settings) -> None:
         if cors.allows(origin):
             response.headers.update(cors.headers(origin or ""))
         return response
-
-
-def _anthropic_route() -> bool:
-    return request.path.startswith("/v1/messages")
-
-
-def _install_error_handlers(app: QuartTrio, settings: Settings, pipeline: Pipeline) -> None:
-    telemetry = pipeline.telemetry
-
-    def early(error: ApiError) -> Response:
-        """An error before the request reached the pipeline: counted and logged here."""
-        if not error.in_session:
-            telemetry.http_error(error.status)
-            request_log.info(
-                "request id=- status=%d path=%s error=%r", error.status, request.path, str(error)
-            )
-        return error.response(anthropic=_anthropic_route())
-
-    @app.errorhandler(ApiError)
-    async def api_error(exc: ApiError) -> Response:
-        return early(exc)
-
-    @app.errorhandler(HTTPException)
-    async def http_error(exc: HTTPException) -> Response:
-        status = exc.code or 500
-        too_large = (
-            f"request body is larger than {settings.server.max_body_bytes} bytes "
-            "(server.max_body_bytes)"
-        )
-        message = {413: too_large}.get(status, exc.description or exc.name)
-        return early(ApiError(status, message))

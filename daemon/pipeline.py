@@ -121,9 +121,7 @@ class Session:
     def _deadline_passed(self) -> Failed:
         return Failed(
             request_id=self.request_id,
-            status=504,
-            kind="timeout_error",
-            code="request_timeout",
+            reason="request_timeout",
             message=(
                 f"the request did not finish within {self.timeout_s:g}s "
                 f"(admission.request_timeout_s); generation was stopped after "

@@ -198,9 +198,7 @@ async def drain(pipeline: Pipeline, deadline_s: float) -> None:
 def _cut_off(request_id: str, deadline_s: float) -> Failed:
     return Failed(
         request_id=request_id,
-        status=503,
-        kind="service_unavailable",
-        code="shutting_down",
+        reason="shutting_down",
         message=f"the server is shutting down and the request did not finish within "
         f"{deadline_s:g}s (server.drain_timeout_s)",
     )

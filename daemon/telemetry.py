@@ -28,6 +28,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from daemon.api.errors import STATUS, code_of
 from protocol import status as wire
 from protocol.messages import Failed, Finished, MailboxEvent, Started, TextDelta
 
@@ -37,7 +38,7 @@ if TYPE_CHECKING:
 
 request_log = logging.getLogger("mlxd.requests")
 
-# Failures that are admission decisions (the request never ran), by ``Failed.code``.
+# Failures that are admission decisions (the request never ran), by their reason's code.
 REJECTIONS = frozenset({"queue_full", "queue_timeout", "request_too_large"})
 CLIENT_GONE = 499  # nginx's "client closed request": the client left before the end
 
@@ -76,7 +77,8 @@ class RequestTrace:
                     self.finish_reason, self.status = event.finish_reason, 200
                     self.completion_tokens = event.completion_tokens
                 case Failed():
-                    self.finish_reason, self.status, self.code = "error", event.status, event.code
+                    self.finish_reason, self.code = "error", code_of(event.reason)
+                    self.status = STATUS[event.reason]
 
     def close(self, now: float) -> None:
         self.end = now

@@ -257,21 +257,36 @@ class TokenStep(msgspec.Struct, frozen=True, kw_only=True):
     logprobs: tuple[TokenLogprob, ...] = ()
 
 
+# Why a request failed, stable and machine-readable. Each HTTP API maps a reason to its
+# own status code and error format (``daemon/api/errors.py``); the reason is also the
+# label of the rejection and failure metrics.
+Reason = Literal[
+    "invalid_request",  # the request cannot be served as sent (a 400)
+    "too_deeply_nested",  # its nesting is too deep to render the prompt
+    "request_too_large",  # it could never fit the memory budget
+    "queue_full",  # admission is at capacity
+    "queue_timeout",  # it waited too long for a slot, memory or a batch place
+    "request_timeout",  # it passed its deadline
+    "out_of_memory",  # an allocation failed in its step
+    "client_not_reading",  # its client left too much output unread
+    "shutting_down",  # the server is draining and it did not finish in time
+    "internal_error",  # a bug while building, running or streaming it
+]
+
+
 class Failed(msgspec.Struct, frozen=True, kw_only=True):
     """A per-request failure: reaches only that request's client.
 
-    ``code`` is a stable machine-readable reason (``queue_full``,
-    ``queue_timeout``, ``request_timeout``, ``out_of_memory``, ...), also the
-    label of the rejection metrics.
+    ``reason`` says why (never an HTTP status: each API picks its own);
+    ``param`` names the request field at fault; ``retry_after`` (seconds) says
+    when a retry may succeed.
     """
 
     request_id: str
-    status: int
+    reason: Reason
     message: str
-    kind: str = "server_error"
     param: str | None = None
     retry_after: float | None = None
-    code: str | None = None
 
 
 class EngineStep(msgspec.Struct, frozen=True, kw_only=True):

@@ -69,7 +69,7 @@ def test_a_request_that_can_never_fit_is_a_400_with_numbers():
     runner, core = core_with(budget=10 * 1024)
     core.submit(req("big"))
     (failed,) = core.step().failed
-    assert failed.status == 400 and failed.code == "request_too_large"
+    assert failed.reason == "request_too_large"
     assert "MiB" in failed.message and "9 prompt + 10 completion" in failed.message
     assert core.idle
 
@@ -93,7 +93,7 @@ def test_waiting_for_memory_longer_than_the_queue_timeout_is_a_503():
     assert not core.step().failed
     clock.now = 5.1
     (failed,) = core.step().failed
-    assert (failed.request_id, failed.status, failed.code) == ("patient", 503, "queue_timeout")
+    assert (failed.request_id, failed.reason) == ("patient", "queue_timeout")
     assert failed.retry_after
     run_until_idle(core)
     assert core.reserved_bytes == 0
@@ -119,7 +119,7 @@ def test_an_allocation_failure_in_decode_fails_that_step_and_the_engine_goes_on(
     steps = run_until_idle(core)
     failed = {f.request_id: f for step in steps for f in step.failed}
     assert set(failed) == {"ok1", "boom"}  # both were in the failing step
-    assert all(f.status == 503 and f.code == "out_of_memory" for f in failed.values())
+    assert all(f.reason == "out_of_memory" for f in failed.values())
     assert "out of memory" in failed["boom"].message
     assert runner.resets == 1 and core.reserved_bytes == 0
     # the engine keeps serving
@@ -155,7 +155,7 @@ def test_a_request_past_its_deadline_leaves_the_batch_with_a_504():
     assert not core.step().failed
     clock.now = 2.0
     (failed,) = core.step().failed
-    assert (failed.request_id, failed.status, failed.code) == ("late", 504, "request_timeout")
+    assert (failed.request_id, failed.reason) == ("late", "request_timeout")
     assert "late" in runner.removed and "late" not in runner.running
     steps = run_until_idle(core)
     assert not any(t.request_id == "late" for step in steps for t in step.tokens)
@@ -188,7 +188,7 @@ def test_a_row_whose_own_sampling_fails_fails_alone_and_the_step_goes_on():
     core.submit(req("bad", "BADROW here"))
     steps = run_until_idle(core)
     failed = {f.request_id: f for step in steps for f in step.failed}
-    assert set(failed) == {"bad"} and failed["bad"].status == 500
+    assert set(failed) == {"bad"} and failed["bad"].reason == "internal_error"
     assert "scripted sampler failure" in failed["bad"].message
     assert tokens_by_request(steps) == alone(INNOCENT)  # "bad" emitted nothing
     assert runner.resets == 0 and core.stats().failed_steps == 0
@@ -203,7 +203,7 @@ def test_a_failed_step_is_bisected_to_its_culprit_and_the_rest_go_on_unchanged()
     core.submit(req("late", "arrives later"))
     steps += run_until_idle(core)
     failed = {f.request_id: f for step in steps for f in step.failed}
-    assert set(failed) == {"bad"} and failed["bad"].status == 500
+    assert set(failed) == {"bad"} and failed["bad"].reason == "internal_error"
     assert tokens_by_request(steps) == alone({**INNOCENT, "late": "arrives later"})
     assert sorted(started_ids(steps)) == sorted([*INNOCENT, "bad", "late"])  # each once
     # six rows in the failed step: found in at most ceil(log2(6)) + 1 failed steps
@@ -234,9 +234,9 @@ def test_a_request_past_its_deadline_while_parked_for_a_replay_gets_its_504():
     assert core.recovery.parked
     clock.now = 5.0
     steps += run_until_idle(core)
-    failed = {f.request_id: f.code for step in steps for f in step.failed}
+    failed = {f.request_id: f.reason for step in steps for f in step.failed}
     timeouts = {"a": "request_timeout", "b": "request_timeout", "c": "request_timeout"}
-    assert failed == {**timeouts, "bad": None}
+    assert failed == {**timeouts, "bad": "internal_error"}
     assert core.idle and core.recovery.idle
 
 
@@ -252,6 +252,8 @@ def test_options_the_model_cannot_run_are_a_400_before_any_runner_call():
     core.submit(req("ok", "fine"))
     steps = run_until_idle(core)
     failed = {f.request_id: f for step in steps for f in step.failed}
-    assert {rid: (f.status, f.param) for rid, f in failed.items()} == {p: (400, p) for p in bad}
+    assert {rid: (f.reason, f.param) for rid, f in failed.items()} == {
+        p: ("invalid_request", p) for p in bad
+    }
     assert not runner.removed or set(runner.removed) <= {"ok"}
     assert tokens_by_request(steps)["ok"] == alone({"ok": "fine"})["ok"]

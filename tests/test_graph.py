@@ -89,7 +89,7 @@ async def test_queue_full_rejects_with_429():
         second = await pipeline.submit(chat("second", "hi"))
         rejected = await collect(second)
         assert isinstance(rejected[-1], Failed)
-        assert rejected[-1].status == 429
+        assert rejected[-1].reason == "queue_full"
         assert rejected[-1].retry_after
         await first.close()
 
@@ -112,7 +112,7 @@ async def test_prefill_failure_fails_only_that_request():
         failure = await collect(bad)
     assert [text_of(r) for r in results] == ["FINE 0", "FINE 1", "FINE 2", "AFTER"]
     assert isinstance(failure[-1], Failed)
-    assert failure[-1].status == 500
+    assert failure[-1].reason == "internal_error"
     assert "prefill" in failure[-1].message
 
 
@@ -127,7 +127,7 @@ async def test_template_error_is_a_400_for_that_request():
         )
         events = await collect(await pipeline.submit(req))
     assert isinstance(events[-1], Failed)
-    assert events[-1].status == 400
+    assert events[-1].reason == "invalid_request"
     assert "template" in events[-1].message
 
 
@@ -136,8 +136,8 @@ async def test_prompt_longer_than_context_is_a_400():
         too_long = await collect(await pipeline.submit(chat("long", "w" * 100)))
         too_much = await collect(await pipeline.submit(chat("much", "w", max_tokens=100)))
         defaulted = await collect(await pipeline.submit(chat("fits", "w" * 10)))
-    assert too_long[-1].status == 400 and "limit" in too_long[-1].message
-    assert too_much[-1].status == 400 and too_much[-1].param == "max_tokens"
+    assert too_long[-1].reason == "invalid_request" and "limit" in too_long[-1].message
+    assert too_much[-1].reason == "invalid_request" and too_much[-1].param == "max_tokens"
     assert isinstance(defaulted[-1], Finished)
 
 
@@ -209,7 +209,7 @@ async def test_request_that_can_never_fit_is_refused_at_tokenization_with_number
         defaulted = await collect(await pipeline.submit(chat("dflt", "short")))
     failed = events[-1]
     assert isinstance(failed, Failed)
-    assert (failed.status, failed.code, failed.param) == (400, "request_too_large", "max_tokens")
+    assert (failed.reason, failed.param) == ("request_too_large", "max_tokens")
     assert "200 completion tokens" in failed.message and "0.1 MiB" in failed.message
     assert not runner.prefill_log or all(rid != "big" for rid, _ in runner.prefill_log)
     # no max_tokens named: the default shrinks to what the budget allows, and it runs
@@ -226,7 +226,7 @@ async def test_deadline_aborts_generation_and_tells_the_client():
                 await trio.sleep(0.005)
     failed = events[-1]
     assert isinstance(failed, Failed)
-    assert (failed.status, failed.code) == (504, "request_timeout")
+    assert failed.reason == "request_timeout"
     assert "admission.request_timeout_s" in failed.message
     assert any(isinstance(e, TextDelta) for e in events)  # it was cut off mid-generation
     assert "slow" not in runner.running
@@ -240,7 +240,7 @@ async def test_deadline_also_covers_waiting_in_the_queue():
         runner.step_delay = 0.01
         blocker = await pipeline.submit(chat("blocker", "q" * 3000))
         queued = await collect(await pipeline.submit(chat("queued", "hi")))
-        assert queued[-1].code == "request_timeout"
+        assert queued[-1].reason == "request_timeout"
         await blocker.close()
 
 
@@ -256,8 +256,8 @@ async def test_allocation_failure_in_a_step_fails_its_requests_and_serving_goes_
         v1_rest = [e async for batch in v1_events for e in batch]
         failures = [(seen + v1_rest)[-1], (await collect(second))[-1]]
         after = await collect(await pipeline.submit(chat("after", "still here")))
-    assert all(isinstance(f, Failed) and f.code == "out_of_memory" for f in failures)
-    assert all(f.status == 503 and f.retry_after for f in failures)
+    assert all(isinstance(f, Failed) and f.reason == "out_of_memory" for f in failures)
+    assert all(f.retry_after for f in failures)
     assert text_of(after) == "STILL HERE"
     assert runner.resets == 1
     assert pipeline.engine_stats.failed_steps == 1
@@ -276,7 +276,7 @@ async def test_a_crashing_row_fails_alone_and_a_running_stream_goes_on_seamlessl
         v1 = seen + [e async for batch in v1_events for e in batch]
         assert runner.released == 0  # busy until now
         await trio.sleep(0.2)
-    assert isinstance(bad[-1], Failed) and bad[-1].status == 500
+    assert isinstance(bad[-1], Failed) and bad[-1].reason == "internal_error"
     assert isinstance(v1[-1], Finished) and text_of(v1) == "A" * 60  # no token lost or doubled
     assert pipeline.engine_stats.failed_steps >= 1
     assert runner.released >= 1  # the engine went idle and gave its free buffers back

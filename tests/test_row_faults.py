@@ -69,7 +69,7 @@ def test_rows_whose_sampling_fails_fail_alone_and_the_batch_is_unchanged(smollm)
     }
     tokens, failed = drive(runner, schedule)
     assert set(failed) == {"topk", "bias"}
-    assert failed["bias"].status == 400 and failed["bias"].param == "logit_bias"
+    assert failed["bias"].reason == "invalid_request" and failed["bias"].param == "logit_bias"
     assert {rid: tokens[rid] for rid in expected} == expected
     # nothing poisoned: an unseeded sampled request runs and yields tokens
     fresh, none_failed = drive(runner, {0: [seeded("u1", seed=None)]})  # type: ignore[arg-type]
@@ -103,6 +103,6 @@ def test_a_step_that_raises_is_bisected_and_innocent_rows_go_on_unchanged(
     crashing = CrashingRunner(runner, "boom")
     schedule = {0: [innocent[0], innocent[1]], 3: [bad("boom", temperature=0.0), innocent[2]]}
     tokens, failed = drive(crashing, schedule)
-    assert set(failed) == {"boom"} and failed["boom"].status == 500
+    assert set(failed) == {"boom"} and failed["boom"].reason == "internal_error"
     assert {rid: tokens[rid] for rid in expected} == expected
     assert runner.decoding == 0 and runner.prefilling_count == 0

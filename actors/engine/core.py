@@ -158,9 +158,7 @@ class EngineCore:
             failed.append(
                 Failed(
                     request_id=request.request_id,
-                    status=504,
-                    kind="timeout_error",
-                    code="request_timeout",
+                    reason="request_timeout",
                     message=(
                         "the request passed its deadline (admission.request_timeout_s); "
                         "generation was stopped"
@@ -179,9 +177,7 @@ class EngineCore:
             failed.append(
                 Failed(
                     request_id=entry.request.request_id,
-                    status=503,
-                    kind="service_unavailable",
-                    code="queue_timeout",
+                    reason="queue_timeout",
                     message=(
                         f"waited over {self.queue_timeout_s:g}s for memory or a batch slot "
                         "(admission.queue_timeout_s); retry later"
@@ -247,9 +243,7 @@ class EngineCore:
         )
         return Failed(
             request_id=request.request_id,
-            status=400,
-            kind="invalid_request_error",
-            code="request_too_large",
+            reason="request_too_large",
             param="max_tokens",
             message=message,
         )
@@ -368,18 +362,15 @@ class EngineCore:
         if isinstance(exc, InvalidRequest):
             return Failed(
                 request_id=request_id,
-                status=400,
-                kind="invalid_request_error",
+                reason="invalid_request",
                 param=exc.param,
                 message=str(exc),
             )
         if is_memory_error(exc):
             return Failed(
                 request_id=request_id,
-                status=503,
-                kind="service_unavailable",
-                code="out_of_memory",
+                reason="out_of_memory",
                 message=f"{what}: out of memory ({exc}); retry later",
                 retry_after=self.retry_after_s,
             )
-        return Failed(request_id=request_id, status=500, message=f"{what}: {exc}")
+        return Failed(request_id=request_id, reason="internal_error", message=f"{what}: {exc}")

@@ -14,37 +14,34 @@ event sequence: ``message_start``, ``ping``, per block
 from __future__ import annotations
 
 import contextlib
-import functools
 import json
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 
 import trio
-from quart import Response, request
+from quart import Blueprint, Response, request
 from quart_trio import QuartTrio
 
 from actors.tokenizer import PromptError
+from daemon.api import sse
 from daemon.api.common import (
-    ApiError,
     Choice,
-    ChoiceEvent,
+    Usage,
     Validator,
     check,
     collect,
-    event_frames,
     json_response,
-    sse_response,
     start,
     tool_choice,
+    usage_of,
 )
+from daemon.api.errors import ApiError, ErrorFormat, ErrorReason, OnError, install_errors
 from daemon.pipeline import Pipeline
 from protocol import anthropic as wire
 from protocol.messages import (
     ChatRequest,
-    Failed,
     Finished,
-    MailboxEvent,
     Message,
     SamplingParams,
     Started,
@@ -52,6 +49,45 @@ from protocol.messages import (
     Tool,
     ToolCall,
 )
+
+# Anthropic's error ``type`` per reason; the rest (timeouts, bugs) are ``api_error``.
+_TYPES: dict[ErrorReason, str] = {
+    **dict.fromkeys(
+        (
+            "invalid_request",
+            "too_deeply_nested",
+            "request_too_large",
+            "bad_host",
+            "method_not_allowed",
+            "unsupported_media_type",
+        ),
+        "invalid_request_error",
+    ),
+    "invalid_api_key": "authentication_error",
+    "host_not_allowed": "permission_error",
+    "not_found": "not_found_error",
+    "model_not_found": "not_found_error",
+    "body_too_large": "request_too_large",
+    "queue_full": "rate_limit_error",
+    **dict.fromkeys(
+        ("not_ready", "queue_timeout", "out_of_memory", "shutting_down"), "overloaded_error"
+    ),
+}
+
+
+class AnthropicErrors(ErrorFormat):
+    """``{"type": "error", "error": {"type", "message"}}``; the field at fault leads the
+    message (Anthropic errors have no ``param``)."""
+
+    def error(self, error: ApiError) -> dict:
+        message = f"{error.param}: {error}" if error.param else str(error)
+        return {"type": "error", "error": {"type": self.type_of(error), "message": message}}
+
+    def body(self, error: ApiError) -> bytes:
+        return wire.encoder.encode(self.error(error))
+
+
+ERRORS = AnthropicErrors(_TYPES, "api_error")
 
 
 def _result_part(x: wire.TextBlock | wire.ImageBlock) -> dict:
@@ -97,7 +133,9 @@ def _user_turns(content: list[wire.Block]) -> list[Message]:
         elif isinstance(b, wire.ImageBlock):
             parts.append(image_part(b))
         elif isinstance(b, wire.ToolUseBlock):
-            raise ApiError(400, "tool_use blocks belong in assistant turns", param="messages")
+            raise ApiError(
+                "invalid_request", "tool_use blocks belong in assistant turns", param="messages"
+            )
     if parts or not turns:
         turns.append(Message(role="user", content=parts))
     return turns
@@ -217,6 +255,10 @@ def _input(arguments: str) -> dict:
     return value if isinstance(value, dict) else {"_raw": arguments}
 
 
+def usage(u: Usage) -> wire.Usage:
+    return wire.Usage(input_tokens=u.prompt, output_tokens=u.completion)
+
+
 def message_body(rid: str, model: str, c: Choice) -> wire.Message:
     assert c.finished is not None
     content: list = []
@@ -232,34 +274,40 @@ def message_body(rid: str, model: str, c: Choice) -> wire.Message:
         content=content,
         stop_reason=stop_reason(f),
         stop_sequence=f.stop_string,
-        usage=wire.Usage(input_tokens=f.prompt_tokens, output_tokens=f.completion_tokens),
+        usage=usage(usage_of([c])),
     )
 
 
-def sse(kind: str, data: dict) -> bytes:
-    return b"event: " + kind.encode() + b"\ndata: " + wire.encoder.encode(data) + b"\n\n"
+def sse_event(kind: str, data: dict) -> bytes:
+    return sse.frame(wire.encoder.encode(data), kind)
 
 
 class MessageStream:
     """Anthropic stream events from mailbox events; one content block open at a time."""
 
+    terminator = b""
+
     def __init__(self, rid: str, model: str):
         self.rid, self.model = rid, model
         self.index = -1
         self.open: str | None = None  # kind of the open block
+        self.end: Finished | None = None
 
-    def start(self, prompt_tokens: int) -> list[bytes]:
+    def opening(self) -> list[bytes]:
+        return []
+
+    def started(self, i: int, started: Started) -> list[bytes]:
         message = wire.Message(
             id=self.rid,
             model=self.model,
             content=[],
             stop_reason=None,
             stop_sequence=None,
-            usage=wire.Usage(input_tokens=prompt_tokens, output_tokens=0),
+            usage=wire.Usage(input_tokens=started.prompt_tokens, output_tokens=0),
         )
         return [
-            sse("message_start", {"type": "message_start", "message": message}),
-            sse("ping", {"type": "ping"}),
+            sse_event("message_start", {"type": "message_start", "message": message}),
+            sse_event("ping", {"type": "ping"}),
         ]
 
     def _block(self, kind: str, block: dict) -> list[bytes]:
@@ -267,19 +315,21 @@ class MessageStream:
         self.index += 1
         self.open = kind
         start = {"type": "content_block_start", "index": self.index, "content_block": block}
-        return out + [sse("content_block_start", start)]
+        return out + [sse_event("content_block_start", start)]
 
     def _close(self) -> list[bytes]:
         if self.open is None:
             return []
         self.open = None
-        return [sse("content_block_stop", {"type": "content_block_stop", "index": self.index})]
+        return [
+            sse_event("content_block_stop", {"type": "content_block_stop", "index": self.index})
+        ]
 
     def _delta(self, delta: dict) -> bytes:
         body = {"type": "content_block_delta", "index": self.index, "delta": delta}
-        return sse("content_block_delta", body)
+        return sse_event("content_block_delta", body)
 
-    def delta(self, event: TextDelta) -> list[bytes]:
+    def delta(self, i: int, event: TextDelta) -> list[bytes]:
         out: list[bytes] = []
         if event.reasoning:
             if self.open != "thinking":
@@ -300,32 +350,23 @@ class MessageStream:
                 out.append(self._delta({"type": "input_json_delta", "partial_json": c.arguments}))
         return out
 
-    def finish(self, f: Finished) -> list[bytes]:
-        delta = {"stop_reason": stop_reason(f), "stop_sequence": f.stop_string}
-        usage = {"output_tokens": f.completion_tokens}
-        return self._close() + [
-            sse("message_delta", {"type": "message_delta", "delta": delta, "usage": usage}),
-            sse("message_stop", {"type": "message_stop"}),
+    def finished(self, i: int, f: Finished) -> list[bytes]:
+        self.end = f
+        return self._close()
+
+    def closing(self, u: Usage) -> list[bytes]:
+        assert self.end is not None
+        delta = {"stop_reason": stop_reason(self.end), "stop_sequence": self.end.stop_string}
+        return [
+            sse_event(
+                "message_delta",
+                {"type": "message_delta", "delta": delta, "usage": {"output_tokens": u.completion}},
+            ),
+            sse_event("message_stop", {"type": "message_stop"}),
         ]
 
-
-def _frames(shape: MessageStream, _: int, event: MailboxEvent) -> list[bytes]:
-    match event:
-        case Started():
-            return shape.start(event.prompt_tokens)
-        case TextDelta():
-            return shape.delta(event)
-        case Finished():
-            return shape.finish(event)
-        case Failed():
-            return [sse("error", json.loads(ApiError.from_failed(event).anthropic_body()))]
-    return []
-
-
-def stream_events(
-    shape: MessageStream, first: list[ChoiceEvent], rest: AsyncIterator[list[ChoiceEvent]]
-) -> AsyncIterator[bytes]:
-    return event_frames(first, rest, functools.partial(_frames, shape))
+    def failed(self, error: ApiError) -> list[bytes]:
+        return [sse_event("error", ERRORS.error(error))]
 
 
 class CountGate:
@@ -344,10 +385,9 @@ class CountGate:
     async def enter(self) -> AsyncIterator[None]:
         if self.inside >= self.slots:
             raise ApiError(
-                429,
+                "queue_full",
                 f"{self.inside} count_tokens requests are in progress or waiting "
                 "(tokenizer.workers + tokenizer.count_tokens_max_waiting)",
-                code="queue_full",
                 retry_after=self.retry_after_s,
             )
         self.inside += 1
@@ -358,8 +398,17 @@ class CountGate:
             self.inside -= 1
 
 
-def install(app: QuartTrio, pipeline: Pipeline, v: Validator, ready: Callable[[], str]) -> None:
-    """Register the Anthropic routes on the app."""
+def install(
+    app: QuartTrio, pipeline: Pipeline, v: Validator, ready: Callable[[], str], on_error: OnError
+) -> None:
+    """Register the Anthropic routes on the app, their errors in Anthropic's format."""
+    api = Blueprint("anthropic", __name__)
+    _routes(api, pipeline, v, ready)
+    install_errors(api, ERRORS, on_error, v.max_body_bytes)
+    app.register_blueprint(api)
+
+
+def _routes(app: Blueprint, pipeline: Pipeline, v: Validator, ready: Callable[[], str]) -> None:
     gate = CountGate(v)
 
     @app.post("/v1/messages")
@@ -370,7 +419,7 @@ def install(app: QuartTrio, pipeline: Pipeline, v: Validator, ready: Callable[[]
         rid = f"msg_{uuid.uuid4().hex}"
         first, rest = await start(pipeline, [chat_request(w, rid, v)])
         if w.stream:
-            return sse_response(stream_events(MessageStream(rid, model), first, rest))
+            return sse.stream(MessageStream(rid, model), first, rest)
         (choice,) = await collect(1, first, rest)
         return json_response(message_body(rid, model, choice))
 
@@ -384,5 +433,5 @@ def install(app: QuartTrio, pipeline: Pipeline, v: Validator, ready: Callable[[]
             try:
                 n = await pipeline.count_tokens(req)
             except PromptError as exc:
-                raise ApiError(400, str(exc), param=exc.param) from exc
+                raise ApiError(exc.reason, str(exc), param=exc.param) from exc
         return json_response({"input_tokens": n})

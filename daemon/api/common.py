@@ -1,16 +1,18 @@
-"""What every HTTP API shares: errors, decoding, validation and the request's sessions.
+"""What every HTTP API shares: decoding, validation, the request's sessions and usage.
 
 Each API module (``openai.py``, ``anthropic.py``, ``responses.py``) decodes its
 wire request, builds internal requests through the ``Validator`` (every limit
 from the settings; a field that cannot be honoured is a 400, never dropped),
 runs them with ``start`` and shapes the merged ``(choice index, event)``
-stream into its own JSON or Server-Sent Events.
+stream into its own JSON, or its own frames for the one SSE driver
+(``sse.py``); ``Usage`` is the token counts each API renders its own way.
+Errors and their formats are in ``errors.py``.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass, field
 
 import msgspec
@@ -20,6 +22,7 @@ from quart import Response
 from actors.mailbox import Bell
 from actors.tokenizer import RESERVED_TEMPLATE_KWARGS
 from daemon.api.body import json_depth, valid_utf8
+from daemon.api.errors import ApiError
 from daemon.pipeline import Pipeline, Session
 from daemon.settings import Settings
 from protocol import openai as wire
@@ -37,97 +40,16 @@ from protocol.messages import (
     ToolCall,
 )
 
-_OPENAI_TYPES = {
-    400: "invalid_request_error",
-    401: "invalid_request_error",
-    403: "permission_error",
-    404: "not_found_error",
-    413: "invalid_request_error",
-    415: "invalid_request_error",
-    429: "rate_limit_error",
-}
-_ANTHROPIC_TYPES = {
-    400: "invalid_request_error",
-    401: "authentication_error",
-    403: "permission_error",
-    404: "not_found_error",
-    405: "invalid_request_error",
-    413: "request_too_large",
-    415: "invalid_request_error",
-    429: "rate_limit_error",
-    503: "overloaded_error",
-}
-
 ChoiceEvent = tuple[int, MailboxEvent]
-
-
-class ApiError(Exception):
-    """An error answered in the calling API's error format."""
-
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        *,
-        param: str | None = None,
-        kind: str | None = None,
-        code: str | None = None,
-        retry_after: float | None = None,
-        headers: dict[str, str] | None = None,
-    ):
-        super().__init__(message)
-        self.status, self.param, self.code, self.retry_after = status, param, code, retry_after
-        self.kind = kind or _OPENAI_TYPES.get(status, "server_error")
-        self.headers = headers or {}
-        self.in_session = False  # counted and logged by its session, not the error handler
-
-    @classmethod
-    def from_failed(cls, failed: Failed) -> ApiError:
-        error = cls(
-            failed.status,
-            failed.message,
-            param=failed.param,
-            kind=failed.kind,
-            code=failed.code,
-            retry_after=failed.retry_after,
-        )
-        error.in_session = True
-        return error
-
-    def body(self) -> bytes:
-        """The OpenAI error object."""
-        err = wire.ErrorBody(message=str(self), type=self.kind, param=self.param, code=self.code)
-        return wire.encoder.encode(wire.ErrorResponse(error=err))
-
-    def anthropic_body(self) -> bytes:
-        """Anthropic's ``{"type": "error", "error": {"type", "message"}}``."""
-        kind = _ANTHROPIC_TYPES.get(self.status, "api_error")
-        message = f"{self.param}: {self}" if self.param else str(self)
-        return wire.encoder.encode({"type": "error", "error": {"type": kind, "message": message}})
-
-    def response(self, anthropic: bool = False) -> Response:
-        headers = dict(self.headers)
-        if self.retry_after:
-            headers["Retry-After"] = str(int(self.retry_after))
-        body = self.anthropic_body() if anthropic else self.body()
-        return Response(body, status=self.status, headers=headers, content_type="application/json")
 
 
 def check(ok: bool, param: str | None, message: str) -> None:
     if not ok:
-        raise ApiError(400, message, param=param)
+        raise ApiError("invalid_request", message, param=param)
 
 
 def json_response(obj: object, status: int = 200) -> Response:
     return Response(wire.encoder.encode(obj), status=status, content_type="application/json")
-
-
-def sse_response(body: AsyncIterator[bytes]) -> Response:
-    return Response(
-        body,
-        content_type="text/event-stream",
-        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
-    )
 
 
 def decode(decoder: msgspec.json.Decoder, body: bytes, max_depth: int = 64):
@@ -141,9 +63,11 @@ def decode(decoder: msgspec.json.Decoder, body: bytes, max_depth: int = 64):
     try:
         return decoder.decode(body)
     except msgspec.ValidationError as exc:
-        raise ApiError(400, f"invalid request: {exc}", param=wire.error_param(exc)) from exc
+        raise ApiError(
+            "invalid_request", f"invalid request: {exc}", param=wire.error_param(exc)
+        ) from exc
     except msgspec.DecodeError as exc:
-        raise ApiError(400, f"invalid JSON: {exc}") from exc
+        raise ApiError("invalid_request", f"invalid JSON: {exc}") from exc
 
 
 # ---- validation -------------------------------------------------------------------------
@@ -174,6 +98,7 @@ class Validator:
         self.tokenizer = settings.tokenizer
         self.max_messages = settings.tokenizer.max_messages
         self.max_json_depth = settings.server.max_json_depth
+        self.max_body_bytes = settings.server.max_body_bytes
         self.retry_after_s = settings.admission.retry_after_s
         self.priority_enabled = settings.admission.priority
         self.vocab_size = vocab_size
@@ -202,10 +127,9 @@ class Validator:
     def check_model(self, requested: str | None, served: str) -> None:
         if requested and requested != served and not self.model.accept_other_ids:
             raise ApiError(
-                404,
+                "model_not_found",
                 f"model '{requested}' not found; this server serves '{served}'",
                 param="model",
-                code="model_not_found",
             )
 
     def sampling(
@@ -475,25 +399,6 @@ async def start(
     return first, events
 
 
-async def event_frames(
-    first: list[ChoiceEvent],
-    rest: AsyncIterator[list[ChoiceEvent]],
-    render: Callable[[int, MailboxEvent], list[bytes]],
-) -> AsyncIterator[bytes]:
-    """Each event's frames, in order, up to and including a failure; closes ``rest``."""
-    try:
-        batch: list[ChoiceEvent] | None = first
-        while batch is not None:
-            for i, event in batch:
-                for frame in render(i, event):
-                    yield frame
-                if isinstance(event, Failed):
-                    return
-            batch = await anext(rest, None)
-    finally:
-        await rest.aclose()  # type: ignore[attr-defined]
-
-
 @dataclass
 class Choice:
     """One choice's whole output, for non-streaming answers."""
@@ -538,21 +443,41 @@ async def collect(
     finally:
         await rest.aclose()  # type: ignore[attr-defined]
     if any(c.finished is None for c in choices):
-        raise ApiError(500, "the request ended without a result")
+        raise ApiError("internal_error", "the request ended without a result")
     return choices
 
 
-def usage_of(choices: list[Choice]) -> tuple[int, int]:
-    """(prompt tokens, completion tokens) over all choices; the prompt is counted once."""
-    finished = [c.finished for c in choices if c.finished is not None]
-    prompt = finished[0].prompt_tokens if finished else 0
-    return prompt, sum(f.completion_tokens for f in finished)
+@dataclass(frozen=True)
+class Usage:
+    """A request's token counts, which each API renders into its own usage JSON.
+
+    ``prompt`` is counted once however many choices ran; ``prefilled`` is set only
+    when SpecPrefill skipped some of the prompt's uncached tokens.
+    """
+
+    prompt: int = 0
+    completion: int = 0
+    cached: int = 0
+    prefilled: int | None = None
+
+    @property
+    def total(self) -> int:
+        return self.prompt + self.completion
+
+    @classmethod
+    def of(cls, finished: Iterable[Finished | None]) -> Usage:
+        done = [f for f in finished if f is not None]
+        if not done:
+            return cls()
+        f = done[0]
+        full = f.prompt_tokens - f.cached_tokens
+        return cls(
+            prompt=f.prompt_tokens,
+            completion=sum(d.completion_tokens for d in done),
+            cached=f.cached_tokens,
+            prefilled=f.prefilled_tokens if 0 <= f.prefilled_tokens < full else None,
+        )
 
 
-def prompt_details(choices: list[Choice]) -> tuple[int, int | None]:
-    """(cached prompt tokens, prefilled prompt tokens if SpecPrefill skipped some)."""
-    f = next((c.finished for c in choices if c.finished is not None), None)
-    if f is None:
-        return 0, None
-    full = f.prompt_tokens - f.cached_tokens
-    return f.cached_tokens, (f.prefilled_tokens if 0 <= f.prefilled_tokens < full else None)
+def usage_of(choices: list[Choice]) -> Usage:
+    return Usage.of(c.finished for c in choices)

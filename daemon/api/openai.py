@@ -10,46 +10,86 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 
 import msgspec
-from quart import Response, request
+from quart import Blueprint, Response, request
 from quart_trio import QuartTrio
 
+from daemon.api import sse
 from daemon.api.common import (
     SEED_MAX,
-    ApiError,
     Choice,
-    ChoiceEvent,
+    Usage,
     Validator,
     both_constraints,
     check,
     collect,
     json_constraint,
     json_response,
-    prompt_details,
-    sse_response,
     start,
     template_kwargs,
     tool_choice,
     usage_of,
 )
+from daemon.api.errors import ApiError, ErrorFormat, ErrorReason, OnError, install_errors
 from daemon.pipeline import Pipeline
 from protocol import openai as wire
 from protocol.messages import (
     ChatRequest,
     CompletionRequest,
     Constraint,
-    Failed,
     Finished,
     LogprobPiece,
     Message,
     SamplingParams,
+    Started,
     TextDelta,
     Tool,
     ToolCall,
     ToolCallDelta,
 )
+
+# OpenAI's error ``type`` per reason; the rest are ``server_error``.
+_TYPES: dict[ErrorReason, str] = {
+    **dict.fromkeys(
+        (
+            "invalid_request",
+            "too_deeply_nested",
+            "request_too_large",
+            "bad_host",
+            "invalid_api_key",
+            "method_not_allowed",
+            "body_too_large",
+            "unsupported_media_type",
+        ),
+        "invalid_request_error",
+    ),
+    "host_not_allowed": "permission_error",
+    "not_found": "not_found_error",
+    "model_not_found": "not_found_error",
+    "queue_full": "rate_limit_exceeded",
+    **dict.fromkeys(("client_not_reading", "request_timeout", "body_timeout"), "timeout_error"),
+    **dict.fromkeys(
+        ("not_ready", "queue_timeout", "out_of_memory", "shutting_down"), "service_unavailable"
+    ),
+}
+
+
+class OpenAIErrors(ErrorFormat):
+    """``{"error": {"message", "type", "param", "code"}}``."""
+
+    def error(self, error: ApiError) -> wire.ErrorResponse:
+        body = wire.ErrorBody(
+            message=str(error), type=self.type_of(error), param=error.param, code=error.code
+        )
+        return wire.ErrorResponse(error=body)
+
+    def body(self, error: ApiError) -> bytes:
+        return wire.encoder.encode(self.error(error))
+
+
+ERRORS = OpenAIErrors(_TYPES, "server_error")
 
 
 def sampling_from(
@@ -162,13 +202,13 @@ def chat_requests(w: wire.ChatCompletionRequest, rid: str, v: Validator) -> list
 # ---- chat shaping -------------------------------------------------------------------------
 
 
-def usage(prompt: int, completion: int, cached: int = 0, prefilled: int | None = None):
+def usage(u: Usage) -> wire.Usage:
     return wire.Usage(
-        prompt_tokens=prompt,
-        completion_tokens=completion,
-        total_tokens=prompt + completion,
+        prompt_tokens=u.prompt,
+        completion_tokens=u.completion,
+        total_tokens=u.total,
         prompt_tokens_details=wire.PromptTokensDetails(
-            cached_tokens=cached, prefilled_tokens=prefilled
+            cached_tokens=u.cached, prefilled_tokens=u.prefilled
         ),
     )
 
@@ -227,76 +267,55 @@ def chat_choice(i: int, c: Choice, logprobs: bool) -> wire.ChatChoice:
     )
 
 
-class ChatStream:
-    """Chat completion chunks for one request's merged choice events."""
+_DONE = b"data: [DONE]\n\n"
+
+
+class _Stream:
+    """What chat and text completion streams share: the chunk envelope, the error
+    frame, the usage chunk when asked for, and ``data: [DONE]``."""
+
+    terminator = _DONE
+    chunk_type: type = wire.ChatCompletionChunk
 
     def __init__(self, rid: str, model: str, n: int, include_usage: bool):
         self.rid, self.model, self.n, self.include_usage = rid, model, n, include_usage
         self.created = int(time.time())
-        self.finished: list[Finished] = []
 
-    def chunk(self, choices: list[wire.ChunkChoice], usage: wire.Usage | None = None) -> bytes:
-        obj = wire.ChatCompletionChunk(
+    def chunk(self, choices: list, usage: wire.Usage | None = None) -> bytes:
+        obj = self.chunk_type(
             id=self.rid, created=self.created, model=self.model, choices=choices, usage=usage
         )
-        return b"data: " + wire.encoder.encode(obj) + b"\n\n"
+        return sse.frame(wire.encoder.encode(obj))
+
+    def started(self, i: int, event: Started) -> list[bytes]:
+        return []
+
+    def closing(self, u: Usage) -> list[bytes]:
+        return [self.chunk([], usage=usage(u))] if self.include_usage else []
+
+    def failed(self, error: ApiError) -> list[bytes]:
+        return [sse.frame(ERRORS.body(error))]
+
+
+class ChatStream(_Stream):
+    """Chat completion chunks for one request's merged choice events."""
 
     def opening(self) -> list[bytes]:
         delta = wire.Delta(role="assistant", content="")
         return [self.chunk([wire.ChunkChoice(index=i, delta=delta)]) for i in range(self.n)]
 
-    def event(self, i: int, event) -> list[bytes]:
-        match event:
-            case TextDelta():
-                delta = wire.Delta(
-                    content=event.text or None,
-                    reasoning_content=event.reasoning or None,
-                    tool_calls=_delta_calls(event.tool_calls),
-                )
-                lp = chat_logprobs(event.logprobs)
-                return [self.chunk([wire.ChunkChoice(index=i, delta=delta, logprobs=lp)])]
-            case Finished():
-                self.finished.append(event)
-                end = wire.ChunkChoice(
-                    index=i, delta=wire.Delta(), finish_reason=event.finish_reason
-                )
-                return [self.chunk([end])]
-            case Failed():
-                return [b"data: " + ApiError.from_failed(event).body() + b"\n\n"]
-        return []
+    def delta(self, i: int, event: TextDelta) -> list[bytes]:
+        delta = wire.Delta(
+            content=event.text or None,
+            reasoning_content=event.reasoning or None,
+            tool_calls=_delta_calls(event.tool_calls),
+        )
+        lp = chat_logprobs(event.logprobs)
+        return [self.chunk([wire.ChunkChoice(index=i, delta=delta, logprobs=lp)])]
 
-    def closing(self) -> list[bytes]:
-        out = []
-        if self.include_usage and self.finished:
-            prompt = self.finished[0].prompt_tokens
-            done = sum(f.completion_tokens for f in self.finished)
-            f = self.finished[0]
-            full = f.prompt_tokens - f.cached_tokens
-            prefilled = f.prefilled_tokens if 0 <= f.prefilled_tokens < full else None
-            out.append(self.chunk([], usage=usage(prompt, done, f.cached_tokens, prefilled)))
-        return out + [b"data: [DONE]\n\n"]
-
-
-async def stream_body(
-    shape, first: list[ChoiceEvent], rest: AsyncIterator[list[ChoiceEvent]]
-) -> AsyncIterator[bytes]:
-    """SSE frames from a shape's ``opening`` / ``event`` / ``closing``; stops at an error."""
-    try:
-        for frame in shape.opening():
-            yield frame
-        batch: list[ChoiceEvent] | None = first
-        while batch is not None:
-            for i, event in batch:
-                for frame in shape.event(i, event):
-                    yield frame
-                if isinstance(event, Failed):
-                    yield b"data: [DONE]\n\n"
-                    return
-            batch = await anext(rest, None)
-        for frame in shape.closing():
-            yield frame
-    finally:
-        await rest.aclose()  # type: ignore[attr-defined]
+    def finished(self, i: int, event: Finished) -> list[bytes]:
+        end = wire.ChunkChoice(index=i, delta=wire.Delta(), finish_reason=event.finish_reason)
+        return [self.chunk([end])]
 
 
 # ---- completions shaping ------------------------------------------------------------------
@@ -317,40 +336,27 @@ def text_logprobs(pieces: list[LogprobPiece] | tuple[LogprobPiece, ...], offset:
     )
 
 
-class TextStream:
+class TextStream(_Stream):
     """Text completion chunks; ``echo`` puts the prompt text first."""
 
-    def __init__(self, rid: str, model: str, n: int, include_usage: bool, echo: str):
-        self.rid, self.model, self.n, self.include_usage = rid, model, n, include_usage
-        self.created = int(time.time())
-        self.finished: list[Finished] = []
-        self.echo = echo
+    chunk_type = wire.TextCompletion
 
-    def chunk(self, choices: list[wire.TextChoice], usage: wire.Usage | None = None) -> bytes:
-        obj = wire.TextCompletion(
-            id=self.rid, created=self.created, model=self.model, choices=choices, usage=usage
-        )
-        return b"data: " + wire.encoder.encode(obj) + b"\n\n"
+    def __init__(self, rid: str, model: str, n: int, include_usage: bool, echo: str):
+        super().__init__(rid, model, n, include_usage)
+        self.echo = echo
 
     def opening(self) -> list[bytes]:
         if not self.echo:
             return []
         return [self.chunk([wire.TextChoice(index=i, text=self.echo)]) for i in range(self.n)]
 
-    def event(self, i: int, event) -> list[bytes]:
-        match event:
-            case TextDelta():
-                lp = text_logprobs(event.logprobs)
-                return [self.chunk([wire.TextChoice(index=i, text=event.text, logprobs=lp)])]
-            case Finished():
-                self.finished.append(event)
-                end = wire.TextChoice(index=i, text="", finish_reason=event.finish_reason)
-                return [self.chunk([end])]
-            case Failed():
-                return [b"data: " + ApiError.from_failed(event).body() + b"\n\n"]
-        return []
+    def delta(self, i: int, event: TextDelta) -> list[bytes]:
+        lp = text_logprobs(event.logprobs)
+        return [self.chunk([wire.TextChoice(index=i, text=event.text, logprobs=lp)])]
 
-    closing = ChatStream.closing
+    def finished(self, i: int, event: Finished) -> list[bytes]:
+        end = wire.TextChoice(index=i, text="", finish_reason=event.finish_reason)
+        return [self.chunk([end])]
 
 
 def _one_prompt(prompt: str | list[str | int]) -> str | tuple[int, ...]:
@@ -361,7 +367,9 @@ def _one_prompt(prompt: str | list[str | int]) -> str | tuple[int, ...]:
     if len(prompt) == 1 and isinstance(prompt[0], str):
         return prompt[0]
     raise ApiError(
-        400, "prompt must be a string, a list of token ids or a list of one string", param="prompt"
+        "invalid_request",
+        "prompt must be a string, a list of token ids or a list of one string",
+        param="prompt",
     )
 
 
@@ -409,15 +417,14 @@ async def chat(pipeline: Pipeline, v: Validator, model: str, w: wire.ChatComplet
     first, rest = await start(pipeline, requests)  # type: ignore[arg-type]
     if w.stream:
         include = bool(w.stream_options and w.stream_options.include_usage)
-        shape = ChatStream(rid, model, len(requests), include)
-        return sse_response(stream_body(shape, first, rest))
+        return sse.stream(ChatStream(rid, model, len(requests), include), first, rest)
     choices = await collect(len(requests), first, rest)
     body = wire.ChatCompletion(
         id=rid,
         created=int(time.time()),
         model=model,
         choices=[chat_choice(i, c, bool(w.logprobs)) for i, c in enumerate(choices)],
-        usage=usage(*usage_of(choices), *prompt_details(choices)),
+        usage=usage(usage_of(choices)),
     )
     return json_response(body)
 
@@ -430,22 +437,29 @@ async def complete(pipeline: Pipeline, v: Validator, model: str, w: wire.Complet
     echo = _echo(requests[0].prompt, pipeline) if w.echo else ""
     if w.stream:
         include = bool(w.stream_options and w.stream_options.include_usage)
-        shape = TextStream(rid, model, len(requests), include, echo)
-        return sse_response(stream_body(shape, first, rest))
+        return sse.stream(TextStream(rid, model, len(requests), include, echo), first, rest)
     choices = await collect(len(requests), first, rest)
     body = wire.TextCompletion(
         id=rid,
         created=int(time.time()),
         model=model,
         choices=[text_choice(i, c, echo, w.logprobs is not None) for i, c in enumerate(choices)],
-        usage=usage(*usage_of(choices), *prompt_details(choices)),
+        usage=usage(usage_of(choices)),
     )
     return json_response(body)
 
 
-def install(app: QuartTrio, pipeline: Pipeline, v: Validator, ready: Callable[[], str]) -> None:
-    """Register the OpenAI routes on the app."""
+def install(
+    app: QuartTrio, pipeline: Pipeline, v: Validator, ready: Callable[[], str], on_error: OnError
+) -> None:
+    """Register the OpenAI routes on the app, their errors in OpenAI's format."""
+    api = Blueprint("openai", __name__)
+    _routes(api, pipeline, v, ready)
+    install_errors(api, ERRORS, on_error, v.max_body_bytes)
+    app.register_blueprint(api)
 
+
+def _routes(app: Blueprint, pipeline: Pipeline, v: Validator, ready: Callable[[], str]) -> None:
     @app.post("/v1/chat/completions")
     async def chat_completions() -> Response:
         w = v.decode(wire.chat_decoder, await request.get_data(cache=False))
@@ -469,9 +483,7 @@ def install(app: QuartTrio, pipeline: Pipeline, v: Validator, ready: Callable[[]
     async def model(model_id: str) -> Response:
         served = ready()
         if model_id != served and not v.model.accept_other_ids:
-            raise ApiError(
-                404, f"model '{model_id}' not found", param="model", code="model_not_found"
-            )
+            raise ApiError("model_not_found", f"model '{model_id}' not found", param="model")
         return json_response(wire.ModelCard(id=model_id, created=0))
 
 

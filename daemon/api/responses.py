@@ -13,43 +13,46 @@ streaming sends the Responses event types (``response.created``,
 
 from __future__ import annotations
 
-import functools
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
-from quart import Response, request
+from quart import Blueprint, Response, request
 from quart_trio import QuartTrio
 
+from daemon.api import sse
 from daemon.api.common import (
-    ApiError,
     Choice,
-    ChoiceEvent,
+    Usage,
     Validator,
     check,
     collect,
-    event_frames,
     json_constraint,
     json_response,
-    sse_response,
     start,
     tool_choice,
+    usage_of,
 )
+from daemon.api.errors import ApiError, OnError, install_errors
+from daemon.api.openai import ERRORS as OPENAI_ERRORS
 from daemon.pipeline import Pipeline
 from protocol import responses as wire
 from protocol.messages import (
     ChatRequest,
-    Failed,
     Finished,
-    MailboxEvent,
     Message,
     SamplingParams,
+    Started,
     TextDelta,
     Tool,
     ToolCall,
 )
+
+# HTTP errors are OpenAI's error object, with OpenAI's types; in a stream the type is
+# the ``code`` of the ``error`` event and of the failed response.
+ERRORS = OPENAI_ERRORS
 
 _THINKING_OFF = ("none", "minimal")
 
@@ -63,7 +66,9 @@ def _items(raw: str | list[dict[str, Any]]) -> list[wire.InputItem]:
         try:
             items.append(msgspec.convert(typed, type=wire.InputItem))
         except msgspec.ValidationError as exc:
-            raise ApiError(400, f"invalid input item: {exc}", param=f"input[{i}]") from exc
+            raise ApiError(
+                "invalid_request", f"invalid input item: {exc}", param=f"input[{i}]"
+            ) from exc
     return items
 
 
@@ -143,47 +148,39 @@ def _id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
 
 
-def reasoning_item(item_id: str, text: str) -> dict:
-    return {
-        "type": "reasoning",
-        "id": item_id,
-        "summary": [],
-        "content": [{"type": "reasoning_text", "text": text}] if text else [],
-    }
+def reasoning_item(item_id: str, text: str) -> wire.OutReasoning:
+    content = [wire.ReasoningText(text=text)] if text else []
+    return wire.OutReasoning(id=item_id, content=content)
 
 
-def text_part(text: str) -> dict:
-    return {"type": "output_text", "text": text, "annotations": []}
+def message_item(item_id: str, text: str | None, status: str = "completed") -> wire.OutMessage:
+    content = [] if text is None else [wire.OutputText(text=text)]
+    return wire.OutMessage(id=item_id, status=status, content=content)
 
 
-def message_item(item_id: str, text: str | None, status: str = "completed") -> dict:
-    content = [] if text is None else [text_part(text)]
-    return {
-        "type": "message",
-        "id": item_id,
-        "status": status,
-        "role": "assistant",
-        "content": content,
-    }
+def call_item(
+    item_id: str, call: ToolCall, arguments: str, status: str = "completed"
+) -> wire.OutFunctionCall:
+    return wire.OutFunctionCall(
+        id=item_id, call_id=call.id, name=call.name, arguments=arguments, status=status
+    )
 
 
-def call_item(item_id: str, call: ToolCall, arguments: str, status: str = "completed") -> dict:
-    return {
-        "type": "function_call",
-        "id": item_id,
-        "call_id": call.id,
-        "name": call.name,
-        "arguments": arguments,
-        "status": status,
-    }
-
-
-def output_items(c: Choice) -> list[dict]:
-    items = [reasoning_item(_id("rs"), c.reasoning)] if c.reasoning else []
+def output_items(c: Choice) -> list[wire.OutputItem]:
+    items: list[wire.OutputItem] = [reasoning_item(_id("rs"), c.reasoning)] if c.reasoning else []
     if c.text or not c.calls:
         items.append(message_item(_id("msg"), c.text))
     items += [call_item(_id("fc"), call, call.arguments) for call in c.calls]
     return items
+
+
+def usage(u: Usage) -> wire.Usage:
+    return wire.Usage(
+        input_tokens=u.prompt,
+        output_tokens=u.completion,
+        total_tokens=u.total,
+        input_tokens_details=wire.InputTokensDetails(cached_tokens=u.cached),
+    )
 
 
 class Envelope:
@@ -193,58 +190,54 @@ class Envelope:
         self.rid, self.model, self.w = rid, model, w
         self.created = int(time.time())
 
-    def body(self, status: str, output: list[dict], f: Finished | None = None) -> dict:
+    def body(
+        self,
+        status: str,
+        output: list[wire.OutputItem],
+        f: Finished | None = None,
+        u: Usage | None = None,
+    ) -> wire.Response:
         if f is not None and f.finish_reason == "length":
             status = "incomplete"
-        usage = None
-        if f is not None:
-            usage = {
-                "input_tokens": f.prompt_tokens,
-                "output_tokens": f.completion_tokens,
-                "total_tokens": f.prompt_tokens + f.completion_tokens,
-                "input_tokens_details": {"cached_tokens": 0},
-                "output_tokens_details": {"reasoning_tokens": 0},
-            }
         w = self.w
-        return {
-            "id": self.rid,
-            "object": "response",
-            "created_at": self.created,
-            "status": status,
-            "model": self.model,
-            "output": output,
-            "usage": usage,
-            "error": None,
-            "incomplete_details": {"reason": "max_output_tokens"}
+        return wire.Response(
+            id=self.rid,
+            created_at=self.created,
+            status=status,
+            model=self.model,
+            output=output,
+            usage=usage(u) if u is not None else None,
+            incomplete_details=wire.IncompleteDetails(reason="max_output_tokens")
             if status == "incomplete"
             else None,
-            "instructions": w.instructions,
-            "max_output_tokens": w.max_output_tokens,
-            "temperature": w.temperature,
-            "top_p": w.top_p,
-            "parallel_tool_calls": w.parallel_tool_calls,
-            "tool_choice": w.tool_choice or "auto",
-            "tools": w.tools or [],
-            "text": w.text or {"format": {"type": "text"}},
-            "store": False,
-            "previous_response_id": None,
-        }
+            instructions=w.instructions,
+            max_output_tokens=w.max_output_tokens,
+            temperature=w.temperature,
+            top_p=w.top_p,
+            parallel_tool_calls=w.parallel_tool_calls,
+            tool_choice=w.tool_choice or "auto",
+            tools=w.tools or [],
+            text=w.text or {"format": {"type": "text"}},
+        )
 
 
 class ResponseStream:
     """Responses streaming events; one output item open at a time."""
 
+    terminator = b""
+
     def __init__(self, env: Envelope):
         self.env = env
         self.seq = 0
-        self.output: list[dict] = []
-        self.open: dict | None = None  # the item being streamed
+        self.output: list[wire.OutputItem] = []
+        self.open: wire.OutputItem | None = None  # the item being streamed
         self.text = ""
+        self.end: Finished | None = None
 
     def sse(self, kind: str, data: dict) -> bytes:
         body = {"type": kind, "sequence_number": self.seq, **data}
         self.seq += 1
-        return b"event: " + kind.encode() + b"\ndata: " + wire.encoder.encode(body) + b"\n\n"
+        return sse.frame(wire.encoder.encode(body), kind)
 
     def opening(self) -> list[bytes]:
         response = self.env.body("in_progress", [])
@@ -253,19 +246,22 @@ class ResponseStream:
             self.sse("response.in_progress", {"response": response}),
         ]
 
+    def started(self, i: int, event: Started) -> list[bytes]:
+        return []
+
     def _where(self) -> dict:
         assert self.open is not None
-        return {"item_id": self.open["id"], "output_index": len(self.output)}
+        return {"item_id": self.open.id, "output_index": len(self.output)}
 
-    def _open(self, item: dict) -> list[bytes]:
+    def _open(self, item: wire.OutputItem) -> list[bytes]:
         out = self._close()
         self.open, self.text = item, ""
         added = self.sse(
             "response.output_item.added", {"output_index": len(self.output), "item": item}
         )
-        if item["type"] != "message":
+        if not isinstance(item, wire.OutMessage):
             return out + [added]
-        part = {**self._where(), "content_index": 0, "part": text_part("")}
+        part = {**self._where(), "content_index": 0, "part": wire.OutputText(text="")}
         return out + [added, self.sse("response.content_part.added", part)]
 
     def _close(self) -> list[bytes]:
@@ -273,39 +269,38 @@ class ResponseStream:
         if item is None:
             return []
         where, out = self._where(), []
-        if item["type"] == "function_call":
-            args = {**where, "arguments": self.text}
-            out.append(self.sse("response.function_call_arguments.done", args))
-            item = {**item, "arguments": self.text, "status": "completed"}
-        elif item["type"] == "message":
-            done = {**where, "content_index": 0}
-            out.append(
-                self.sse("response.output_text.done", {**done, "text": self.text, "logprobs": []})
-            )
-            out.append(
-                self.sse("response.content_part.done", {**done, "part": text_part(self.text)})
-            )
-            item = message_item(item["id"], self.text)
-        elif item["type"] == "reasoning":
-            done = {**where, "content_index": 0, "text": self.text}
-            out.append(self.sse("response.reasoning_text.done", done))
-            item = reasoning_item(item["id"], self.text)
+        match item:
+            case wire.OutFunctionCall():
+                args = {**where, "arguments": self.text}
+                out.append(self.sse("response.function_call_arguments.done", args))
+                item = msgspec.structs.replace(item, arguments=self.text, status="completed")
+            case wire.OutMessage():
+                done = {**where, "content_index": 0}
+                text = {**done, "text": self.text, "logprobs": []}
+                out.append(self.sse("response.output_text.done", text))
+                part = {**done, "part": wire.OutputText(text=self.text)}
+                out.append(self.sse("response.content_part.done", part))
+                item = message_item(item.id, self.text)
+            case wire.OutReasoning():
+                done = {**where, "content_index": 0, "text": self.text}
+                out.append(self.sse("response.reasoning_text.done", done))
+                item = reasoning_item(item.id, self.text)
         done_item = {"output_index": len(self.output), "item": item}
         out.append(self.sse("response.output_item.done", done_item))
         self.output.append(item)
         self.open = None
         return out
 
-    def delta(self, event: TextDelta) -> list[bytes]:
+    def delta(self, i: int, event: TextDelta) -> list[bytes]:
         out: list[bytes] = []
         if event.reasoning:
-            if self.open is None or self.open["type"] != "reasoning":
+            if not isinstance(self.open, wire.OutReasoning):
                 out += self._open(reasoning_item(_id("rs"), ""))
             self.text += event.reasoning
             data = {**self._where(), "content_index": 0, "delta": event.reasoning}
             out.append(self.sse("response.reasoning_text.delta", data))
         if event.text:
-            if self.open is None or self.open["type"] != "message":
+            if not isinstance(self.open, wire.OutMessage):
                 out += self._open(message_item(_id("msg"), None, "in_progress"))
             self.text += event.text
             data = {**self._where(), "content_index": 0, "delta": event.text, "logprobs": []}
@@ -320,47 +315,34 @@ class ResponseStream:
                 out.append(self.sse("response.function_call_arguments.delta", data))
         return out
 
-    def finish(self, f: Finished) -> list[bytes]:
-        out = self._close()
-        response = self.env.body("completed", self.output, f)
-        kind = "response.incomplete" if response["status"] == "incomplete" else "response.completed"
-        return out + [self.sse(kind, {"response": response})]
+    def finished(self, i: int, event: Finished) -> list[bytes]:
+        self.end = event
+        return self._close()
 
-    def failed(self, event: Failed) -> list[bytes]:
-        error = {"code": event.kind, "message": event.message, "param": event.param}
-        response = {
-            **self.env.body("failed", self.output),
-            "error": {"code": event.kind, "message": event.message},
-        }
-        return [self.sse("error", error), self.sse("response.failed", {"response": response})]
+    def closing(self, u: Usage) -> list[bytes]:
+        response = self.env.body("completed", self.output, self.end, u)
+        kind = "response.incomplete" if response.status == "incomplete" else "response.completed"
+        return [self.sse(kind, {"response": response})]
 
-
-def _frames(shape: ResponseStream, _: int, event: MailboxEvent) -> list[bytes]:
-    match event:
-        case TextDelta():
-            return shape.delta(event)
-        case Finished():
-            return shape.finish(event)
-        case Failed():
-            return shape.failed(event)
-    return []
+    def failed(self, error: ApiError) -> list[bytes]:
+        code, message = ERRORS.type_of(error), str(error)
+        response = self.env.body("failed", self.output)
+        response.error = wire.ErrorInfo(code=code, message=message)
+        event = {"code": code, "message": message, "param": error.param}
+        return [self.sse("error", event), self.sse("response.failed", {"response": response})]
 
 
-async def stream_events(
-    shape: ResponseStream, first: list[ChoiceEvent], rest: AsyncIterator[list[ChoiceEvent]]
-) -> AsyncIterator[bytes]:
-    try:
-        for frame in shape.opening():
-            yield frame
-        async for frame in event_frames(first, rest, functools.partial(_frames, shape)):
-            yield frame
-    finally:
-        await rest.aclose()  # type: ignore[attr-defined]  (idempotent)
+def install(
+    app: QuartTrio, pipeline: Pipeline, v: Validator, ready: Callable[[], str], on_error: OnError
+) -> None:
+    """Register the Responses route on the app, its errors in OpenAI's format."""
+    api = Blueprint("responses", __name__)
+    _routes(api, pipeline, v, ready)
+    install_errors(api, ERRORS, on_error, v.max_body_bytes)
+    app.register_blueprint(api)
 
 
-def install(app: QuartTrio, pipeline: Pipeline, v: Validator, ready: Callable[[], str]) -> None:
-    """Register the Responses route on the app."""
-
+def _routes(app: Blueprint, pipeline: Pipeline, v: Validator, ready: Callable[[], str]) -> None:
     @app.post("/v1/responses")
     async def responses() -> Response:
         w = v.decode(wire.decoder, await request.get_data(cache=False))
@@ -370,7 +352,7 @@ def install(app: QuartTrio, pipeline: Pipeline, v: Validator, ready: Callable[[]
         env = Envelope(rid, model, w)
         first, rest = await start(pipeline, [chat_request(w, rid, v)])
         if w.stream:
-            return sse_response(stream_events(ResponseStream(env), first, rest))
+            return sse.stream(ResponseStream(env), first, rest)
         (choice,) = await collect(1, first, rest)
-        assert choice.finished is not None
-        return json_response(env.body("completed", output_items(choice), choice.finished))
+        body = env.body("completed", output_items(choice), choice.finished, usage_of([choice]))
+        return json_response(body)
