@@ -132,3 +132,20 @@ async def test_errors(body, param):
     async with client() as (c, _, _):
         err = await post(c, body, 400)
     assert err["error"]["param"] == param
+
+
+async def test_usage_reports_the_prompt_tokens_served_from_the_cache():
+    async with client() as (c, _, runner):
+        start = runner.start
+        runner.start = lambda request: (start(request), 4)[1]  # 4 prompt tokens were cached
+        body = await post(c, {"input": "hello"})
+        evs = events(await read_stream(c, RESP, {"input": "hello"}))
+        chat = await c.post(
+            "/v1/chat/completions", json={"messages": [{"role": "user", "content": "hello"}]}
+        )
+        chat_usage = json.loads(await chat.get_data())["usage"]
+    for usage in (body["usage"], evs[-1]["response"]["usage"]):
+        assert usage["input_tokens_details"] == {"cached_tokens": 4}
+        assert usage["input_tokens"] == chat_usage["prompt_tokens"]
+        assert usage["total_tokens"] == usage["input_tokens"] + usage["output_tokens"]
+    assert chat_usage["prompt_tokens_details"]["cached_tokens"] == 4

@@ -1,0 +1,54 @@
+"""Error reasons: every one has a status code, an error type in every API, and a body."""
+
+from __future__ import annotations
+
+import json
+from typing import get_args
+
+import pytest
+
+from daemon.api import anthropic, openai, responses
+from daemon.api.errors import REASONS, STATUS, ApiError, code_of
+from protocol.messages import Failed, Reason
+
+FORMATS = {"openai": openai.ERRORS, "anthropic": anthropic.ERRORS, "responses": responses.ERRORS}
+
+
+def test_every_reason_has_a_status():
+    assert set(STATUS) == set(REASONS)
+    assert all(400 <= status < 600 for status in STATUS.values())
+
+
+@pytest.mark.parametrize("reason", REASONS)
+@pytest.mark.parametrize("api", FORMATS)
+def test_every_reason_renders_in_every_api(api, reason):
+    fmt = FORMATS[api]
+    error = ApiError(reason, "why", param="max_tokens", retry_after=2)
+    response = fmt.response(error)
+    assert response.status_code == STATUS[reason]
+    assert response.headers["Retry-After"] == "2"
+    body = json.loads(fmt.body(error))
+    if api == "anthropic":
+        assert body["type"] == "error"
+        assert body["error"] == {"type": fmt.type_of(error), "message": "max_tokens: why"}
+    else:
+        assert body["error"] == {
+            "message": "why",
+            "type": fmt.type_of(error),
+            "param": "max_tokens",
+            "code": code_of(reason),
+        }
+    # The API's catch-all type only for the server's own failures and timeouts.
+    if fmt.type_of(error) == fmt.default:
+        assert STATUS[reason] >= 500 or STATUS[reason] == 408, reason
+
+
+@pytest.mark.parametrize("reason", get_args(Reason))
+def test_a_failed_request_keeps_its_reason(reason):
+    error = ApiError.from_failed(Failed(request_id="r", reason=reason, message="m"))
+    assert (error.reason, error.status, error.in_session) == (reason, STATUS[reason], True)
+
+
+def test_generic_reasons_have_no_code():
+    assert code_of("invalid_request") is None and code_of("not_found") is None
+    assert code_of("queue_full") == "queue_full"
