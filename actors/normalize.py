@@ -3,7 +3,8 @@
 Agent clients send shapes that strict templates reject (``developer`` roles,
 system messages mid-conversation, several user turns in a row, content as a list
 of parts). Normalizing here means no template ever crashes on them. Pure
-functions over plain dicts: no trio, no mlx.
+functions from ``Message`` to the dicts a chat template takes (a vision model's
+image parts stay typed until ``vision.split_images``): no trio, no mlx.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from actors.tools import template_tool_calls
-from protocol.messages import Message
+from protocol.messages import ContentPart, Message, TextPart
 
 ChatDict = dict[str, object]
 
@@ -22,36 +23,35 @@ class NormalizeError(ValueError):
     """A message that cannot be turned into template input; becomes a 400."""
 
 
-def _flatten(content: object, text_only: bool) -> str | list[dict]:
+Content = str | list[ContentPart]
+
+
+def _flatten(content: str | tuple[ContentPart, ...] | None, text_only: bool) -> Content:
     """Text parts joined for text models; multimodal lists kept for vision models."""
     if content is None:
         return ""
     if isinstance(content, str):
         return content
-    if not isinstance(content, list):
-        raise NormalizeError("message content must be a string or a list of parts")
     if not text_only:
-        return content
+        return list(content)
     texts = []
     for part in content:
-        kind = part.get("type") if isinstance(part, dict) else None
-        if kind in ("text", "input_text", "output_text"):
-            texts.append(str(part.get("text", "")))
-        else:
+        if not isinstance(part, TextPart):
             raise NormalizeError(
-                f"content part of type {kind!r} is not supported by this text model"
+                "content part of type 'image_url' is not supported by this text model"
             )
+        texts.append(part.text)
     return "\n".join(texts)
 
 
-def _join(a: str | list[dict], b: str | list[dict]) -> str | list[dict]:
+def _join(a: Content, b: Content) -> Content:
     if isinstance(a, str) and isinstance(b, str):
         return f"{a}\n\n{b}" if a and b else a or b
-    as_list = lambda c: [{"type": "text", "text": c}] if isinstance(c, str) else list(c)  # noqa: E731
+    as_list = lambda c: [TextPart(text=c)] if isinstance(c, str) else list(c)  # noqa: E731
     return as_list(a) + as_list(b)
 
 
-def _turn(role: str, content: str | list[dict], message: Message) -> ChatDict:
+def _turn(role: str, content: Content, message: Message) -> ChatDict:
     turn: ChatDict = {"role": role, "content": content}
     if message.name:
         turn["name"] = message.name
@@ -64,7 +64,7 @@ def _turn(role: str, content: str | list[dict], message: Message) -> ChatDict:
 
 def normalize_messages(messages: Iterable[Message], *, text_only: bool = True) -> list[ChatDict]:
     """Return template-ready messages: one leading system message, no same-role runs."""
-    system: str | list[dict] | None = None
+    system: Content | None = None
     turns: list[ChatDict] = []
     for message in messages:
         role = _ROLE_ALIASES.get(message.role, message.role)

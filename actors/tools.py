@@ -15,7 +15,7 @@ import json
 from dataclasses import dataclass
 
 from actors.parsers import TOOL_FORMATS
-from protocol.messages import Message, Tool, ToolCall
+from protocol.messages import ContentPart, Message, TextPart, Tool, ToolCall
 
 _FORMAT_MARKERS = (
     ("<tool_call>", "hermes"),
@@ -23,7 +23,6 @@ _FORMAT_MARKERS = (
     ("<|python_tag|>", "llama3"),
 )
 _REASONING_TAGS = (("<think>", "</think>"),)
-_TEXT = ("text", "input_text", "output_text")
 
 
 @dataclass(frozen=True)
@@ -101,16 +100,16 @@ def call_markup(call: ToolCall) -> str:
     return f"<tool_call>\n{body}\n</tool_call>"
 
 
-def _tool_response(content: object) -> str | list[dict]:
+def _tool_response(content: str | tuple[ContentPart, ...] | None) -> str | tuple[ContentPart, ...]:
     """A tool result in ``<tool_response>`` markup; image parts stay parts (vision models)."""
-    if not isinstance(content, list):
+    if not isinstance(content, tuple):
         text = content if isinstance(content, str) else json.dumps(content)
         return f"<tool_response>\n{text}\n</tool_response>"
-    texts = [p["text"] for p in content if isinstance(p, dict) and p.get("type") in _TEXT]
+    texts = [p.text for p in content if isinstance(p, TextPart)]
     if len(texts) == len(content):
-        return _tool_response("\n".join(str(t) for t in texts))
-    opening, closing = "<tool_response>\n", "\n</tool_response>"
-    return [{"type": "text", "text": opening}, *content, {"type": "text", "text": closing}]
+        return _tool_response("\n".join(texts))
+    opening, closing = TextPart(text="<tool_response>\n"), TextPart(text="\n</tool_response>")
+    return (opening, *content, closing)
 
 
 def history_as_text(messages: tuple[Message, ...]) -> tuple[Message, ...]:

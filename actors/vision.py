@@ -23,9 +23,7 @@ from typing import Any
 import numpy as np
 
 from actors.tools import template_source
-
-TEXT_PARTS = ("text", "input_text", "output_text")
-IMAGE_PARTS = ("image_url", "input_image")
+from protocol.messages import ImagePart
 
 
 class VisionError(ValueError):
@@ -56,13 +54,10 @@ class ImageLimits:
 # ---- content parts ---------------------------------------------------------------------
 
 
-def _image_url(part: dict) -> str:
-    url = part.get("image_url")
-    if isinstance(url, dict):
-        url = url.get("url")
-    if not isinstance(url, str) or not url:
+def _image_url(part: ImagePart) -> str:
+    if not part.url:
         raise VisionError("an image_url part needs image_url.url (a data: or http(s) URL)")
-    return url
+    return part.url
 
 
 def _template_content(content: Any, sources: list[str]) -> Any:
@@ -71,21 +66,20 @@ def _template_content(content: Any, sources: list[str]) -> Any:
         return content
     parts: list[dict] = []
     for part in content:
-        kind = part.get("type") if isinstance(part, dict) else None
-        if kind in TEXT_PARTS:
-            parts.append({"type": "text", "text": str(part.get("text", ""))})
-        elif kind in IMAGE_PARTS:
+        if isinstance(part, ImagePart):
             sources.append(_image_url(part))
             parts.append({"type": "image"})
         else:
-            raise VisionError(f"content part of type {kind!r} is not supported")
+            parts.append({"type": "text", "text": part.text})
     if all(p["type"] == "text" for p in parts):
         return "\n".join(p["text"] for p in parts)  # renders as a text model's would
     return parts
 
 
 def split_images(messages: list[dict]) -> tuple[list[dict], list[str]]:
-    """Template-ready messages and the image sources in the order the prompt uses them."""
+    """Template-ready messages (normalized, their content parts typed) and the image
+    sources in the order the prompt uses them: each image part becomes the template's
+    ``{"type": "image"}``, each text part ``{"type": "text", "text": ...}``."""
     sources: list[str] = []
     out = [{**m, "content": _template_content(m.get("content"), sources)} for m in messages]
     return out, sources

@@ -55,15 +55,35 @@ class ToolCall(msgspec.Struct, frozen=True, kw_only=True):
     arguments: str  # JSON text, as the OpenAI API carries it
 
 
+class TextPart(msgspec.Struct, frozen=True, kw_only=True):
+    """Text in a message's content (OpenAI ``text`` / ``input_text``, Anthropic ``text``)."""
+
+    text: str
+
+
+class ImagePart(msgspec.Struct, frozen=True, kw_only=True):
+    """An image in a message's content, for a vision model (a text model refuses it).
+
+    ``url`` is a ``data:`` URL (base64) or an http(s) URL; OpenAI ``image_url``,
+    Responses ``input_image`` and Anthropic ``image`` blocks all become one.
+    """
+
+    url: str
+    detail: str | None = None
+
+
+ContentPart = TextPart | ImagePart
+
+
 class Message(msgspec.Struct, frozen=True, kw_only=True):
-    """One chat message after wire decoding; ``content`` is text or a list of parts.
+    """One chat message after wire decoding; ``content`` is text or a tuple of parts.
 
     Assistant turns may carry ``tool_calls``; ``tool`` turns answer the call
-    named by ``tool_call_id``.
+    named by ``tool_call_id`` (their content may hold images too).
     """
 
     role: str
-    content: str | list[dict] | None = None
+    content: str | tuple[ContentPart, ...] | None = None
     name: str | None = None
     tool_calls: tuple[ToolCall, ...] = ()
     tool_call_id: str | None = None

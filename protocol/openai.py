@@ -23,9 +23,46 @@ class WireToolCall(msgspec.Struct, kw_only=True):
     type: str = "function"
 
 
+class ImageUrl(msgspec.Struct, kw_only=True):
+    url: str
+    detail: str | None = None
+
+
+class _TextPart(msgspec.Struct, kw_only=True):
+    text: str = ""
+
+
+class _ImagePart(msgspec.Struct, kw_only=True):
+    image_url: ImageUrl | str  # a bare URL string is accepted too
+
+
+class WireText(_TextPart, tag="text", tag_field="type"):
+    pass
+
+
+class WireInputText(_TextPart, tag="input_text", tag_field="type"):
+    pass
+
+
+class WireOutputText(_TextPart, tag="output_text", tag_field="type"):
+    pass
+
+
+class WireImageUrl(_ImagePart, tag="image_url", tag_field="type"):
+    pass
+
+
+class WireInputImage(_ImagePart, tag="input_image", tag_field="type"):
+    pass
+
+
+# Content parts: a tagged union on ``type``, so an unknown part type is a 400 naming its path.
+WirePart = WireText | WireInputText | WireOutputText | WireImageUrl | WireInputImage
+
+
 class WireMessage(msgspec.Struct, kw_only=True):
     role: str
-    content: str | list[dict[str, Any]] | None = None
+    content: str | list[WirePart] | None = None
     name: str | None = None
     tool_calls: list[WireToolCall] | None = None
     tool_call_id: str | None = None

@@ -24,7 +24,8 @@ class OutputText(msgspec.Struct, tag="output_text", tag_field="type", kw_only=Tr
 
 class InputImage(msgspec.Struct, tag="input_image", tag_field="type", kw_only=True):
     image_url: str | None = None
-    file_id: str | None = None
+    file_id: str | None = None  # refused: mlxd has no Files API
+    detail: str | None = None
 
 
 Part = InputText | OutputText | InputImage

@@ -20,19 +20,16 @@ from daemon import blas
 
 
 def _requests(builder, n: int, max_tokens: int):
-    from protocol.messages import ChatRequest, Message, SamplingParams
+    from protocol.messages import ChatRequest, ImagePart, Message, SamplingParams, TextPart
     from scripts.tiny_models import data_url, png
 
     out = []
     for i in range(n):
         text = ["What is in this picture?", "Tell me a story about a cat."][i % 2]
-        content: str | list[dict] = text
+        content: str | tuple[ImagePart | TextPart, ...] = text
         if i % 2 == 0:
             image = data_url(png(60 + 8 * i, 48, seed=i))
-            content = [
-                {"type": "image_url", "image_url": {"url": image}},
-                {"type": "text", "text": text},
-            ]
+            content = (ImagePart(url=image), TextPart(text=text))
         request = ChatRequest(
             request_id=f"r{i}",
             messages=(Message(role="user", content=content),),

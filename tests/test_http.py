@@ -471,3 +471,21 @@ def test_priority_field_is_honoured_only_when_enabled():
     w = wire.chat_decoder.decode(b'{"messages": [], "priority": -5}')
     assert Validator(load_settings()).priority(w.priority) == 0
     assert Validator(settings_with(admission={"priority": True})).priority(w.priority) == -5
+
+
+async def test_content_parts_are_typed_and_an_unknown_type_is_a_400_naming_it():
+    def parts(*content):
+        return {"messages": [{"role": "user", "content": list(content)}], "temperature": 0}
+
+    text = [{"type": "text", "text": "he"}, {"type": "input_text", "text": "llo"}]
+    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AA=="}}
+    async with client() as (c, _, _):
+        ok = await c.post(CHAT, json=parts(*text))
+        unknown = await error_of(await c.post(CHAT, json=parts({"type": "audio"})), 400)
+        on_text_model = await error_of(await c.post(CHAT, json=parts(image)), 400)
+        no_file_api = {"input": [{"role": "user", "content": [{"type": "input_image"}]}]}
+        responses = await error_of(await c.post("/v1/responses", json=no_file_api), 400)
+    assert ok.status_code == 200
+    assert unknown["param"] == "messages[0].content[0].type"
+    assert "not supported by this text model" in on_text_model["message"]
+    assert responses["param"] == "input[0].content[0]"

@@ -1,7 +1,7 @@
 import pytest
 
 from actors.normalize import NormalizeError, normalize_messages
-from protocol.messages import Message
+from protocol.messages import ImagePart, Message, TextPart
 
 
 def msgs(*pairs):
@@ -37,23 +37,23 @@ def test_system_merged_into_first_and_users_joined_across_removed_system():
 
 
 def test_list_content_flattened_for_text_models():
-    parts = [{"type": "text", "text": "one"}, {"type": "text", "text": "two"}]
+    parts = (TextPart(text="one"), TextPart(text="two"))
     out = normalize_messages([Message(role="user", content=parts)])
     assert out == [{"role": "user", "content": "one\ntwo"}]
 
 
 def test_list_content_kept_for_multimodal():
-    parts = [{"type": "text", "text": "look"}, {"type": "image_url", "image_url": {"url": "x"}}]
+    parts = (TextPart(text="look"), ImagePart(url="x"))
     a = normalize_messages([Message(role="user", content=parts)], text_only=False)
-    assert a == [{"role": "user", "content": parts}]
+    assert a == [{"role": "user", "content": list(parts)}]
     b = normalize_messages(
         [Message(role="user", content=parts), Message(role="user", content="more")], text_only=False
     )
-    assert b[0]["content"] == parts + [{"type": "text", "text": "more"}]
+    assert b[0]["content"] == [*parts, TextPart(text="more")]
 
 
 def test_image_part_for_text_model_is_an_error():
-    parts = [{"type": "image_url", "image_url": {"url": "x"}}]
+    parts = (ImagePart(url="x"),)
     with pytest.raises(NormalizeError, match="image_url"):
         normalize_messages([Message(role="user", content=parts)])
 

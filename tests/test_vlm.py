@@ -17,7 +17,7 @@ import trio
 from actors.tokenizer import PromptBuilder
 from actors.vision import ImageLimits
 from daemon.supervisor import mlx_runner_factory
-from protocol.messages import ChatRequest, Message, SamplingParams
+from protocol.messages import ChatRequest, ImagePart, Message, SamplingParams, TextPart
 from scripts.tiny_models import data_url, png
 from tests.conftest import real_server, settings_with
 from tests.engine_driver import alone, drive, load
@@ -43,14 +43,7 @@ def vlm(request, tiny_models):
 
 
 def chat(rid, text, image=None, max_tokens=8, system="Be brief."):
-    content = (
-        text
-        if image is None
-        else [
-            {"type": "image_url", "image_url": {"url": image}},
-            {"type": "text", "text": text},
-        ]
-    )
+    content = text if image is None else (ImagePart(url=image), TextPart(text=text))
     messages = (Message(role="system", content=system), Message(role="user", content=content))
     return ChatRequest(
         request_id=rid,
@@ -98,7 +91,7 @@ def test_processor_template_gets_the_whole_conversation(vlm):
             Message(role="system", content="SYSTEM-RULES"),
             Message(role="user", content="FIRST-TURN"),
             Message(role="assistant", content="FIRST-ANSWER"),
-            Message(role="user", content=[{"type": "text", "text": "SECOND-TURN"}]),
+            Message(role="user", content=(TextPart(text="SECOND-TURN"),)),
         ),
         sampling=SamplingParams(max_tokens=4),
     )

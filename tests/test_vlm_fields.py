@@ -23,7 +23,15 @@ from actors.tokenizer import PromptBuilder
 from actors.tools import template_traits
 from actors.vision import ImageLimits
 from daemon.supervisor import mlx_runner_factory
-from protocol.messages import ChatRequest, Constraint, Message, SamplingParams, Tool
+from protocol.messages import (
+    ChatRequest,
+    Constraint,
+    ImagePart,
+    Message,
+    SamplingParams,
+    TextPart,
+    Tool,
+)
 from scripts.tiny_models import QWEN_VL_TEMPLATE, data_url, png
 from tests.conftest import real_server, settings_with
 from tests.engine_driver import alone, load
@@ -349,14 +357,14 @@ def test_tool_results_as_markup_keep_image_parts_and_join_text_parts():
     parts), image parts stay parts for the vision path."""
     from actors.tools import history_as_text
 
-    picture = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AA=="}}
+    picture, sunny = ImagePart(url="data:image/png;base64,AA=="), TextPart(text="sunny")
     texts, with_image = history_as_text(
         (
-            Message(role="tool", content=[{"type": "text", "text": "4"}, TEXT_SUNNY]),
-            Message(role="tool", content=[TEXT_SUNNY, picture]),
+            Message(role="tool", content=(TextPart(text="4"), sunny)),
+            Message(role="tool", content=(sunny, picture)),
         )
     )
     assert texts.content == "<tool_response>\n4\nsunny\n</tool_response>"
     assert with_image.role == "user"
-    assert with_image.content[1:3] == [TEXT_SUNNY, picture]
-    assert with_image.content[0]["text"] == "<tool_response>\n"
+    assert with_image.content[1:3] == (sunny, picture)
+    assert with_image.content[0] == TextPart(text="<tool_response>\n")

@@ -41,11 +41,14 @@ from daemon.pipeline import Pipeline
 from protocol import anthropic as wire
 from protocol.messages import (
     ChatRequest,
+    ContentPart,
     Finished,
+    ImagePart,
     Message,
     SamplingParams,
     Started,
     TextDelta,
+    TextPart,
     Tool,
     ToolCall,
 )
@@ -90,29 +93,27 @@ class AnthropicErrors(ErrorFormat):
 ERRORS = AnthropicErrors(_TYPES, "api_error")
 
 
-def _result_part(x: wire.TextBlock | wire.ImageBlock) -> dict:
-    return {"type": "text", "text": x.text} if isinstance(x, wire.TextBlock) else image_part(x)
+def _result_part(x: wire.TextBlock | wire.ImageBlock) -> ContentPart:
+    return TextPart(text=x.text) if isinstance(x, wire.TextBlock) else image_part(x)
 
 
-def _tool_result(b: wire.ToolResultBlock) -> str | list[dict]:
+def _tool_result(b: wire.ToolResultBlock) -> str | tuple[ContentPart, ...]:
     """The result's text; content parts when it holds images (a text model refuses those)."""
     prefix = "Error: " if b.is_error else ""
     if isinstance(b.content, str):
         return prefix + b.content
-    parts = [_result_part(x) for x in b.content]
-    if all(p["type"] == "text" for p in parts):
-        return prefix + "\n".join(p["text"] for p in parts)
-    return ([{"type": "text", "text": prefix}] if prefix else []) + parts
+    parts = tuple(_result_part(x) for x in b.content)
+    if all(isinstance(p, TextPart) for p in parts):
+        return prefix + "\n".join(p.text for p in parts if isinstance(p, TextPart))
+    return ((TextPart(text=prefix),) if prefix else ()) + parts
 
 
-def image_part(block: wire.ImageBlock) -> dict:
-    """The OpenAI ``image_url`` part the vision path reads (a text model refuses it)."""
+def image_part(block: wire.ImageBlock) -> ImagePart:
+    """The image part the vision path reads (a text model refuses it)."""
     source = block.source
     if isinstance(source, wire.Base64Source):
-        url = f"data:{source.media_type};base64,{source.data}"
-    else:
-        url = source.url
-    return {"type": "image_url", "image_url": {"url": url}}
+        return ImagePart(url=f"data:{source.media_type};base64,{source.data}")
+    return ImagePart(url=source.url)
 
 
 def _user_turns(content: list[wire.Block]) -> list[Message]:
@@ -126,10 +127,10 @@ def _user_turns(content: list[wire.Block]) -> list[Message]:
         for b in content
         if isinstance(b, wire.ToolResultBlock)
     ]
-    parts: list[dict] = []
+    parts: list[ContentPart] = []
     for b in content:
         if isinstance(b, wire.TextBlock):
-            parts.append({"type": "text", "text": b.text})
+            parts.append(TextPart(text=b.text))
         elif isinstance(b, wire.ImageBlock):
             parts.append(image_part(b))
         elif isinstance(b, wire.ToolUseBlock):
@@ -137,7 +138,7 @@ def _user_turns(content: list[wire.Block]) -> list[Message]:
                 "invalid_request", "tool_use blocks belong in assistant turns", param="messages"
             )
     if parts or not turns:
-        turns.append(Message(role="user", content=parts))
+        turns.append(Message(role="user", content=tuple(parts)))
     return turns
 
 

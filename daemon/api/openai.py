@@ -39,12 +39,15 @@ from protocol.messages import (
     ChatRequest,
     CompletionRequest,
     Constraint,
+    ContentPart,
     Finished,
+    ImagePart,
     LogprobPiece,
     Message,
     SamplingParams,
     Started,
     TextDelta,
+    TextPart,
     Tool,
     ToolCall,
     ToolCallDelta,
@@ -141,13 +144,25 @@ def response_constraint(fmt: wire.ResponseFormat | None) -> Constraint | None:
     return json_constraint(fmt.type, schema, "response_format")
 
 
+def _part(p: wire.WirePart) -> ContentPart:
+    if isinstance(p, wire.WireText | wire.WireInputText | wire.WireOutputText):
+        return TextPart(text=p.text)
+    url = p.image_url
+    return ImagePart(url=url) if isinstance(url, str) else ImagePart(url=url.url, detail=url.detail)
+
+
 def _message(m: wire.WireMessage) -> Message:
     calls = tuple(
         ToolCall(id=c.id, name=c.function.name, arguments=c.function.arguments)
         for c in m.tool_calls or ()
     )
+    content = m.content
     return Message(
-        role=m.role, content=m.content, name=m.name, tool_calls=calls, tool_call_id=m.tool_call_id
+        role=m.role,
+        content=tuple(_part(p) for p in content) if isinstance(content, list) else content,
+        name=m.name,
+        tool_calls=calls,
+        tool_call_id=m.tool_call_id,
     )
 
 

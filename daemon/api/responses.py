@@ -41,11 +41,14 @@ from daemon.pipeline import Pipeline
 from protocol import responses as wire
 from protocol.messages import (
     ChatRequest,
+    ContentPart,
     Finished,
+    ImagePart,
     Message,
     SamplingParams,
     Started,
     TextDelta,
+    TextPart,
     Tool,
     ToolCall,
 )
@@ -72,30 +75,36 @@ def _items(raw: str | list[dict[str, Any]]) -> list[wire.InputItem]:
     return items
 
 
-def _content(content: str | list[wire.Part]) -> str | list[dict]:
+def _part(p: wire.Part, param: str) -> ContentPart:
+    if not isinstance(p, wire.InputImage):
+        return TextPart(text=p.text)
+    check(p.image_url is not None, param, "input_image needs an image_url (mlxd has no Files API)")
+    return ImagePart(url=p.image_url or "", detail=p.detail)
+
+
+def _content(content: str | list[wire.Part], param: str) -> str | tuple[ContentPart, ...]:
     if isinstance(content, str):
         return content
-    parts: list[dict] = []
-    for p in content:
-        if isinstance(p, wire.InputImage):
-            parts.append({"type": "image_url", "image_url": p.image_url})
-        else:
-            parts.append({"type": "text", "text": p.text})
-    return parts
+    return tuple(_part(p, f"{param}[{i}]") for i, p in enumerate(content))
 
 
 def messages_of(w: wire.ResponsesRequest) -> tuple[Message, ...]:
     out = [Message(role="system", content=w.instructions)] if w.instructions else []
-    for item in _items(w.input):
+    for i, item in enumerate(_items(w.input)):
         match item:
             case wire.MessageItem():
-                out.append(Message(role=item.role, content=_content(item.content)))
+                content = _content(item.content, f"input[{i}].content")
+                out.append(Message(role=item.role, content=content))
             case wire.FunctionCallItem():
                 call = ToolCall(id=item.call_id, name=item.name, arguments=item.arguments)
                 out.append(Message(role="assistant", content="", tool_calls=(call,)))
             case wire.FunctionCallOutputItem():
                 out.append(
-                    Message(role="tool", tool_call_id=item.call_id, content=_content(item.output))
+                    Message(
+                        role="tool",
+                        tool_call_id=item.call_id,
+                        content=_content(item.output, f"input[{i}].output"),
+                    )
                 )
     return tuple(out)
 
