@@ -168,3 +168,29 @@ def metric(text: str, name: str, labels: str = "") -> float:
     prefix = f"{name}{{{labels}}} " if labels else f"{name} "
     (line,) = [ln for ln in text.splitlines() if ln.startswith(prefix)]
     return float(line.split()[-1])
+
+
+# ---- process exit ---------------------------------------------------------------------------
+#
+# MLX 0.32 keeps each thread's ``mx.compile`` cache in a C++ thread-local whose destructor
+# drops Python objects. Tests that run a model on the main thread (the engine driver, load
+# checks) fill the main thread's cache, and at exit its destructor runs after the interpreter
+# has finalized: a segfault (exit 139) after every test has passed (ml-explore/mlx#4347).
+# The daemon never runs MLX on its main thread. Once pytest has reported, leave without
+# running C++ exit handlers, with pytest's own exit status.
+
+_EXIT_STATUS: list[int] = []
+
+
+def pytest_sessionfinish(session, exitstatus):
+    _EXIT_STATUS.append(int(exitstatus))
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_unconfigure(config):
+    import sys
+
+    if "mlx.core" in sys.modules and _EXIT_STATUS:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(_EXIT_STATUS[-1])
