@@ -456,6 +456,23 @@ def host() -> st.SearchStrategy[str | None]:
 # ---- model output (the fake model echoes the prompt after a leading "!") ------------------
 
 
+# Nesting past Python's recursion limit (1000), escapes JSON does not have, lone surrogates.
+RAW_CALLS = [
+    '{"name": 1}',
+    "{",
+    "}",
+    "[]",
+    "null",
+    "[" * 1100,  # the decoder recurses before it finds the end missing
+    '{"name": "f", "arguments": {"a": ' + "[" * 1100,
+    '{"name": "a\\x", "arguments": {"q": 1}}',
+    '{"name": "f", "arguments": {"q": "\\u12"}}',
+    '{"name": "f", "arguments": {"q": "\\ud800"}}',
+    '{"name": "f", "arguments": {"q": "\\udc00\\ud800"}}',
+    '{"name": "f", "arguments": {"q": 1e400, "r": NaN}}',
+]
+
+
 def call_json() -> st.SearchStrategy[str]:
     """Tool-call payloads: well-formed, half-formed, or not JSON at all."""
     name = st.sampled_from(["get_weather", "f", "unknown_tool", "", "a" * 100])
@@ -469,7 +486,7 @@ def call_json() -> st.SearchStrategy[str]:
     )
     calls = st.lists(call, min_size=1, max_size=3).map(lambda cs: "[" + ",".join(cs) + "]")
     cut = st.builds(lambda s, n: s[: n % (len(s) + 1)], st.one_of(call, calls), st.integers(0, 99))
-    raw = st.sampled_from(['{"name": 1}', "{", "}", "[]", "null", '{"a":' * 100, "\\ud800"])
+    raw = st.sampled_from(RAW_CALLS)
     return st.one_of(call, calls, cut, raw, tame_text())
 
 

@@ -47,6 +47,7 @@ from hypothesis import strategies as st
 from protocol import anthropic, openai, responses
 from tests import strategies as fz
 from tests.conftest import real_server, settings_with
+from tests.fakes import FakeRunner, fake_factory
 
 ROUTES = {
     "/v1/chat/completions": openai.ChatCompletionRequest,
@@ -56,15 +57,15 @@ ROUTES = {
     "/v1/responses": responses.ResponsesRequest,
 }
 FAKE_EXAMPLES = {
-    "/v1/chat/completions": 80,
-    "/v1/completions": 60,
-    "/v1/messages": 60,
-    "/v1/messages/count_tokens": 30,
-    "/v1/responses": 60,
+    "/v1/chat/completions": 60,
+    "/v1/completions": 50,
+    "/v1/messages": 50,
+    "/v1/messages/count_tokens": 25,
+    "/v1/responses": 50,
 }
-REAL_EXAMPLES = 30  # bursts of up to three requests
-OUTPUT_EXAMPLES = 20  # per tool-call format
-BURST_EXAMPLES = 30  # of up to three requests at once
+REAL_EXAMPLES = 20  # bursts of up to three requests
+OUTPUT_EXAMPLES = 10  # per tool-call format
+BURST_EXAMPLES = 25  # of up to three requests at once
 JSON = "application/json"
 # In-stream error types that mean the server failed (OpenAI's, Anthropic's).
 SERVER_ERROR_TYPES = {"server_error", "api_error", "overloaded_error", "service_unavailable"}
@@ -151,6 +152,20 @@ BASE = {
     "/v1/messages/count_tokens": {"messages": [{"role": "user", "content": "hi"}]},
     "/v1/responses": {"input": "hi", "max_output_tokens": 4},
 }
+
+
+def _called(arguments: str) -> dict:
+    """An assistant turn that called ``f`` with ``arguments`` (JSON text, as the API has it)."""
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": arguments}}
+    return {"role": "assistant", "content": "", "tool_calls": [call]}
+
+
+def _function_call(arguments: str) -> dict:
+    return {"type": "function_call", "call_id": "c1", "name": "f", "arguments": arguments}
+
+
+_answered = {"role": "tool", "tool_call_id": "c1", "content": "12C"}
+_function_output = {"type": "function_call_output", "call_id": "c1", "output": "12C"}
 # Fields set on top of a base body: each once crashed, or would crash, a server like this
 # one (MLX checks no bounds). Fields a route lacks are unknown there, hence ignored.
 CORNER_FIELDS = [
@@ -171,6 +186,9 @@ CORNER_FIELDS = [
     {"input": [{"type": "function_call_output", "call_id": "x", "output": fz.nested(60)}]},
     {"response_format": {"type": "json_schema", "json_schema": {"schema": {"$ref": "#"}}}},
     {"messages": [{"role": "user", "content": "x" * 300_000}]},  # longer than the context
+    {"messages": [_called(r'{"q": "\ud800"}'), _answered, {"role": "user", "content": "hi"}]},
+    {"messages": [_called('{"q": ' + "[" * 5000 + "]" * 5000 + "}"), _answered]},
+    {"input": [_function_call(r'{"q": "\udfff"}'), _function_output]},
     {"prompt": "x" * 300_000, "input": "x" * 300_000},
 ]
 
@@ -317,10 +335,11 @@ class Canary:
                 self.sent += 1
                 if r.status_code != 200:
                     self.errors.append(f"canary HTTP {r.status_code}: {r.text[:300]}")
-                    continue
-                content = r.json()["choices"][0]["message"]["content"]
-                if self.expect is not None and content != self.expect:
-                    self.errors.append(f"canary got {content!r}")
+                else:
+                    content = r.json()["choices"][0]["message"]["content"]
+                    if self.expect is not None and content != self.expect:
+                        self.errors.append(f"canary got {content!r}")
+                await trio.sleep(0.2)  # leave the (shared, small) CPU to the probes
 
 
 @dataclass(frozen=True)
@@ -439,30 +458,48 @@ TOOLS = {
 }
 
 
+def said(path: str, text: str, stream: bool, **extra) -> bytes:
+    """A body, tools offered, whose answer is ``text`` (the fake echoes what follows ``!``)."""
+    body: dict = {"tools": TOOLS[path], "stream": stream, "max_tokens": 3000, **extra}
+    if path == "/v1/responses":
+        body |= {"input": "!" + text, "max_output_tokens": 3000}
+    else:
+        body["messages"] = [{"role": "user", "content": "!" + text}]
+    return fz.to_json(body, True).encode()
+
+
 @st.composite
 def output_probes(draw) -> Probe:
-    """A request, with tools offered, whose answer (the fake echoes it) is hostile markup."""
+    """A request, with tools offered, whose answer is hostile markup."""
     path = draw(st.sampled_from(list(TOOLS)))
-    said = "!" + draw(fz.model_output())
-    body: dict = {"tools": TOOLS[path], "stream": draw(st.booleans()), "max_tokens": 300}
-    if path == "/v1/responses":
-        body |= {"input": said, "max_output_tokens": 300}
-    else:
-        body["messages"] = [{"role": "user", "content": said}]
+    extra = {}
     if path == "/v1/chat/completions":
-        body |= {"n": draw(st.integers(1, 2)), "logprobs": draw(st.booleans())}
-        body["parallel_tool_calls"] = draw(st.booleans())
-    hang_up = draw(st.sampled_from([False] * 4 + [True]))
-    return Probe(
-        path,
-        fz.to_json(body, draw(st.booleans())).encode("utf-8", "surrogatepass"),
-        JSON,
-        None,
-        hang_up,
-    )
+        extra = {"n": draw(st.integers(1, 2)), "logprobs": draw(st.booleans())}
+        extra["parallel_tool_calls"] = draw(st.booleans())
+    body = said(path, draw(fz.model_output()), draw(st.booleans()), **extra)
+    return Probe(path, body, JSON, None, draw(st.sampled_from([False] * 4 + [True])))
 
 
-@pytest.mark.parametrize("tool_format", ["hermes", "mistral", "llama3", "json"])
+MARKUP = {
+    "hermes": ["<tool_call>{}</tool_call>"],
+    "mistral": ["[TOOL_CALLS]{}", "[TOOL_CALLS]f[ARGS]{}"],
+    "llama3": ["<|python_tag|>{}", "{}"],
+    "json": ["{}"],
+}
+
+
+def output_corner_cases(tool_format: str) -> list[Probe]:
+    """Each of ``fz.RAW_CALLS`` in each of the format's markups, streamed or not; of the
+    deep ones (a thousand tokens each, slow here) one per format, in its first markup."""
+    path, markups = "/v1/chat/completions", MARKUP[tool_format]
+    short = [raw for raw in fz.RAW_CALLS if len(raw) < 1000]
+    deep = [raw for raw in fz.RAW_CALLS if len(raw) >= 1000]
+    texts = [markups[0].replace("{}", deep[list(MARKUP).index(tool_format) % len(deep)], 1)]
+    texts += [m.replace("{}", raw, 1) for m in markups for raw in short]
+    return [Probe(path, said(path, t, i % 2 == 1), JSON, None) for i, t in enumerate(texts)]
+
+
+@pytest.mark.parametrize("tool_format", list(MARKUP))
 async def test_fuzz_fake_output_parsers(tool_format):
     """What the model says is the client's to choose (prompt injection; here, the fake's
     echo): tool-call and reasoning markup, whole, broken or nested, must not crash the
@@ -470,8 +507,12 @@ async def test_fuzz_fake_output_parsers(tool_format):
     settings = settings_with(
         tokenizer={"tool_format": tool_format, "reasoning_tags": "<think>,</think>"}
     )
-    tier = Tier(f"fake output {tool_format}", list(TOOLS), OUTPUT_EXAMPLES, [], 20.0, True, 300)
-    async with real_server(settings) as (url, _, _):
+    corners = output_corner_cases(tool_format)
+    name = f"fake output {tool_format}"
+    tier = Tier(name, list(TOOLS), OUTPUT_EXAMPLES, corners, 20.0, True, 300)
+    # answers run to thousands of tokens: short steps, room in the context
+    factory = fake_factory(FakeRunner(step_delay=0.0002), context_length=16384)
+    async with real_server(settings, factory) as (url, _, _):
         body = {"messages": [{"role": "user", "content": "!" + "canary " * 10}], "temperature": 0}
         await run_tier(url, tier, Canary(url, body, expect="canary " * 10), alone(output_probes()))
 
@@ -487,11 +528,12 @@ def real_settings(tmp_path_factory):
 
 @pytest.mark.mlx
 async def test_fuzz_real_model(real_settings):
-    """All routes; the fixed cases where a bad number could reach MLX (the HTTP-level ones
-    are the same code as in the fake tier)."""
+    """All routes; the fixed cases where a bad value could reach MLX or the real tokenizer
+    (the HTTP-level ones are the same code as in the fake tier)."""
     from daemon.supervisor import mlx_runner_factory
 
-    corners = corner_cases("/v1/chat/completions") + corner_cases("/v1/completions")
+    paths = ["/v1/chat/completions", "/v1/completions", "/v1/responses"]
+    corners = [case for path in paths for case in corner_cases(path)]
     settle = real_settings.memory.release_after_idle_s + 1
     tier = Tier("real, all routes", list(ROUTES), REAL_EXAMPLES, corners, 90.0, False, 500, settle)
     async with real_server(real_settings, mlx_runner_factory(real_settings)) as (url, _, _):
