@@ -89,12 +89,9 @@ def builder(vlm, template: str | None = None) -> PromptBuilder:
 
 
 def chat(rid="r", text="What is this?", picture=None, max_tokens=8, **fields) -> ChatRequest:
-    content = text
+    content: str | tuple[ImagePart, TextPart] = text
     if picture is not None:
-        content = [
-            {"type": "image_url", "image_url": {"url": picture}},
-            {"type": "text", "text": text},
-        ]
+        content = (ImagePart(url=picture), TextPart(text=text))
     fields.setdefault("messages", (Message(role="user", content=content),))
     return ChatRequest(
         request_id=rid,
