@@ -57,10 +57,8 @@ STATUS: Mapping[ErrorReason, int] = {
     "request_timeout": 504,
 }
 # Reasons whose status code says it all: no machine-readable ``code`` on the wire.
-_UNCODED = frozenset(
-    {"invalid_request", "not_found", "method_not_allowed", "body_too_large", "body_timeout"}
-    | {"not_ready"}
-)
+_GENERIC = ("invalid_request", "not_found", "method_not_allowed", "body_too_large")
+_UNCODED = frozenset((*_GENERIC, "body_timeout", "not_ready"))
 _BY_STATUS: Mapping[int, ErrorReason] = {
     404: "not_found",
     405: "method_not_allowed",
