@@ -1,12 +1,12 @@
 """Admission controller: a bounded waiting queue in front of a cap on running requests.
 
-``AdmissionPolicy`` is the sync core (no trio; time is passed in): ``admit``
-says run, queue or reject; ``release`` frees a slot and hands back whatever may
+``AdmissionPolicy`` is the sync core (no trio): ``admit`` says run, queue or
+reject; ``release`` frees a slot (or a queue place) and hands back whatever may
 now run (first come, first served, or by the request's ``priority`` when that
-is enabled); ``expire`` drops requests that waited longer than the queue
-timeout. The actor adapts it to channels: admitted requests go to the
-tokenizer, rejections become a 429 ``Failed`` and queue timeouts a 503, both
-with ``Retry-After``, in the request's mailbox.
+is enabled). The actor adapts it to channels: admitted requests go to the
+tokenizer, rejections become a 429 ``Failed`` with ``Retry-After`` in the
+request's mailbox. A request that waits too long is failed by the pipeline's
+timer (``admission.queue_timeout_s``), whose ``Release`` then drops it here.
 
 This stage runs before tokenization, so it knows nothing of a request's size;
 the memory gate is in the engine core (see ``actors/engine/memory.py``).
@@ -15,7 +15,6 @@ the memory gate is in the engine core (see ``actors/engine/memory.py``).
 from __future__ import annotations
 
 import itertools
-import math
 from collections import OrderedDict
 from dataclasses import dataclass
 from enum import Enum
@@ -35,7 +34,6 @@ class Decision(Enum):
 @dataclass(frozen=True)
 class _Queued:
     request: AdmittedRequest
-    since: float
     seq: int
 
     @property
@@ -51,24 +49,22 @@ class AdmissionPolicy:
         max_running: int,
         max_waiting: int,
         *,
-        queue_timeout_s: float = 0.0,
         priority: bool = False,
     ):
         self.max_running = max_running
         self.max_waiting = max_waiting
-        self.queue_timeout_s = queue_timeout_s
         self.priority = priority
         self.running: set[str] = set()
         self.waiting: OrderedDict[str, _Queued] = OrderedDict()  # in arrival order
-        self.rejected = self.expired = 0
+        self.rejected = 0
         self._seq = itertools.count()
 
-    def admit(self, request: AdmittedRequest, now: float = 0.0) -> Decision:
+    def admit(self, request: AdmittedRequest) -> Decision:
         if len(self.running) < self.max_running and not self.waiting:
             self.running.add(request.request_id)
             return Decision.RUN
         if len(self.waiting) < self.max_waiting:
-            self.waiting[request.request_id] = _Queued(request, now, next(self._seq))
+            self.waiting[request.request_id] = _Queued(request, next(self._seq))
             return Decision.QUEUE
         self.rejected += 1
         return Decision.REJECT
@@ -89,20 +85,6 @@ class AdmissionPolicy:
             return next(iter(self.waiting))
         return min(self.waiting.values(), key=lambda q: q.order).request.request_id
 
-    def next_expiry(self) -> float:
-        """When the oldest waiter times out (``inf``: nobody waits, or no timeout)."""
-        if self.queue_timeout_s <= 0 or not self.waiting:
-            return math.inf
-        return next(iter(self.waiting.values())).since + self.queue_timeout_s
-
-    def expire(self, now: float) -> list[str]:
-        """Drop and return the requests that have waited longer than the queue timeout."""
-        gone = []
-        while self.waiting and self.next_expiry() <= now:
-            gone.append(self.waiting.popitem(last=False)[0])
-        self.expired += len(gone)
-        return gone
-
 
 async def run(
     inbox: trio.MemoryReceiveChannel[AdmissionInbox],
@@ -116,18 +98,8 @@ async def run(
     """Run, queue or reject each request; forward runnable ones to the tokenizer."""
     task_status.started()
     async with inbox, outbox:
-        while True:
-            message: AdmissionInbox | None = None
-            # Only the wait is cut short by a queue timeout, never a send in progress.
-            with trio.move_on_at(policy.next_expiry()):
-                try:
-                    message = await inbox.receive()
-                except trio.EndOfChannel:
-                    return
-            if message is not None:
-                await _handle(message, outbox, mailboxes, policy, retry_after_s)
-            for request_id in policy.expire(trio.current_time()):
-                mailboxes.deliver(_timed_out(request_id, policy, retry_after_s))
+        async for message in inbox:
+            await _handle(message, outbox, mailboxes, policy, retry_after_s)
 
 
 async def _handle(
@@ -139,7 +111,7 @@ async def _handle(
 ) -> None:
     match message:
         case Admit(request=request):
-            decision = policy.admit(request, trio.current_time())
+            decision = policy.admit(request)
             if decision is Decision.RUN:
                 await outbox.send(request)
             elif decision is Decision.REJECT:
@@ -157,18 +129,6 @@ def _rejection(request_id: str, policy: AdmissionPolicy, retry_after_s: float) -
             f"server is at capacity ({policy.max_running} running, "
             f"{policy.max_waiting} waiting: admission.max_running, admission.max_waiting); "
             "retry later"
-        ),
-        retry_after=retry_after_s,
-    )
-
-
-def _timed_out(request_id: str, policy: AdmissionPolicy, retry_after_s: float) -> Failed:
-    return Failed(
-        request_id=request_id,
-        reason="queue_timeout",
-        message=(
-            f"waited over {policy.queue_timeout_s:g}s in the queue "
-            "(admission.queue_timeout_s); retry later"
         ),
         retry_after=retry_after_s,
     )

@@ -84,14 +84,15 @@ class Mailbox:
     def __init__(
         self,
         request_id: str,
-        stop: tuple[str, ...] = (),
         bell: Bell | None = None,
         on_final: Callable[[Mailbox], None] | None = None,
         max_unread: int = 0,
     ):
         self.request_id = request_id
-        self.stop = stop
-        self.engine_done = False  # set once the engine has ended the sequence itself
+        # Set once the engine's sequence is over: it ended it itself, or the streamer
+        # aborted it (a stop string): nobody else need send an ``Abort``.
+        self.engine_done = False
+        self.began = False  # a ``Started`` arrived: the request left the queues
         self._started: Started | None = None
         self._deltas: list[TextDelta] = []
         self._final: Finished | Failed | None = None
@@ -112,6 +113,7 @@ class Mailbox:
         match event:
             case Started():
                 self._started = event
+                self.began = True
             case TextDelta():
                 self._deltas.append(event)
                 self._unread += _size(event)
@@ -184,12 +186,10 @@ class Mailboxes:
         if box is not None:
             box.put(event)
 
-    def register(
-        self, request_id: str, stop: tuple[str, ...] = (), bell: Bell | None = None
-    ) -> Mailbox:
+    def register(self, request_id: str, bell: Bell | None = None) -> Mailbox:
         if request_id in self._open:
             raise KeyError(f"duplicate request id {request_id}")
-        box = Mailbox(request_id, stop, bell, self._ended_one, self._max_unread)
+        box = Mailbox(request_id, bell, self._ended_one, self._max_unread)
         self._open[request_id] = box
         return box
 

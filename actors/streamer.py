@@ -2,10 +2,14 @@
 
 ``StreamState`` is the sync core: per request an incremental detokenizer, a
 stop matcher and an output parser (reasoning blocks, tool calls: see
-``actors/parsers.py``), fed one ``EngineStep`` at a time; token logprobs become
-text pieces. The actor loop only adapts it to the engine's outbox. It never
-waits on a client: mailboxes merge and never block. An exception in one
-request's share of a step fails that request (a logged 500), not the actor.
+``actors/parsers.py``), all set up from the request's ``OutputSpec`` in its
+``Started`` and fed one ``EngineStep`` at a time; token logprobs become text
+pieces. It never waits on a client: mailboxes merge and never block. An
+exception in one request's share of a step fails that request (a logged 500),
+not the actor. Each step returns the requests it ended while the engine still
+runs them (a stop string matched, or their output failed): the actor loop sends
+their ``Abort`` to the engine at once, so a finished sequence stops decoding
+whether or not its client reads.
 """
 
 from __future__ import annotations
@@ -28,6 +32,8 @@ from actors.detokenizer import (
 from actors.mailbox import Mailboxes
 from actors.parsers import OutputParser, Parsed
 from protocol.messages import (
+    Abort,
+    EngineInbox,
     EngineStep,
     Failed,
     Finished,
@@ -73,11 +79,14 @@ class StreamState:
         self._requests: dict[str, _Request] = {}
         self._texts = TokenTexts(tokenizer)
         self._special = special_ids(tokenizer)
+        self._aborts: list[str] = []  # this step's, for ``on_step`` to return
 
     def __len__(self) -> int:
         return len(self._requests)
 
-    def on_step(self, step: EngineStep) -> None:
+    def on_step(self, step: EngineStep) -> list[str]:
+        """Deliver one step's events; return the requests whose sequences to abort."""
+        self._aborts = []
         for started in step.started:
             if self._guarded(started.request_id, self._start, started):
                 self._mailboxes.deliver(started)
@@ -86,15 +95,17 @@ class StreamState:
         for failed in step.failed:
             self._requests.pop(failed.request_id, None)
             self._mailboxes.deliver(failed)
+        return self._aborts
 
     def _guarded(self, request_id: str, work: Callable[[Any], None], arg: Any) -> bool:
         """One request's share of a step; an exception fails that request alone (a 500,
-        logged), whose unfinished sequence its session then aborts in the engine."""
+        logged) and aborts its sequence in the engine."""
         try:
             work(arg)
         except Exception as exc:  # a bug in one request's output, never the actor's
             log.error("request %s: streaming its output failed", request_id, exc_info=exc)
             self._requests.pop(request_id, None)
+            self._abort(request_id)
             self._mailboxes.deliver(
                 Failed(
                     request_id=request_id,
@@ -107,13 +118,12 @@ class StreamState:
         return True
 
     def _start(self, started: Started) -> None:
-        box = self._mailboxes.get(started.request_id)
-        if box is None:
+        if self._mailboxes.get(started.request_id) is None:
             return  # client already gone; the handler has sent the abort
         detokenizer = IncrementalDetokenizer(self._tokenizer, self._hidden(started.output))
         self._requests[started.request_id] = _Request(
             detokenizer,
-            StopMatcher(box.stop),
+            StopMatcher(started.output.stop),
             OutputParser(started.output),
             started.prompt_tokens,
             started.cached_tokens,
@@ -147,9 +157,10 @@ class StreamState:
             parsed.extend(req.parser.flush())
         self._deliver_parsed(rid, req, parsed, step)
         if req.matcher.stopped:
-            self._finish(rid, "stop", engine_done=False)
+            self._abort(rid)  # the engine would go on decoding it
+            self._finish(rid, "stop")
         elif step.finish_reason is not None:
-            self._finish(rid, step.finish_reason, engine_done=True)
+            self._finish(rid, step.finish_reason)
 
     def _deliver_parsed(self, rid: str, req: _Request, parsed: Parsed, step: TokenStep) -> None:
         calls = tuple(
@@ -172,11 +183,17 @@ class StreamState:
         top = tuple((*self._texts(t), v) for t, v in lp.top)
         return LogprobPiece(token=text, bytes=raw, logprob=lp.logprob, top=top)
 
-    def _finish(self, request_id: str, reason: FinishReason, *, engine_done: bool) -> None:
+    def _abort(self, request_id: str) -> None:
+        self._aborts.append(request_id)
+        box = self._mailboxes.get(request_id)
+        if box is not None:
+            box.engine_done = True  # the session need not abort it again
+
+    def _finish(self, request_id: str, reason: FinishReason) -> None:
         req = self._requests.pop(request_id)
         box = self._mailboxes.get(request_id)
         if box is not None:
-            box.engine_done = engine_done
+            box.engine_done = True
         if reason == "stop" and req.parser.calls:
             reason = "tool_calls"
         finished = Finished(
@@ -192,12 +209,23 @@ class StreamState:
 
 async def run(
     inbox: trio.MemoryReceiveChannel[EngineStep],
+    engine: trio.MemorySendChannel[EngineInbox],
     state: StreamState,
     *,
     task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Feed every engine step to the stream state until the engine closes its outbox."""
+    """Feed every engine step to the stream state until the engine closes its outbox;
+    send the engine an ``Abort`` for each sequence the stream state ended."""
     task_status.started()
-    async with inbox:
+    async with inbox, engine, trio.open_nursery() as aborts:
         async for step in inbox:
-            state.on_step(step)
+            for request_id in state.on_step(step):
+                # Never awaited here: the engine may be waiting for this loop to take a step.
+                aborts.start_soon(_abort, engine, request_id)
+
+
+async def _abort(engine: trio.MemorySendChannel[EngineInbox], request_id: str) -> None:
+    try:
+        await engine.send(Abort(request_id=request_id))
+    except (trio.BrokenResourceError, trio.ClosedResourceError):
+        pass  # the engine has stopped: nothing runs any more

@@ -223,11 +223,13 @@ class PromptBuilder:
         return self.prompt(request).tokens
 
     def output_spec(self, request: AdmittedRequest, prompt: str) -> OutputSpec:
-        """How the streamer reads this request's output (tool calls, reasoning)."""
+        """How the streamer reads this request's output (stop strings, tool calls, reasoning)."""
+        stop = request.sampling.stop
         if not isinstance(request, ChatRequest):
-            return OutputSpec()
+            return OutputSpec(stop=stop)
         tags = self.traits.reasoning if request.parse_reasoning else None
         return OutputSpec(
+            stop=stop,
             tool_format=self.traits.tool_format if self._offers_tools(request) else None,
             reasoning=tags,
             in_reasoning=bool(tags) and prompt.rstrip().endswith(tags[0]),  # type: ignore[index]
@@ -257,7 +259,6 @@ class PromptBuilder:
             checkpoints=p.checkpoints,
             vision=p.vision,
             priority=request.priority,
-            deadline=request.deadline,
             output=self.output_spec(request, p.text),
             grammar=self.grammar(request),
         )

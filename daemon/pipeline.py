@@ -6,25 +6,28 @@ the admission slot and, unless the engine already ended the sequence, aborts it.
 A client disconnect cancels the handler, whose cleanup calls ``close()``: that is
 the abort path. The slot and the sequence are freed earlier, by
 ``Pipeline.release_ended``, as soon as the request's final event reaches its
-mailbox, so a client that stops reading holds neither. The per-request
-deadline (``admission.request_timeout_s``) is stamped on the request here and
-kept twice: the engine fails a sequence past it (so generation stops even
-while the client reads nothing), and the session stops waiting at it wherever
-the request is (queued, tokenizing, waiting for memory). Either way the client gets a 504 ``request_timeout`` (or, once
-streaming, an error event) and ``close()`` aborts whatever is left. Each session
-keeps a ``RequestTrace`` that it hands to the telemetry when it closes.
+mailbox, so a client that stops reading holds neither.
+
+Both timeouts live here, in one timer (``Pipeline.expire``), and nowhere else:
+a request that has not started (no ``Started`` yet: queued for a slot,
+tokenizing, or waiting in the engine for memory or a batch place) within
+``admission.queue_timeout_s`` of its arrival gets a 503 ``queue_timeout`` with
+``Retry-After``; one still open ``admission.request_timeout_s`` after its arrival
+gets a 504 ``request_timeout`` (an error event once streaming), whether or not
+its client reads. The failure is put in its mailbox, so ``release_ended`` frees
+its slot and aborts whatever the admission queue, tokenizer or engine still
+holds of it, as for any other failure. Each session keeps a ``RequestTrace``
+that it hands to the telemetry when it closes.
 """
 
 from __future__ import annotations
 
 import enum
 import math
-import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
-import msgspec
 import trio
 
 from actors.admission import AdmissionPolicy
@@ -55,14 +58,11 @@ class ServerState(enum.Enum):
 class Session:
     """One admitted request: its mailbox, and the cleanup that must always run."""
 
-    def __init__(self, pipeline: Pipeline, mailbox: Mailbox, timeout_s: float = 0.0):
+    def __init__(self, pipeline: Pipeline, mailbox: Mailbox):
         self._pipeline = pipeline
         self.mailbox = mailbox
         self._closed = self._released = False
-        now = trio.current_time()
-        self.timeout_s = timeout_s
-        self.deadline = now + timeout_s if timeout_s > 0 else math.inf  # trio clock
-        self.trace = RequestTrace(mailbox.request_id, now)
+        self.trace = RequestTrace(mailbox.request_id, trio.current_time())
 
     @property
     def request_id(self) -> str:
@@ -75,6 +75,7 @@ class Session:
         p = self._pipeline
         p.mailboxes.unregister(self.request_id)
         p.sessions.pop(self.request_id, None)
+        p.timeouts.remove(self.request_id)
         self.trace.close(trio.current_time())
         p.telemetry.request_done(self.trace)
         await self.release()
@@ -103,31 +104,59 @@ class Session:
             await self.close()
 
     def take(self) -> list[MailboxEvent]:
-        """Pending events without waiting (or the deadline's failure), seen by the trace."""
+        """Pending events without waiting, seen by the trace."""
         events = self.mailbox.take()
-        if not events and trio.current_time() >= self.deadline:
-            events = [self._deadline_passed()]
         if events:
             self.trace.observe(events, trio.current_time())
         return events
 
     async def _next_batch(self) -> list[MailboxEvent]:
-        # Checked first: get() returns without a checkpoint while output keeps coming.
-        if trio.current_time() < self.deadline:
-            with trio.move_on_at(self.deadline):
-                return await self.mailbox.get()
-        return [self._deadline_passed()]
+        return await self.mailbox.get()
 
-    def _deadline_passed(self) -> Failed:
-        return Failed(
-            request_id=self.request_id,
-            reason="request_timeout",
-            message=(
-                f"the request did not finish within {self.timeout_s:g}s "
-                f"(admission.request_timeout_s); generation was stopped after "
-                f"{self.trace.completion_tokens} tokens"
-            ),
-        )
+
+class Timeouts:
+    """When each open request's queue timeout and deadline fall (trio clock, seconds).
+
+    Every request gets the same two delays from its arrival, so arrival order is
+    expiry order: each kind is an insertion-ordered dict read from its oldest entry.
+    A delay of 0 turns that timeout off.
+    """
+
+    def __init__(self, queue_timeout_s: float = 0.0, request_timeout_s: float = 0.0):
+        self.queue_timeout_s, self.request_timeout_s = queue_timeout_s, request_timeout_s
+        self._queue: dict[str, float] = {}
+        self._deadline: dict[str, float] = {}
+
+    def add(self, request_id: str, now: float) -> None:
+        if self.queue_timeout_s > 0:
+            self._queue[request_id] = now + self.queue_timeout_s
+        if self.request_timeout_s > 0:
+            self._deadline[request_id] = now + self.request_timeout_s
+
+    def remove(self, request_id: str) -> None:
+        self._queue.pop(request_id, None)
+        self._deadline.pop(request_id, None)
+
+    def next_at(self) -> float:
+        """The earliest expiry (``inf``: none pending)."""
+        return min(_first(self._queue), _first(self._deadline))
+
+    def due(self, now: float) -> tuple[list[str], list[str]]:
+        """Pop and return the requests whose queue timeout, and whose deadline, has come."""
+        return _pop_due(self._queue, now), _pop_due(self._deadline, now)
+
+
+def _first(times: dict[str, float]) -> float:
+    return next(iter(times.values()), math.inf)
+
+
+def _pop_due(times: dict[str, float], now: float) -> list[str]:
+    due = []
+    while times and _first(times) <= now:
+        request_id = next(iter(times))
+        del times[request_id]
+        due.append(request_id)
+    return due
 
 
 @dataclass
@@ -138,7 +167,9 @@ class Pipeline:
     admission: trio.MemorySendChannel[AdmissionInbox]
     engine: trio.MemorySendChannel[EngineInbox]
     mailboxes: Mailboxes
-    request_timeout_s: float = 0.0
+    timeouts: Timeouts = field(default_factory=Timeouts)
+    retry_after_s: float = 1.0  # a queue timeout's Retry-After
+    expired: int = 0  # requests failed by their queue timeout
     state: ServerState = ServerState.LOADING
     info: ModelInfo | None = None
     policy: AdmissionPolicy | None = None  # read only outside the admission actor
@@ -172,8 +203,8 @@ class Pipeline:
         The slot follows the generation, not the client: a client that reads
         nothing (its handler blocked writing to the socket) or has vanished keeps
         its connection, but its slot comes back when the engine ends the sequence
-        (at the latest at the request's deadline). A stop-string or streamer
-        failure also aborts the engine's sequence here, at once.
+        (at the latest at the request's deadline). A failure the engine did not
+        send (a timeout, a client that reads nothing) also aborts its sequence here.
         """
         task_status.started()
         while True:
@@ -183,20 +214,58 @@ class Pipeline:
                     await session.release(shield=False)
 
     def __post_init__(self) -> None:
+        self._timer = Bell()
         self.telemetry.watch(self)
 
     def publish(self, stats: EngineStats) -> None:
         """The engine's snapshot after each step (called on the trio thread)."""
         self.engine_stats = stats
 
+    async def expire(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        """The timer: fail each request at its queue timeout (if it has not started) and
+        at its deadline (if it has not ended); ``release_ended`` does the rest."""
+        task_status.started()
+        while True:
+            self._timer.reset()
+            queued, late = self.timeouts.due(trio.current_time())
+            for request_id in queued:
+                box = self.mailboxes.get(request_id)
+                if box is not None and not box.began and not box.ended:
+                    self.expired += 1
+                    box.put(self._queue_timeout(request_id))
+            for request_id in late:
+                self.mailboxes.deliver(self._deadline_passed(request_id))
+            with trio.move_on_at(self.timeouts.next_at()):
+                await self._timer.wait()  # rung when a request arrives
+
+    def _queue_timeout(self, request_id: str) -> Failed:
+        return Failed(
+            request_id=request_id,
+            reason="queue_timeout",
+            message=(
+                f"waited over {self.timeouts.queue_timeout_s:g}s for a slot, memory or a "
+                "batch place (admission.queue_timeout_s); retry later"
+            ),
+            retry_after=self.retry_after_s,
+        )
+
+    def _deadline_passed(self, request_id: str) -> Failed:
+        return Failed(
+            request_id=request_id,
+            reason="request_timeout",
+            message=(
+                f"the request did not finish within {self.timeouts.request_timeout_s:g}s "
+                "(admission.request_timeout_s); generation was stopped"
+            ),
+        )
+
     async def submit(self, request: AdmittedRequest, bell: Bell | None = None) -> Session:
-        """Register the request's mailbox (sharing ``bell`` with its siblings) and admit it."""
-        if self.request_timeout_s > 0:  # the engine's copy of the deadline, on its clock
-            deadline = time.monotonic() + self.request_timeout_s
-            request = msgspec.structs.replace(request, deadline=deadline)
-        stop = request.sampling.stop
-        mailbox = self.mailboxes.register(request.request_id, stop, bell)
-        session = self.sessions[request.request_id] = Session(self, mailbox, self.request_timeout_s)
+        """Register the request's mailbox (sharing ``bell`` with its siblings), start its
+        timeouts and admit it."""
+        mailbox = self.mailboxes.register(request.request_id, bell)
+        session = self.sessions[request.request_id] = Session(self, mailbox)
+        self.timeouts.add(request.request_id, session.trace.start)
+        self._timer.ring()
         try:
             await self.admission.send(Admit(request=request))
         except BaseException:

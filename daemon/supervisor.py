@@ -3,7 +3,8 @@
     HTTP ──Admit/Release──▶ admission ──▶ tokenizer ──Submit──▶ engine ──EngineStep──▶ streamer
       ▲         (max_waiting)         (1)           (max_running)    (engine_outbox)      │
       └──────────────────────────── mailboxes (merge, never block) ◀─────────────────────┘
-    HTTP ──Abort (session close)──▶ engine
+    HTTP ──Abort (session close)──▶ engine ◀──Abort (stop string)── streamer
+    pipeline.expire (queue timeout, deadline) ──Failed──▶ mailboxes
     mailbox final event ──▶ pipeline.release_ended ──Abort/Release──▶ engine, admission
     engine ──EngineStats (each step)──▶ pipeline.engine_stats ◀── /metrics, /v1/status
 
@@ -41,7 +42,7 @@ from actors.tokenizer import PromptBuilder
 from actors.tools import template_traits
 from actors.vision import ImageLimits
 from daemon.app import create_app
-from daemon.pipeline import Pipeline, ServerState
+from daemon.pipeline import Pipeline, ServerState, Timeouts
 from daemon.settings import Settings
 from protocol.messages import AdmissionInbox, AdmittedRequest, EngineInbox, EngineStep, Failed
 
@@ -87,18 +88,20 @@ def open_graph(s: Settings) -> Graph:
     # Handlers block briefly here when a burst arrives; admission answers at once.
     admission_tx, admission_rx = trio.open_memory_channel[AdmissionInbox](s.admission.max_waiting)
     engine = trio.open_memory_channel[EngineInbox](s.admission.max_running)
+    a = s.admission
     pipeline = Pipeline(
         admission=admission_tx,
         engine=engine[0].clone(),
         mailboxes=Mailboxes(s.streaming.max_unread_bytes),
-        request_timeout_s=s.admission.request_timeout_s,
+        timeouts=Timeouts(a.queue_timeout_s, a.request_timeout_s),
+        retry_after_s=a.retry_after_s,
     )
     return Graph(
         pipeline=pipeline,
         admission_rx=admission_rx,
         # Admission waits for the tokenizer, which starts a task per request at once.
         tokenize=trio.open_memory_channel[AdmittedRequest](1),
-        # Submits and aborts; the engine drains it every step.
+        # Submits and aborts (handlers, streamer, timer); the engine drains it every step.
         engine=engine,
         # A few steps of slack between the engine thread and the streamer.
         steps=trio.open_memory_channel[EngineStep](s.streaming.engine_outbox),
@@ -134,7 +137,6 @@ async def run_actors(
     options = EngineOptions(
         max_batch=s.engine.max_batch,
         prefill_chunk_tokens=s.engine.prefill_chunk_tokens,
-        queue_timeout_s=s.admission.queue_timeout_s,
         retry_after_s=s.admission.retry_after_s,
         release_after_idle_s=s.memory.release_after_idle_s,
         publish=pipeline.publish,
@@ -142,7 +144,8 @@ async def run_actors(
     async with trio.open_nursery() as nursery:
         info = await nursery.start(engine.run, graph.engine[1], graph.steps[0], factory, options)
         pipeline.info = info
-        await nursery.start(streamer.run, graph.steps[1], StreamState(info.tokenizer, mailboxes))
+        state = StreamState(info.tokenizer, mailboxes)
+        await nursery.start(streamer.run, graph.steps[1], graph.engine[0].clone(), state)
         # Reading the vocabulary into llguidance takes a moment: not on the trio thread.
         grammars = await trio.to_thread.run_sync(GrammarCompiler, info.tokenizer)
         builder = _prompt_builder(info, s, grammars)
@@ -158,7 +161,7 @@ async def run_actors(
         )
         a = s.admission
         policy = pipeline.policy = AdmissionPolicy(
-            a.max_running, a.max_waiting, queue_timeout_s=a.queue_timeout_s, priority=a.priority
+            a.max_running, a.max_waiting, priority=a.priority
         )
         await nursery.start(
             admission.run,
@@ -170,6 +173,8 @@ async def run_actors(
         )
         # Frees a request's slot when its final event arrives, read or not.
         await nursery.start(pipeline.release_ended)
+        # Queue timeouts and deadlines, for every request wherever it is.
+        await nursery.start(pipeline.expire)
         pipeline.state = ServerState.READY
         log.info(
             "ready: serving %s (%s model, backend %s, context %d)",

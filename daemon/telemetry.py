@@ -394,7 +394,7 @@ def _admission(pipeline: Pipeline) -> wire.AdmissionStatus:
         max_running=policy.max_running,
         max_waiting=policy.max_waiting,
         rejected=policy.rejected,
-        expired=policy.expired,
+        expired=pipeline.expired,
     )
 
 

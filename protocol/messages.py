@@ -9,7 +9,6 @@ each request's mailbox. Nothing here imports trio or mlx.
 
 from __future__ import annotations
 
-import math
 from typing import Any, Literal
 
 import msgspec
@@ -115,7 +114,6 @@ class ChatRequest(msgspec.Struct, frozen=True, kw_only=True):
 
     ``priority``: lower runs first (only when ``admission.priority`` is on;
     otherwise every request has 0 and the order is first come, first served).
-    ``deadline``: ``time.monotonic()`` by which it must end (``inf``: none).
 
     ``tools`` are offered to the model (through its template, or a system-prompt
     description when the template has no tool support); ``tool_choice`` is
@@ -128,7 +126,6 @@ class ChatRequest(msgspec.Struct, frozen=True, kw_only=True):
     sampling: SamplingParams
     arrival: float = 0.0
     priority: int = 0
-    deadline: float = math.inf
     tools: tuple[Tool, ...] = ()
     tool_choice: str = "auto"
     parallel_tool_calls: bool = True
@@ -145,7 +142,6 @@ class CompletionRequest(msgspec.Struct, frozen=True, kw_only=True):
     sampling: SamplingParams
     arrival: float = 0.0
     priority: int = 0
-    deadline: float = math.inf
     constraint: Constraint | None = None
 
 
@@ -168,11 +164,14 @@ class VisionInputs(msgspec.Struct, frozen=True, kw_only=True):
 class OutputSpec(msgspec.Struct, frozen=True, kw_only=True):
     """How the streamer reads a request's output text.
 
-    ``tool_format`` names the tool-call parser (None: no tool parsing);
-    ``reasoning`` is the (open, close) tag pair of the reasoning block (None: no
-    reasoning parsing); ``in_reasoning`` says the prompt already opened it.
+    ``stop`` holds the request's stop strings; ``tool_format`` names the
+    tool-call parser (None: no tool parsing); ``reasoning`` is the (open, close)
+    tag pair of the reasoning block (None: no reasoning parsing); ``in_reasoning``
+    says the prompt already opened it. The tokenizer builds it and it reaches the
+    streamer in ``Started``: the one route for what the streamer knows of a request.
     """
 
+    stop: tuple[str, ...] = ()
     tool_format: str | None = None
     reasoning: tuple[str, str] | None = None
     in_reasoning: bool = False
@@ -194,7 +193,6 @@ class TokenizedRequest(msgspec.Struct, frozen=True, kw_only=True):
     checkpoints: tuple[int, ...] = ()
     vision: VisionInputs | None = None
     priority: int = 0
-    deadline: float = math.inf  # time.monotonic(); the engine fails it (504) once passed
     output: OutputSpec = OutputSpec()
     grammar: object | None = None
 
@@ -227,7 +225,7 @@ class Submit(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class Abort(msgspec.Struct, frozen=True, kw_only=True):
-    """Stop generating for a request (client gone, stop string matched, deadline)."""
+    """Stop generating for a request (client gone, stop string matched, timed out)."""
 
     request_id: str
 

@@ -1,4 +1,5 @@
-"""Admission policy (sync core) and the admission actor on trio's fake clock."""
+"""Admission policy (sync core) and the admission actor on trio's fake clock; the queue
+timeout (the pipeline's timer) in front of it."""
 
 from __future__ import annotations
 
@@ -7,7 +8,16 @@ import trio
 from actors import admission
 from actors.admission import AdmissionPolicy, Decision
 from actors.mailbox import Mailboxes
-from protocol.messages import Admit, CompletionRequest, Failed, Release, SamplingParams
+from daemon.pipeline import Pipeline, Timeouts
+from protocol.messages import (
+    Abort,
+    Admit,
+    CompletionRequest,
+    Failed,
+    Release,
+    SamplingParams,
+    Started,
+)
 
 
 def req(i):
@@ -59,25 +69,23 @@ def preq(i, priority):
     )
 
 
-def test_waiters_past_the_queue_timeout_expire_oldest_first():
-    policy = AdmissionPolicy(max_running=1, max_waiting=3, queue_timeout_s=10)
-    policy.admit(req(0), now=0)
-    policy.admit(req(1), now=1)
-    policy.admit(req(2), now=4)
-    assert policy.next_expiry() == 11
-    assert policy.expire(10.9) == []
-    assert policy.expire(11) == ["r1"]
-    assert policy.next_expiry() == 14
-    assert policy.expire(100) == ["r2"]
-    assert policy.expired == 2 and not policy.waiting
-    assert policy.next_expiry() == float("inf")
+def test_timeouts_fall_due_oldest_first():
+    timeouts = Timeouts(queue_timeout_s=10, request_timeout_s=20)
+    for rid, now in (("r0", 0), ("r1", 1), ("r2", 4)):
+        timeouts.add(rid, now)
+    timeouts.remove("r0")  # its session closed
+    assert timeouts.next_at() == 11
+    assert timeouts.due(10.9) == ([], [])
+    assert timeouts.due(11) == (["r1"], [])
+    assert timeouts.next_at() == 14
+    assert timeouts.due(100) == (["r2"], ["r1", "r2"])
+    assert timeouts.next_at() == float("inf")
 
 
-def test_no_queue_timeout_never_expires():
-    policy = AdmissionPolicy(max_running=1, max_waiting=3)
-    policy.admit(req(0), now=0)
-    policy.admit(req(1), now=0)
-    assert policy.expire(10**9) == []
+def test_no_timeouts_never_fall_due():
+    timeouts = Timeouts()
+    timeouts.add("r0", 0)
+    assert timeouts.due(10**9) == ([], []) and timeouts.next_at() == float("inf")
 
 
 def test_priority_picks_the_lowest_value_then_the_oldest():
@@ -115,30 +123,45 @@ async def _admission_actor(nursery, policy, mailboxes):
 
 
 async def test_queue_timeout_on_the_fake_clock_is_a_503_with_retry_after(autojump_clock):
+    policy = AdmissionPolicy(max_running=1, max_waiting=2)
+    admission_tx, admission_rx = trio.open_memory_channel(8)
+    admitted_tx, admitted = trio.open_memory_channel(8)
+    engine_tx, engine_rx = trio.open_memory_channel(8)
     mailboxes = Mailboxes()
-    policy = AdmissionPolicy(max_running=1, max_waiting=2, queue_timeout_s=30)
+    pipeline = Pipeline(
+        admission_tx, engine_tx, mailboxes, timeouts=Timeouts(30, 0), retry_after_s=3
+    )
     async with trio.open_nursery() as nursery:
-        inbox, admitted = await _admission_actor(nursery, policy, mailboxes)
-        boxes = {i: mailboxes.register(f"r{i}") for i in range(2)}
+        await nursery.start(admission.run, admission_rx, admitted_tx, mailboxes, policy, 3)
+        await nursery.start(pipeline.release_ended)
+        await nursery.start(pipeline.expire)
         t0 = trio.current_time()
-        await inbox.send(Admit(request=req(0)))
-        await inbox.send(Admit(request=req(1)))
+        first = await pipeline.submit(req(0))
+        second = await pipeline.submit(req(1))
         assert (await admitted.receive()).request_id == "r0"
-        (event,) = await boxes[1].get()  # nothing frees the slot: r1 times out
+        mailboxes.deliver(Started(request_id="r0", prompt_tokens=1))  # the engine took it
+        (event,) = await second.mailbox.get()  # nothing frees the slot: r1 times out
         waited = trio.current_time() - t0
         assert isinstance(event, Failed)
         assert (event.reason, event.retry_after) == ("queue_timeout", 3)
-        assert 30 <= waited < 31
+        assert 30 <= waited < 31 and pipeline.expired == 1
+        # its slot is given back and anything the engine held of it aborted, unread
+        assert await engine_rx.receive() == Abort(request_id="r1")
+        await trio.sleep(1)
+        assert not policy.waiting
         # a later release runs nothing stale: the expired request is gone
-        await inbox.send(Release(request_id="r0"))
+        await first.close()
+        await second.close()
         await trio.sleep(1)
         assert policy.running == set() and not policy.waiting
+        # the first request started before its queue timeout: it never had one
+        assert pipeline.expired == 1
         nursery.cancel_scope.cancel()
 
 
 async def test_release_before_the_timeout_runs_the_waiter(autojump_clock):
     mailboxes = Mailboxes()
-    policy = AdmissionPolicy(max_running=1, max_waiting=2, queue_timeout_s=30)
+    policy = AdmissionPolicy(max_running=1, max_waiting=2)
     async with trio.open_nursery() as nursery:
         inbox, admitted = await _admission_actor(nursery, policy, mailboxes)
         box = mailboxes.register("r1")
@@ -149,13 +172,13 @@ async def test_release_before_the_timeout_runs_the_waiter(autojump_clock):
         await inbox.send(Release(request_id="r0"))
         assert (await admitted.receive()).request_id == "r1"
         await trio.sleep(60)
-        assert policy.expired == 0 and box._final is None
+        assert box._final is None
         nursery.cancel_scope.cancel()
 
 
 async def test_priority_on_the_fake_clock_serves_urgent_requests_first(autojump_clock):
     mailboxes = Mailboxes()
-    policy = AdmissionPolicy(max_running=1, max_waiting=4, queue_timeout_s=30, priority=True)
+    policy = AdmissionPolicy(max_running=1, max_waiting=4, priority=True)
     async with trio.open_nursery() as nursery:
         inbox, admitted = await _admission_actor(nursery, policy, mailboxes)
         for i, p in [(0, 0), (1, 3), (2, 1), (3, 2)]:
@@ -166,5 +189,4 @@ async def test_priority_on_the_fake_clock_serves_urgent_requests_first(autojump_
             await inbox.send(Release(request_id=order[-1]))
             order.append((await admitted.receive()).request_id)
         assert order == ["r0", "r2", "r3", "r1"]
-        assert policy.expired == 0
         nursery.cancel_scope.cancel()

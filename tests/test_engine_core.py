@@ -1,5 +1,6 @@
-"""The engine core's memory gate, priority order, queue timeout and failed-step recovery,
-driven by hand with the fake runner and a hand-turned clock."""
+"""The engine core's memory gate, priority order, aborts and failed-step recovery,
+driven by hand with the fake runner. Timeouts are the pipeline's (tests/test_graph.py):
+the core only has to honour the ``Abort`` that follows one, wherever the request is."""
 
 from __future__ import annotations
 
@@ -17,14 +18,6 @@ def req(rid, prompt="abcdefghi", max_tokens=10, priority=0):
         sampling=SamplingParams(max_tokens=max_tokens, temperature=0),
         priority=priority,
     )
-
-
-class Clock:
-    def __init__(self):
-        self.now = 0.0
-
-    def __call__(self):
-        return self.now
 
 
 def core_with(budget=None, **kw):
@@ -83,20 +76,16 @@ def test_priority_orders_the_engine_queue():
     assert started_ids(run_until_idle(core)) == ["high", "mid-a", "mid-b", "low"]
 
 
-def test_waiting_for_memory_longer_than_the_queue_timeout_is_a_503():
-    clock = Clock()
-    runner, core = core_with(budget=19 * 1024, queue_timeout_s=5, clock=clock)
+def test_an_abort_while_waiting_for_memory_leaves_the_queue():
+    runner, core = core_with(budget=19 * 1024)
     core.submit(req("running", max_tokens=10))
     core.step()
     core.submit(req("patient"))
-    clock.now = 4.9
-    assert not core.step().failed
-    clock.now = 5.1
-    (failed,) = core.step().failed
-    assert (failed.request_id, failed.reason) == ("patient", "queue_timeout")
-    assert failed.retry_after
-    run_until_idle(core)
-    assert core.reserved_bytes == 0
+    assert not core.step().failed and len(core.waiting) == 1
+    core.abort("patient")  # its queue timeout passed (the pipeline's timer)
+    steps = run_until_idle(core)
+    assert started_ids(steps) == [] and not any(step.failed for step in steps)
+    assert core.reserved_bytes == 0 and "patient" not in [rid for rid, _ in runner.prefill_log]
 
 
 def test_abort_releases_the_reservation():
@@ -145,20 +134,19 @@ def test_stats_report_the_batch_and_memory():
     assert idle.batch_tokens_total >= idle.decode_steps
 
 
-def test_a_request_past_its_deadline_leaves_the_batch_with_a_504():
-    clock = Clock()
-    runner, core = core_with(clock=clock)
-    core.submit(msgspec.structs.replace(req("late", "x" * 50, max_tokens=100), deadline=2.0))
+def test_an_abort_mid_decode_leaves_the_batch_and_frees_its_share():
+    runner, core = core_with(budget=10**6)
+    core.submit(req("late", "x" * 50, max_tokens=100))
     core.submit(req("other", "y" * 50, max_tokens=100))
     core.step()
-    clock.now = 1.9
-    assert not core.step().failed
-    clock.now = 2.0
-    (failed,) = core.step().failed
-    assert (failed.request_id, failed.reason) == ("late", "request_timeout")
+    core.step()
+    core.abort("late")  # past its deadline (the pipeline's timer)
+    core.abort("late")  # and again, from its session: harmless
     assert "late" in runner.removed and "late" not in runner.running
+    assert list(core.reserved) == ["other"]
     steps = run_until_idle(core)
-    assert not any(t.request_id == "late" for step in steps for t in step.tokens)
+    assert all(t.request_id == "other" for step in steps for t in step.tokens)
+    assert core.reserved_bytes == 0
 
 
 def tokens_by_request(steps):
@@ -224,19 +212,18 @@ def test_rows_that_cannot_be_rebuilt_fail_with_a_reason_others_go_on():
     assert tokens_by_request(steps)["a"] == alone({"a": "first one"})["a"]
 
 
-def test_a_request_past_its_deadline_while_parked_for_a_replay_gets_its_504():
-    clock = Clock()
-    runner, core = core_with(clock=clock)
+def test_an_abort_while_parked_for_a_replay_forgets_the_request():
+    runner, core = core_with()
     for rid in ("a", "b", "c"):
-        core.submit(msgspec.structs.replace(req(rid, rid * 5, 50), deadline=5.0))
+        core.submit(req(rid, rid * 5, 50))
     core.submit(req("bad", "CRASH"))
     steps = [core.step()]  # the step fails: a, b, c are parked or on trial
     assert core.recovery.parked
-    clock.now = 5.0
+    for rid in ("a", "b", "c"):
+        core.abort(rid)  # past their deadline (the pipeline's timer)
     steps += run_until_idle(core)
     failed = {f.request_id: f.reason for step in steps for f in step.failed}
-    timeouts = {"a": "request_timeout", "b": "request_timeout", "c": "request_timeout"}
-    assert failed == {**timeouts, "bad": "internal_error"}
+    assert failed == {"bad": "internal_error"}
     assert core.idle and core.recovery.idle
 
 

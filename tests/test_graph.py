@@ -244,6 +244,21 @@ async def test_deadline_also_covers_waiting_in_the_queue():
         await blocker.close()
 
 
+async def test_queue_timeout_covers_waiting_for_memory_in_the_engine():
+    memory = fake_memory(budget_bytes=3100 * 1024)  # the blocker alone fits
+    settings = settings_with(admission={"max_running": 4, "queue_timeout_s": 0.3})
+    async with running_graph(settings, memory=memory) as (pipeline, runner):
+        runner.step_delay = 0.01
+        blocker = await pipeline.submit(chat("blocker", "q" * 3000, max_tokens=50))
+        patient = await collect(await pipeline.submit(chat("patient", "hi", max_tokens=50)))
+        failed = patient[-1]
+        assert isinstance(failed, Failed) and not any(isinstance(e, Started) for e in patient)
+        assert (failed.reason, failed.retry_after) == ("queue_timeout", 1)
+        assert pipeline.expired == 1
+        # the blocker started long before its queue timeout: it runs to its end
+        assert isinstance((await collect(blocker))[-1], Finished)
+
+
 async def test_allocation_failure_in_a_step_fails_its_requests_and_serving_goes_on():
     async with running_graph() as (pipeline, runner):
         runner.step_delay = 0.005

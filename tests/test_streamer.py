@@ -74,3 +74,19 @@ def test_logprob_pieces_follow_their_tokens():
     (delta,), _ = run(OutputSpec(), codes("hey"), logprobs=True)
     assert [p.token for p in delta.logprobs] == ["h", "e", "y"]
     assert delta.logprobs[0].top == (("h", (104,), -1.0), ("A", (65,), -2.0))
+
+
+def test_a_stop_string_ends_the_request_and_asks_for_its_abort_once():
+    boxes = Mailboxes()
+    box = boxes.register("r")
+    state = StreamState(SpecialTokenizer(), boxes)
+    spec = OutputSpec(stop=("cd",))  # stop strings come with the OutputSpec, in Started
+    state.on_step(EngineStep(started=(Started(request_id="r", prompt_tokens=3, output=spec),)))
+    step = TokenStep(request_id="r", tokens=tuple(codes("abcdef")))
+    assert state.on_step(EngineStep(tokens=(step,))) == ["r"]  # the streamer aborts it
+    assert box.engine_done  # so its session need not
+    *deltas, finished = box.take()[1:]
+    assert "".join(d.text for d in deltas) == "ab"
+    assert isinstance(finished, Finished) and finished.stop_string == "cd"
+    late = TokenStep(request_id="r", tokens=(ord("x"),), finish_reason="length")
+    assert state.on_step(EngineStep(tokens=(late,))) == [] and len(state) == 0

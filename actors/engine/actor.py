@@ -33,8 +33,7 @@ class EngineOptions:
 
     max_batch: int
     prefill_chunk_tokens: int
-    queue_timeout_s: float = 0.0
-    retry_after_s: float = 1.0
+    retry_after_s: float = 1.0  # a 503's Retry-After (an allocation failed in a step)
     release_after_idle_s: float = 2.0  # idle this long: give freed buffers back (a burst ended)
     publish: Publish | None = None  # called on the trio thread after every step
 
@@ -121,7 +120,6 @@ def _make_core(runner: Runner, info: ModelInfo, options: EngineOptions) -> Engin
         max_batch=options.max_batch,
         prefill_chunk_tokens=options.prefill_chunk_tokens,
         memory=info.memory,
-        queue_timeout_s=options.queue_timeout_s,
         retry_after_s=options.retry_after_s,
         vocab_size=info.vocab_size,
     )

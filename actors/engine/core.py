@@ -1,14 +1,13 @@
 """Engine core: the scheduling policy of the generation actor, as a plain class.
 
-Each ``step()`` first fails requests whose deadline has passed (a 504, wherever
-they are: waiting, prefilling or decoding; this holds even while their client
-reads nothing) and requests that waited too long for memory
-(``admission.queue_timeout_s``, a 503), then moves waiting requests into
-prefill while the batch has room and the memory budget allows (see
-``memory.py`` for why the memory gate is here), spends a prompt-token budget on
+Each ``step()`` moves waiting requests into prefill while the batch has room
+and the memory budget allows (see ``memory.py`` for why the memory gate is
+here), spends a prompt-token budget on
 prefill (oldest request first, chunked, so a long prompt never stalls running
 streams for more than one chunk), then runs one batched decode step, and
-returns one ``EngineStep`` carrying the news for every request.
+returns one ``EngineStep`` carrying the news for every request. Timeouts are
+not kept here: the pipeline's timer fails a request that waited too long or
+passed its deadline, and the engine honours the ``Abort`` that follows.
 
 Failures stay per request: options the model cannot run are refused before
 any MLX op sees them (``guards.check_sampling``, a 400); a runner error while
@@ -26,9 +25,7 @@ from __future__ import annotations
 import bisect
 import itertools
 import logging
-import time
 from collections import OrderedDict
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from actors.engine.guards import check_sampling
@@ -61,7 +58,6 @@ class _Waiting:
     priority: int
     seq: int
     request: TokenizedRequest = field(compare=False)
-    since: float = field(compare=False)
 
 
 class EngineCore:
@@ -74,19 +70,15 @@ class EngineCore:
         max_batch: int,
         prefill_chunk_tokens: int,
         memory: MemoryModel | None = None,
-        queue_timeout_s: float = 0.0,
         retry_after_s: float = 1.0,
         vocab_size: int | None = None,
-        clock: Callable[[], float] = time.monotonic,
     ):
         self.runner = runner
         self.vocab_size = vocab_size  # None: requests are not checked against a vocabulary
         self.max_batch = max_batch
         self.prefill_chunk_tokens = prefill_chunk_tokens
         self.memory = memory
-        self.queue_timeout_s = queue_timeout_s
         self.retry_after_s = retry_after_s
-        self.clock = clock
         self.waiting: list[_Waiting] = []  # kept sorted
         self.prefilling: OrderedDict[str, TokenizedRequest] = OrderedDict()
         self.decoding: dict[str, TokenizedRequest] = {}
@@ -103,9 +95,7 @@ class EngineCore:
 
     def submit(self, request: TokenizedRequest) -> None:
         # Equal priorities keep their arrival order (``seq``).
-        bisect.insort(
-            self.waiting, _Waiting(request.priority, next(self._seq), request, self.clock())
-        )
+        bisect.insort(self.waiting, _Waiting(request.priority, next(self._seq), request))
 
     def abort(self, request_id: str) -> None:
         self.waiting = [w for w in self.waiting if w.request.request_id != request_id]
@@ -118,9 +108,6 @@ class EngineCore:
     def step(self) -> EngineStep:
         started: list[Started] = []
         failed: list[Failed] = []
-        now = self.clock()
-        self._expire_deadlines(now, failed)
-        self._expire_waiting(now, failed)
         self._resume(failed)
         if not self.recovery.active:
             self._admit(started, failed)
@@ -147,44 +134,6 @@ class EngineCore:
         )
 
     # ---- waiting → prefill ----------------------------------------------------------
-
-    def _expire_deadlines(self, now: float, failed: list[Failed]) -> None:
-        """Requests past their deadline leave the engine with a 504 that says why."""
-        late = [w.request for w in self.waiting if w.request.deadline <= now]
-        held = (*self.prefilling.values(), *self.decoding.values(), *self.recovery.parked.values())
-        late += [r for r in held if r.deadline <= now]
-        for request in late:
-            self.abort(request.request_id)
-            failed.append(
-                Failed(
-                    request_id=request.request_id,
-                    reason="request_timeout",
-                    message=(
-                        "the request passed its deadline (admission.request_timeout_s); "
-                        "generation was stopped"
-                    ),
-                )
-            )
-
-    def _expire_waiting(self, now: float, failed: list[Failed]) -> None:
-        """Requests that waited for a place in the batch (memory, or ``engine.max_batch``)
-        longer than the queue timeout get a 503."""
-        if self.queue_timeout_s <= 0 or not self.waiting:
-            return
-        cutoff = now - self.queue_timeout_s
-        for entry in [w for w in self.waiting if w.since < cutoff]:
-            self.waiting.remove(entry)
-            failed.append(
-                Failed(
-                    request_id=entry.request.request_id,
-                    reason="queue_timeout",
-                    message=(
-                        f"waited over {self.queue_timeout_s:g}s for memory or a batch slot "
-                        "(admission.queue_timeout_s); retry later"
-                    ),
-                    retry_after=self.retry_after_s,
-                )
-            )
 
     def _admit(self, started: list[Started], failed: list[Failed]) -> None:
         """Move waiting requests into prefill while the batch and the memory budget have room."""

@@ -16,7 +16,6 @@ from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass, field
 
 import msgspec
-import trio
 from quart import Response
 
 from actors.mailbox import Bell
@@ -342,9 +341,7 @@ async def _events(sessions: list[Session], bell: Bell) -> AsyncIterator[list[Cho
             if batch:
                 yield batch
             else:
-                deadline = min(s.deadline for i, s in enumerate(sessions) if i not in done)
-                with trio.move_on_at(deadline):  # a passed deadline is an event too
-                    await bell.wait()
+                await bell.wait()  # timeouts arrive as events (the pipeline's timer)
     finally:
         for session in sessions:
             await session.close()
