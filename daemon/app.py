@@ -16,8 +16,6 @@ may send cross-origin without asking, is never parsed).
 
 from __future__ import annotations
 
-import dataclasses
-
 import msgspec
 import trio
 from prometheus_client import CONTENT_TYPE_LATEST
@@ -124,8 +122,8 @@ def _install_engine_routes(app: QuartTrio, pipeline: Pipeline, ready) -> None:
     @app.get("/v1/cache")
     async def cache_stats() -> Response:
         ready()
-        stats = pipeline.info.cache_stats
-        body = {"enabled": stats is not None, **(dataclasses.asdict(stats) if stats else {})}
+        stats = pipeline.engine_stats.counters.prefix_cache
+        body = {"enabled": stats is not None, **(msgspec.structs.asdict(stats) if stats else {})}
         return json_response(body)
 
     @app.delete("/v1/cache")
@@ -137,12 +135,8 @@ def _install_engine_routes(app: QuartTrio, pipeline: Pipeline, ready) -> None:
     @app.get("/v1/speculative")
     async def speculative_stats() -> Response:
         ready()
-        stats = pipeline.info.spec_stats
-        body: dict = {"enabled": False}
-        if stats is not None:
-            body = dataclasses.asdict(stats)
-            body["enabled"] = stats.enabled
-            body["acceptance_rate"] = stats.acceptance_rate
+        stats = pipeline.engine_stats.counters.speculative
+        body = msgspec.to_builtins(stats) if stats is not None else {"enabled": False}
         return json_response(body)
 
 
@@ -153,7 +147,8 @@ def _install_observability(app: QuartTrio, pipeline: Pipeline, settings: Setting
 
     @app.get("/v1/status")
     async def server_status() -> Response:
-        return json_response(status_snapshot(pipeline, settings, trio.current_time()))
+        live, now = pipeline.live(), trio.current_time()
+        return json_response(status_snapshot(live, pipeline.telemetry, settings, now))
 
 
 _OPEN_PATHS = frozenset({"/health"})

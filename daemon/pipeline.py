@@ -34,7 +34,8 @@ from actors.admission import AdmissionPolicy
 from actors.engine.types import ModelInfo
 from actors.mailbox import Bell, Mailbox, Mailboxes
 from actors.tokenizer import bad_input
-from daemon.telemetry import RequestTrace, Telemetry
+from daemon.telemetry import Live, RequestTrace, Telemetry
+from protocol import status as wire
 from protocol.messages import (
     Abort,
     AdmissionInbox,
@@ -215,7 +216,42 @@ class Pipeline:
 
     def __post_init__(self) -> None:
         self._timer = Bell()
-        self.telemetry.watch(self)
+        self.telemetry.watch(self.live)
+
+    def live(self) -> Live:
+        """What the telemetry reads: the engine's snapshot, admission counts, open requests."""
+        queued = self.policy.waiting if self.policy else {}
+        requests = [(s.trace, rid in queued) for rid, s in self.sessions.items()]
+        info, memory = self.info, self.info.memory if self.info else None
+        model = None
+        if info is not None:
+            model = wire.ModelStatus(
+                id=info.model_id, backend=info.backend, context_length=info.context_length
+            )
+        return Live(
+            state=self.state.value,
+            engine=self.engine_stats,
+            admission=self._admission(),
+            requests=requests,
+            model=model,
+            kv_bytes_per_token=memory.kv_bytes_per_token if memory else 0,
+            state_bytes=memory.state_bytes if memory else 0,
+        )
+
+    def _admission(self) -> wire.AdmissionStatus:
+        p = self.policy
+        if p is None:
+            return wire.AdmissionStatus(
+                running=0, waiting=0, max_running=0, max_waiting=0, rejected=0, expired=0
+            )
+        return wire.AdmissionStatus(
+            running=len(p.running),
+            waiting=len(p.waiting),
+            max_running=p.max_running,
+            max_waiting=p.max_waiting,
+            rejected=p.rejected,
+            expired=self.expired,
+        )
 
     def publish(self, stats: EngineStats) -> None:
         """The engine's snapshot after each step (called on the trio thread)."""

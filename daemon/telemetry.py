@@ -3,8 +3,11 @@
 Nothing here runs on the hot path (the engine step and the SSE loop):
 
 - the engine publishes an ``EngineStats`` snapshot after each step (one
-  attribute write on the trio thread); gauges read it, the admission policy and
-  the open sessions only when ``/metrics`` is scraped;
+  attribute write on the trio thread), with copies of the prefix-cache,
+  speculation and SpecPrefill counters taken on the engine thread; when
+  ``/metrics`` or ``/v1/status`` is read, the pipeline hands over a ``Live``
+  view (that snapshot, the admission counts, the open requests' traces) and
+  nothing here reads an actor's or the runner's live objects;
 - each session keeps a ``RequestTrace`` (a few timestamps and counts) and hands
   it here once, when it closes: histograms, counters and the log line are
   written then.
@@ -19,9 +22,9 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import msgspec
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
@@ -30,10 +33,19 @@ from prometheus_client.registry import Collector
 
 from daemon.api.errors import STATUS, code_of
 from protocol import status as wire
-from protocol.messages import Failed, Finished, MailboxEvent, Started, TextDelta
+from protocol.messages import (
+    EngineStats,
+    Failed,
+    Finished,
+    MailboxEvent,
+    PrefixCacheCounters,
+    SpecPrefillCounters,
+    SpeculativeCounters,
+    Started,
+    TextDelta,
+)
 
 if TYPE_CHECKING:
-    from daemon.pipeline import Pipeline
     from daemon.settings import Settings
 
 request_log = logging.getLogger("mlxd.requests")
@@ -111,6 +123,19 @@ class RequestTrace:
         )
 
 
+@dataclass(frozen=True)
+class Live:
+    """The server now, as the pipeline reports it when metrics or the status are read."""
+
+    state: str  # loading, ready or draining
+    engine: EngineStats  # the engine's last published snapshot
+    admission: wire.AdmissionStatus
+    requests: list[tuple[RequestTrace, bool]]  # open requests; True: in the admission queue
+    model: wire.ModelStatus | None = None  # None while loading
+    kv_bytes_per_token: int = 0  # the memory model's estimates (0: no memory gate)
+    state_bytes: int = 0
+
+
 class Telemetry:
     """The metrics of one app, and what a closing session reports to them."""
 
@@ -160,9 +185,9 @@ class Telemetry:
         self.prompt_total = self.cached_total = 0
         self.started = time.monotonic()
 
-    def watch(self, pipeline: Pipeline) -> None:
-        """Read the pipeline's live state (gauges) whenever the registry is collected."""
-        self.registry.register(_LiveCollector(pipeline, self))
+    def watch(self, live: Callable[[], Live]) -> None:
+        """Read ``live()`` (gauges) whenever the registry is collected."""
+        self.registry.register(_LiveCollector(live, self))
 
     def request_done(self, trace: RequestTrace) -> None:
         self.requests.labels(str(trace.status), trace.finish_reason or "").inc()
@@ -206,19 +231,15 @@ def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
 class _LiveCollector(Collector):
     """Gauges (and engine counters) read from the live state at scrape time."""
 
-    def __init__(self, pipeline: Pipeline, telemetry: Telemetry):
-        self.pipeline, self.telemetry = pipeline, telemetry
+    def __init__(self, live: Callable[[], Live], telemetry: Telemetry):
+        self.live, self.telemetry = live, telemetry
 
     def collect(self) -> Iterator[Metric]:
-        p, s = self.pipeline, self.pipeline.engine_stats
-        policy = p.policy
+        live = self.live()
+        s = live.engine
+        yield _gauge("mlxd_requests_running", "Requests past admission", live.admission.running)
         yield _gauge(
-            "mlxd_requests_running", "Requests past admission", len(policy.running) if policy else 0
-        )
-        yield _gauge(
-            "mlxd_requests_waiting",
-            "Requests in the admission queue",
-            len(policy.waiting) if policy else 0,
+            "mlxd_requests_waiting", "Requests in the admission queue", live.admission.waiting
         )
         engine = GaugeMetricFamily(
             "mlxd_engine_requests", "Requests in the engine", labels=["state"]
@@ -251,15 +272,13 @@ class _LiveCollector(Collector):
         yield _gauge(
             "mlxd_cache_hit_rate", "Cached ÷ prompt tokens, since start", self.telemetry.hit_rate
         )
-        yield from _spec_metrics(p.info.spec_stats if p.info else None)
+        yield from _spec_metrics(s.counters.speculative)
         yield _gauge(
-            "mlxd_ready",
-            "1 when serving, 0 when loading or draining",
-            1 if p.state.value == "ready" else 0,
+            "mlxd_ready", "1 when serving, 0 when loading or draining", float(live.state == "ready")
         )
 
 
-def _spec_metrics(stats: Any) -> Iterator[Metric]:
+def _spec_metrics(stats: SpeculativeCounters | None) -> Iterator[Metric]:
     """Per-drafter speculation counters (nothing when speculation is not configured)."""
     if stats is None:
         return
@@ -284,8 +303,8 @@ def _spec_metrics(stats: Any) -> Iterator[Metric]:
     yield rate
 
 
-def spec_status(stats: Any) -> list[wire.SpeculativeStatus]:
-    """``SpecStats`` (read off the engine thread: plain ints) as ``/v1/status`` rows."""
+def spec_status(stats: SpeculativeCounters | None) -> list[wire.SpeculativeStatus]:
+    """The engine's speculation counters as ``/v1/status`` rows."""
     if stats is None:
         return []
     return [
@@ -305,7 +324,7 @@ def spec_status(stats: Any) -> list[wire.SpeculativeStatus]:
     ]
 
 
-def _spec_prefill(stats: Any) -> wire.SpecPrefillStatus | None:
+def _spec_prefill(stats: SpecPrefillCounters | None) -> wire.SpecPrefillStatus | None:
     if stats is None:
         return None
     return wire.SpecPrefillStatus(
@@ -321,38 +340,36 @@ def _spec_prefill(stats: Any) -> wire.SpecPrefillStatus | None:
 # ---- /v1/status ---------------------------------------------------------------------------
 
 
-def status_snapshot(pipeline: Pipeline, settings: Settings, now: float) -> wire.Status:
+def status_snapshot(live: Live, t: Telemetry, settings: Settings, now: float) -> wire.Status:
     """A snapshot of the server for ``/v1/status``; ``now`` on the sessions' (trio) clock."""
-    s, t = pipeline.engine_stats, pipeline.telemetry
+    s = live.engine
     running, waiting = [], []
-    queued = pipeline.policy.waiting if pipeline.policy else {}
-    for session in pipeline.sessions.values():
-        row = _request_row(session.trace, "queued" if session.request_id in queued else None, now)
+    for trace, queued in live.requests:
+        row = _request_row(trace, "queued" if queued else None, now)
         (running if row.state == "running" else waiting).append(row)
-    memory = pipeline.info.memory if pipeline.info else None
     return wire.Status(
-        state=pipeline.state.value,
+        state=live.state,
         uptime_s=round(time.monotonic() - t.started, 3),
-        model=_model(pipeline),
+        model=live.model,
         requests=wire.RequestsStatus(running=running, waiting=waiting),
-        admission=_admission(pipeline),
+        admission=live.admission,
         engine=s,
         memory=wire.MemoryStatus(
             active_bytes=s.memory_active,
             peak_bytes=s.memory_peak,
             kv_reserved_bytes=s.kv_reserved,
             kv_budget_bytes=s.kv_budget,
-            kv_bytes_per_token=memory.kv_bytes_per_token if memory else 0,
-            state_bytes_per_request=memory.state_bytes if memory else 0,
+            kv_bytes_per_token=live.kv_bytes_per_token,
+            state_bytes_per_request=live.state_bytes,
         ),
-        cache=_cache(t, pipeline.info.cache_stats if pipeline.info else None),
-        speculative=spec_status(pipeline.info.spec_stats if pipeline.info else None),
-        spec_prefill=_spec_prefill(pipeline.info.spec_prefill_stats if pipeline.info else None),
+        cache=_cache(t, s.counters.prefix_cache),
+        speculative=spec_status(s.counters.speculative),
+        spec_prefill=_spec_prefill(s.counters.spec_prefill),
         settings=settings_summary(settings),
     )
 
 
-def _cache(t: Telemetry, prefix: Any) -> wire.CacheStatus:
+def _cache(t: Telemetry, prefix: PrefixCacheCounters | None) -> wire.CacheStatus:
     counters = {}
     if prefix is not None:
         counters = {k: getattr(prefix, k) for k in ("hits", "misses", "evictions", "entries")}
@@ -370,31 +387,6 @@ def _request_row(trace: RequestTrace, state: str | None, now: float) -> wire.Req
         prompt_tokens=trace.prompt_tokens,
         cached_tokens=trace.cached_tokens,
         generated_tokens=trace.completion_tokens,
-    )
-
-
-def _model(pipeline: Pipeline) -> wire.ModelStatus | None:
-    info = pipeline.info
-    if info is None:
-        return None
-    return wire.ModelStatus(
-        id=info.model_id, backend=info.backend, context_length=info.context_length
-    )
-
-
-def _admission(pipeline: Pipeline) -> wire.AdmissionStatus:
-    policy = pipeline.policy
-    if policy is None:
-        return wire.AdmissionStatus(
-            running=0, waiting=0, max_running=0, max_waiting=0, rejected=0, expired=0
-        )
-    return wire.AdmissionStatus(
-        running=len(policy.running),
-        waiting=len(policy.waiting),
-        max_running=policy.max_running,
-        max_waiting=policy.max_waiting,
-        rejected=policy.rejected,
-        expired=pipeline.expired,
     )
 
 

@@ -315,13 +315,62 @@ class EngineStep(msgspec.Struct, frozen=True, kw_only=True):
     failed: tuple[Failed, ...] = ()
 
 
+class PrefixCacheCounters(msgspec.Struct, frozen=True, kw_only=True):
+    """The prefix cache's counters: lookups, tokens served, snapshots held and evicted."""
+
+    hits: int = 0
+    misses: int = 0
+    cached_tokens: int = 0  # prompt tokens served from the cache, summed over hits
+    evictions: int = 0
+    entries: int = 0
+    bytes: int = 0
+    max_bytes: int = 0
+
+
+class SpeculativeCounters(msgspec.Struct, frozen=True, kw_only=True):
+    """One drafter's counters; ``notes`` say where speculation is off (``off: ...``)."""
+
+    drafter: str = ""
+    enabled: bool = False
+    num_draft_tokens: int = 0
+    max_batch: int = 0
+    steps: int = 0  # speculative steps (one verify pass each)
+    plain_steps: int = 0  # steps decoded without drafts (batch above max_batch)
+    drafted: int = 0
+    accepted: int = 0
+    emitted: int = 0  # tokens emitted by speculative steps (accepted + bonus)
+    acceptance_rate: float = 0.0
+    notes: tuple[str, ...] = ()
+
+
+class SpecPrefillCounters(msgspec.Struct, frozen=True, kw_only=True):
+    """SpecPrefill's counters: requests sparse-prefilled and the prompt tokens it skipped."""
+
+    scorer: str = ""
+    enabled: bool = False
+    requests: int = 0
+    suffix_tokens: int = 0
+    skipped_tokens: int = 0
+    notes: tuple[str, ...] = ()
+
+
+class RunnerCounters(msgspec.Struct, frozen=True, kw_only=True):
+    """Copies of the runner's feature counters (None: the feature is not configured)."""
+
+    prefix_cache: PrefixCacheCounters | None = None
+    speculative: SpeculativeCounters | None = None
+    spec_prefill: SpecPrefillCounters | None = None
+
+
 class EngineStats(msgspec.Struct, frozen=True, kw_only=True):
     """The engine's state after a step, published for /metrics and /v1/status.
 
     ``batch_size`` is the last decode step's; ``batch_tokens_total`` over
-    ``decode_steps`` is the mean. Memory figures are bytes: ``memory_active`` / ``memory_peak`` as MLX reports
-    them, ``kv_reserved`` the estimates of the sequences the engine holds,
-    ``kv_budget`` what they may add up to (0: no memory gate).
+    ``decode_steps`` is the mean. Memory figures are bytes: ``memory_active`` /
+    ``memory_peak`` as MLX reports them, ``kv_reserved`` the estimates of the
+    sequences the engine holds, ``kv_budget`` what they may add up to (0: no memory
+    gate). ``counters`` are copies taken on the engine thread: nothing outside it
+    reads the runner's live objects.
     """
 
     steps: int = 0
@@ -336,6 +385,7 @@ class EngineStats(msgspec.Struct, frozen=True, kw_only=True):
     kv_reserved: int = 0
     kv_budget: int = 0
     failed_steps: int = 0
+    counters: RunnerCounters = RunnerCounters()
 
 
 # ---- mailbox events (detokenizer → HTTP handler) ------------------------------------

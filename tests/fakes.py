@@ -8,7 +8,7 @@ from pathlib import Path
 
 from actors.engine.memory import AttentionLayer, MemoryModel
 from actors.engine.types import Decoded, ModelInfo
-from protocol.messages import TokenizedRequest, TokenLogprob
+from protocol.messages import RunnerCounters, SpeculativeCounters, TokenizedRequest, TokenLogprob
 
 EOS = 0
 
@@ -82,6 +82,7 @@ class FakeRunner:
     replies: dict[str, tuple[tuple[int, ...], list[int]]] = field(default_factory=dict)
     bytes_per_token: int = 1024  # the fake's "device memory" per token held
     peak: int = 0
+    speculative: SpeculativeCounters | None = None  # what counters() reports for a drafter
 
     @property
     def decoding(self) -> int:
@@ -167,6 +168,9 @@ class FakeRunner:
         held = [*self.prefilling.values(), *self.running.values()]
         active = sum(len(s.request.prompt_tokens) + s.emitted for s in held) * self.bytes_per_token
         return active, max(self.peak, active)
+
+    def counters(self) -> RunnerCounters:
+        return RunnerCounters(speculative=self.speculative)
 
 
 def fake_memory(budget_bytes: int, bytes_per_token: int = 1024, step: int = 1) -> MemoryModel:

@@ -30,9 +30,6 @@ VARIANTS = frozenset(
         "actors.engine.mtp",
     }
 )
-# Circles being taken apart elsewhere: issue 12 item 4 makes telemetry read a typed
-# snapshot of the pipeline instead of importing it (for its type) back.
-KNOWN_CIRCLES = [{"daemon.pipeline", "daemon.telemetry"}]
 # Tests and benchmarks build a variant directly, to check or time it against the plain runner.
 SERVED = ("daemon", "actors", "protocol")
 
@@ -183,7 +180,7 @@ def test_the_graph_sees_every_kind_of_import():
 
 
 def test_no_module_imports_one_that_imports_it_back():
-    loops = [loop for loop in cycles(graph()) if set(loop) not in KNOWN_CIRCLES]
+    loops = cycles(graph())
     assert not loops, "import circles: " + "; ".join(" -> ".join(loop) for loop in loops)
 
 

@@ -250,6 +250,8 @@ async def test_queue_timeout_covers_waiting_for_memory_in_the_engine():
     async with running_graph(settings, memory=memory) as (pipeline, runner):
         runner.step_delay = 0.01
         blocker = await pipeline.submit(chat("blocker", "q" * 3000, max_tokens=50))
+        while not blocker.mailbox.began:  # in the engine first, holding the memory
+            await trio.sleep(0.005)
         patient = await collect(await pipeline.submit(chat("patient", "hi", max_tokens=50)))
         failed = patient[-1]
         assert isinstance(failed, Failed) and not any(isinstance(e, Started) for e in patient)

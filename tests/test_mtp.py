@@ -152,7 +152,7 @@ def test_load_runner_picks_the_drafter(tiny_models):
         runner, info = load_runner(
             str(model), model, dequantize_on_cpu=True, max_batch=4, speculative=settings
         )
-        return info.spec_stats
+        return runner.spec_stats
 
     assert spec(tiny_models("qwen3_5_mtp")).drafter == "mtp"
     assert spec(tiny_models("qwen3_5_mtp"), drafter="draft_model").drafter.endswith("(self)")
@@ -205,7 +205,7 @@ def test_vision_model_text_requests_speculate_with_mtp_images_decode_plainly(tin
 
     model_dir = tiny_models("qwen3_5_vl_mtp")
     plain, info = load(model_dir)
-    runner, spec_info = load_runner(
+    runner, _ = load_runner(
         str(model_dir),
         model_dir,
         dequantize_on_cpu=True,
@@ -227,13 +227,13 @@ def test_vision_model_text_requests_speculate_with_mtp_images_decode_plainly(tin
     got, failed = drive(runner, schedule, prefill_chunk_tokens=8)
     assert not failed
     assert got == expected
-    stats = spec_info.spec_stats
-    assert stats is runner.spec_stats and stats.drafter == "mtp" and stats.enabled
+    stats = runner.spec_stats
+    assert stats is not None and stats.drafter == "mtp" and stats.enabled
     # Only the four text requests drafted: k per request per speculative step, at most.
     assert 0 < stats.drafted <= 3 * 4 * stats.steps
     assert (runner.decoding, runner.prefilling_count, runner.cache_bytes) == (0, 0, 0)
     # A draft model cannot draft for a vision model (yet): off, and the status says why.
-    _, off = load_runner(
+    off, _ = load_runner(
         str(model_dir),
         model_dir,
         dequantize_on_cpu=True,

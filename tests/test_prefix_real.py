@@ -84,7 +84,7 @@ async def test_cache_hits_give_the_same_greedy_output(tmp_path_factory):
             results[enabled] = await scenario(p)
             assert runner.cache_bytes == 0  # nothing pinned by finished requests
             if enabled:
-                stats = p.info.cache_stats
+                stats = p.engine_stats.counters.prefix_cache
                 assert 0 < stats.bytes <= stats.max_bytes
                 assert stats.hits >= 6
     off, on = results[False], results[True]

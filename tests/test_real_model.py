@@ -61,8 +61,9 @@ async def test_paris(settings):
     assert pipeline.engine_stats.kv_reserved == 0
     # Back to idle plus what the prefix cache deliberately keeps (within its budget),
     # give or take the last step's vocabulary-sized arrays mlx-lm keeps.
-    kept = pipeline.info.cache_stats.bytes
-    assert kept <= pipeline.info.cache_stats.max_bytes
+    cache = pipeline.engine_stats.counters.prefix_cache
+    kept = cache.bytes
+    assert kept <= cache.max_bytes
     assert abs(pipeline.engine_stats.memory_active - idle - kept) < 4 << 20
 
 

@@ -222,29 +222,27 @@ def test_requests_opted_out_decode_without_drafts(tiny_models):
 
 
 async def test_status_and_metrics_report_acceptance_per_drafter():
-    """``/v1/status`` and ``/metrics`` read the drafter's live counters; the wire field
-    ``"speculative": false`` reaches the engine as ``SamplingParams.speculative``."""
-    import dataclasses
+    """``/v1/status`` and ``/metrics`` read the drafter's counters from the engine's
+    published snapshot; the wire field ``"speculative": false`` reaches the engine as
+    ``SamplingParams.speculative``."""
     import json
 
-    from actors.engine.speculative import SpecStats
     from daemon.api.common import Validator
     from daemon.api.openai import sampling_from
     from daemon.app import create_app
     from daemon.settings import load_settings
     from protocol import openai
+    from protocol.messages import SpeculativeCounters
     from tests.conftest import metric, running_graph
-    from tests.fakes import FakeRunner, fake_factory
+    from tests.fakes import FakeRunner
 
-    stats = SpecStats(drafter="tiny", num_draft_tokens=3, drafted=10, accepted=7, steps=4)
-    make = fake_factory(FakeRunner())
-
-    def factory():
-        runner, info = make()
-        return runner, dataclasses.replace(info, spec_stats=stats)
-
+    # what a runner with a drafter copies into each published EngineStats
+    stats = SpeculativeCounters(
+        drafter="tiny", enabled=True, num_draft_tokens=3, drafted=10, accepted=7, steps=4
+    )
+    stats = msgspec.structs.replace(stats, acceptance_rate=0.7)
     settings = load_settings()
-    async with running_graph(settings, factory=factory) as (pipeline, _):
+    async with running_graph(settings, FakeRunner(speculative=stats)) as (pipeline, _):
         c = create_app(pipeline, settings).test_client()
         status = json.loads(await (await c.get("/v1/status")).get_data())
         text = (await (await c.get("/metrics")).get_data()).decode()
@@ -264,10 +262,20 @@ def test_grammar_and_logprobs_are_a_400_while_speculating():
     from types import SimpleNamespace
 
     from daemon.api.common import ApiError, _check_speculation
-    from protocol.messages import CompletionRequest, Constraint, SamplingParams
+    from protocol.messages import (
+        CompletionRequest,
+        Constraint,
+        EngineStats,
+        RunnerCounters,
+        SamplingParams,
+        SpeculativeCounters,
+    )
 
     def pipeline(enabled):
-        return SimpleNamespace(info=SimpleNamespace(spec_stats=SimpleNamespace(enabled=enabled)))
+        spec = RunnerCounters(speculative=SpeculativeCounters(enabled=enabled))
+        return SimpleNamespace(
+            info=SimpleNamespace(kind="text"), engine_stats=EngineStats(counters=spec)
+        )
 
     plain = CompletionRequest(request_id="p", prompt="x", sampling=SamplingParams())
     schema = msgspec.structs.replace(

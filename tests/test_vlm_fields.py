@@ -329,6 +329,7 @@ def test_structured_output_with_vision_mtp_speculation_on(tiny_models):
     from actors.engine.vlm_mtp import VlmMtpRunner
     from daemon.api.common import _check_speculation
     from daemon.settings import SpeculativeSettings
+    from protocol.messages import EngineStats
     from tests.engine_driver import drive
 
     model_dir = tiny_models("qwen3_5_vl_mtp")
@@ -339,9 +340,10 @@ def test_structured_output_with_vision_mtp_speculation_on(tiny_models):
         max_batch=4,
         speculative=SpeculativeSettings(enabled=True),
     )
-    assert isinstance(runner, VlmMtpRunner) and info.spec_stats.enabled
+    assert isinstance(runner, VlmMtpRunner) and runner.spec_stats.enabled
     request = chat(max_tokens=30, constraint=Constraint(kind="json_schema", schema=SCHEMA))
-    _check_speculation(SimpleNamespace(info=info), [request])  # no ApiError
+    snapshot = EngineStats(counters=runner.counters())
+    _check_speculation(SimpleNamespace(info=info, engine_stats=snapshot), [request])  # no ApiError
     vlm = (runner, info, GrammarCompiler(info.tokenizer))
     tokens, failed = drive(runner, {0: [builder(vlm).build(request)]})
     assert not failed

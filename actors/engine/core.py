@@ -131,6 +131,7 @@ class EngineCore:
             kv_reserved=self.reserved_bytes,
             kv_budget=self.memory.budget_bytes if self.memory else 0,
             failed_steps=self._failed_steps,
+            counters=self.runner.counters(),
         )
 
     # ---- waiting → prefill ----------------------------------------------------------

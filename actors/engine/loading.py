@@ -218,13 +218,11 @@ def _load_vision(
     speculative = extras["speculative"]
     if _enabled(speculative):
         runner, stats = _vision_speculation(runner, model_dir, speculative, dequantize_on_cpu)
-        info = dataclasses.replace(info, spec_stats=stats)
+        runner.spec_stats = stats
     info = dataclasses.replace(info, memory=memory_model(runner, extras["memory"]))
     if _enabled(extras["spec_prefill"]):
         log.warning("SpecPrefill is not implemented for vision models: off")
-        info = dataclasses.replace(
-            info, spec_prefill_stats=_prefill_off("vision models prefill in full")
-        )
+        runner.spec_prefill_stats = _prefill_off("vision models prefill in full")
     return runner, info
 
 
@@ -333,10 +331,6 @@ def load_runner(
         )
     else:
         runner = MlxRunner(model, stops, max_batch, prefix_cache=cache, spec_prefill=on)
-    return runner, dataclasses.replace(
-        info,
-        cache_stats=cache.stats if cache else None,
-        spec_stats=getattr(runner, "spec_stats", off),
-        spec_prefill_stats=sparse.stats if sparse is not None else None,
-        memory=memory_model(runner, memory),
-    )
+    runner.spec_stats = runner.spec_stats or off
+    runner.spec_prefill_stats = sparse.stats if sparse is not None else None
+    return runner, dataclasses.replace(info, memory=memory_model(runner, memory))

@@ -21,10 +21,11 @@ import functools
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import mlx.core as mx
 import mlx.nn as nn
+import msgspec
 from mlx.utils import tree_flatten
 from mlx_lm.generate import BatchGenerator
 from mlx_lm.models.cache import make_prompt_cache
@@ -42,12 +43,21 @@ from actors.engine.guards import RowGuard, bias_processor
 from actors.engine.logits import GrammarProcessor, token_logprobs
 from actors.engine.memory import AttentionLayer, Layer, StateLayer
 from actors.engine.prefix_cache import PrefixCache
-from actors.engine.spec_prefill import SpecPrefill, positioned, set_position
+from actors.engine.spec_prefill import SpecPrefill, SpecPrefillStats, positioned, set_position
+from actors.engine.speculative import SpecStats
 from actors.engine.types import Decoded
 from actors.grammar import CompiledGrammar
-from protocol.messages import SamplingParams, TokenizedRequest
+from protocol.messages import (
+    PrefixCacheCounters,
+    RunnerCounters,
+    SamplingParams,
+    SpecPrefillCounters,
+    SpeculativeCounters,
+    TokenizedRequest,
+)
 
 log = logging.getLogger("mlxd.runner")
+_T = TypeVar("_T")
 
 # Penalties look back over the whole sequence, as the OpenAI API defines them.
 _PENALTY_CONTEXT = 1 << 20
@@ -118,6 +128,11 @@ class Pending:
 class MlxRunner:
     """Per-request chunked prefill, then continuous batched decode in mlx-lm."""
 
+    # Live counters, updated on this thread: the speculative variants set ``spec_stats``,
+    # and ``loading`` sets them where a configured feature is off (their notes say why).
+    spec_stats: SpecStats | None = None
+    spec_prefill_stats: SpecPrefillStats | None = None
+
     def __init__(
         self,
         model: nn.Module,
@@ -132,6 +147,8 @@ class MlxRunner:
         self.model = model
         self.prefix_cache = prefix_cache
         self.spec_prefill = spec_prefill  # None: off
+        if spec_prefill is not None:
+            self.spec_prefill_stats = spec_prefill.stats
         self._sparse: set[str] = set()  # requests sparse-prefilled: never remembered
         self._make_cache = make_cache or (lambda: make_prompt_cache(model))
         cache = self._make_cache()
@@ -160,6 +177,15 @@ class MlxRunner:
     @property
     def decoding(self) -> int:
         return len(self._rid_to_uid)
+
+    def counters(self) -> RunnerCounters:
+        """Copies of the live counters, for the engine's published ``EngineStats``."""
+        cache = self.prefix_cache.stats if self.prefix_cache is not None else None
+        return RunnerCounters(
+            prefix_cache=_copy(cache, PrefixCacheCounters),
+            speculative=_copy(self.spec_stats, SpeculativeCounters),
+            spec_prefill=_copy(self.spec_prefill_stats, SpecPrefillCounters),
+        )
 
     @property
     def prefilling_count(self) -> int:
@@ -393,6 +419,10 @@ def _leaf_caches(caches) -> list[Any]:
     for c in caches:
         out.extend(_leaf_caches(c.caches) if hasattr(c, "caches") else [c])
     return out
+
+
+def _copy(live: object | None, kind: type[_T]) -> _T | None:
+    return None if live is None else msgspec.convert(live, kind, from_attributes=True)
 
 
 def _layer_of(cache: Any) -> Layer:

@@ -199,5 +199,5 @@ def make_speculative_runner(
         runner = MlxRunner(
             model, stop_tokens, max_batch, prefix_cache=prefix_cache, spec_prefill=spec_prefill
         )
-        runner.spec_stats = SpecStats(drafter=drafter, notes=[f"off: {exc}"])  # type: ignore[attr-defined]
+        runner.spec_stats = SpecStats(drafter=drafter, notes=[f"off: {exc}"])
         return runner

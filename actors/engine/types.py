@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from actors.engine.memory import MemoryModel
-from protocol.messages import FinishReason, TokenizedRequest, TokenLogprob
+from protocol.messages import FinishReason, RunnerCounters, TokenizedRequest, TokenLogprob
 
 
 class InvalidRequest(ValueError):
@@ -52,6 +52,10 @@ class Runner(Protocol):
         """(active, peak) bytes of device memory, as the backend reports them."""
         ...
 
+    def counters(self) -> RunnerCounters:
+        """Copies of the prefix-cache, speculation and SpecPrefill counters (this thread's)."""
+        ...
+
     def release_buffers(self) -> None:
         """Called when the engine goes idle: return cached free buffers to the system."""
 
@@ -69,9 +73,6 @@ class ModelInfo:
     vocab_size: int
     tokenizer: Any  # HF tokenizer (wrapped by mlx-lm); thread-safe for encode/decode
     backend: str
-    cache_stats: Any = None  # the prefix cache's live CacheStats, read-only outside the engine
-    spec_stats: Any = None  # speculative decoding's live SpecStats (None: not enabled)
-    spec_prefill_stats: Any = None  # SpecPrefill's live SpecPrefillStats (None: not enabled)
     kind: str = "text"  # "text" or "vision"
     # A vision model's processor (chat template, image preprocessing, image-token
     # expansion); the tokenizer actor's worker threads use it. None for text models.

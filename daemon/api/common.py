@@ -352,7 +352,7 @@ def _check_speculation(pipeline: Pipeline, requests: list[AdmittedRequest]) -> N
 
     A vision model's MTP runner decodes such requests in its plain lane: no refusal there.
     """
-    spec = pipeline.info.spec_stats if pipeline.info else None
+    spec = pipeline.engine_stats.counters.speculative
     if spec is None or not spec.enabled or getattr(pipeline.info, "kind", None) == "vision":
         return
     for r in requests:
