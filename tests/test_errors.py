@@ -52,3 +52,19 @@ def test_a_failed_request_keeps_its_reason(reason):
 def test_generic_reasons_have_no_code():
     assert code_of("invalid_request") is None and code_of("not_found") is None
     assert code_of("queue_full") == "queue_full"
+
+
+async def test_each_api_answers_its_own_routes_errors_and_unrouted_ones_are_openai():
+    from tests.test_http import client
+
+    async with client() as (c, _, _):
+        unsupported = await c.post("/v1/messages", data=b"{}", headers={"Content-Type": "text/x"})
+        anthropic_415 = json.loads(await unsupported.get_data())
+        method = await c.get("/v1/messages")  # no route serves GET: the default format
+        unrouted = json.loads(await method.get_data())
+        missing = json.loads(await (await c.get("/v1/messages/nope")).get_data())
+    assert unsupported.status_code == 415 and anthropic_415["type"] == "error"
+    assert anthropic_415["error"]["type"] == "invalid_request_error"
+    assert method.status_code == 405
+    assert unrouted["error"]["type"] == "invalid_request_error"
+    assert missing["error"]["type"] == "not_found_error" and missing["error"]["code"] is None
