@@ -32,23 +32,13 @@ class VisionError(ValueError):
 
 @dataclass(frozen=True)
 class ImageLimits:
-    """The ``[vision]`` settings that bound one request's images."""
+    """What bounds one request's images (the supervisor maps ``[vision]`` onto it)."""
 
     max_images: int
     max_image_bytes: int
     max_image_pixels: int
     allow_remote_urls: bool
     remote_timeout_s: float
-
-    @classmethod
-    def from_settings(cls, s: Any) -> ImageLimits:
-        return cls(
-            s.max_images,
-            s.max_image_bytes,
-            s.max_image_pixels,
-            s.allow_remote_urls,
-            s.remote_timeout_s,
-        )
 
 
 # ---- content parts ---------------------------------------------------------------------

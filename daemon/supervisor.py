@@ -17,14 +17,16 @@ and those still open then end with a 503 error (an error event in a stream).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import signal
 import socket
 from dataclasses import dataclass
 from pathlib import Path
-from typing import NoReturn
+from typing import NoReturn, TypeVar
 
+import msgspec
 import trio
 from hypercorn.config import Config as HypercornConfig
 from hypercorn.config import Sockets
@@ -34,6 +36,12 @@ from actors import admission, streamer, tokenizer
 from actors.admission import AdmissionPolicy
 from actors.engine import actor as engine
 from actors.engine.actor import EngineOptions, RunnerFactory
+from actors.engine.options import (
+    MemoryOptions,
+    PrefixCacheOptions,
+    SpecPrefillOptions,
+    SpeculativeOptions,
+)
 from actors.engine.types import ModelInfo
 from actors.grammar import GrammarCompiler
 from actors.mailbox import Mailboxes
@@ -47,25 +55,37 @@ from daemon.settings import Settings
 from protocol.messages import AdmissionInbox, AdmittedRequest, EngineInbox, EngineStep, Failed
 
 log = logging.getLogger("mlxd")
+_Options = TypeVar("_Options")
+
+
+def options_from(section: msgspec.Struct, kind: type[_Options]) -> _Options | None:
+    """An actor's options from the settings section it mirrors, field by field (None
+    where the section says ``enabled = false``: the feature is off)."""
+    if not getattr(section, "enabled", True):
+        return None
+    return kind(**{f.name: getattr(section, f.name) for f in dataclasses.fields(kind)})
 
 
 def mlx_runner_factory(settings: Settings) -> RunnerFactory:
     """Loads the real model; runs on the generation thread (imports MLX there)."""
+    s, m = settings, settings.model
+    features = {
+        "prefix_cache": options_from(s.prefix_cache, PrefixCacheOptions),
+        "memory": options_from(s.memory, MemoryOptions),
+        "speculative": options_from(s.speculative, SpeculativeOptions),
+        "spec_prefill": options_from(s.spec_prefill, SpecPrefillOptions),
+    }
 
     def factory():
         from actors.engine.loading import load_runner
 
-        m = settings.model
         return load_runner(
             m.path,
             Path(m.cache_dir).expanduser(),
             dequantize_on_cpu=m.dequantize_on_cpu,
-            max_batch=settings.engine.max_batch,
-            prefix_cache=settings.prefix_cache,
-            speculative=settings.speculative,
-            spec_prefill=settings.spec_prefill,
+            max_batch=s.engine.max_batch,
             kind=m.kind,
-            memory=settings.memory,
+            **features,
         )
 
     return factory
@@ -118,7 +138,7 @@ def _prompt_builder(info: ModelInfo, s: Settings, grammars: GrammarCompiler) -> 
         vocab_size=info.vocab_size,
         checkpoints=s.prefix_cache.enabled and s.prefix_cache.system_prompt,
         processor=info.processor,
-        image_limits=ImageLimits.from_settings(s.vision),
+        image_limits=options_from(s.vision, ImageLimits),
         memory=info.memory,
         traits=template_traits(info.tokenizer, s.tokenizer.tool_format, s.tokenizer.reasoning_tags),
         grammars=grammars,

@@ -56,16 +56,16 @@ def _ttft(runner, request, chunk: int) -> tuple[float, float]:
 
 def bench(args) -> None:
     from actors.engine.loading import load_model, load_runner, make_spec_prefill
+    from actors.engine.options import SpecPrefillOptions
     from actors.engine.runner import MlxRunner
-    from daemon.settings import SpecPrefillSettings
 
     cache_dir = Path(args.cache_dir).expanduser()
     plain, info = load_runner(args.model, cache_dir, dequantize_on_cpu=True, max_batch=8)
     scorer = (
         plain.model if not args.scorer else load_model(Path(args.scorer), dequantize_on_cpu=True)[0]
     )
-    settings = SpecPrefillSettings(
-        enabled=True, threshold_tokens=1, keep_fraction=args.keep, chunk_tokens=args.chunk_tokens
+    settings = SpecPrefillOptions(
+        threshold_tokens=1, keep_fraction=args.keep, chunk_tokens=args.chunk_tokens
     )
     sp = make_spec_prefill(plain.model, (scorer, "scorer"), settings)
     stops = sorted(info.tokenizer.eos_token_ids)

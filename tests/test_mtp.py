@@ -145,10 +145,10 @@ def test_load_runner_picks_the_drafter(tiny_models):
     """``drafter = "auto"``: the MTP head when the checkpoint has one, else the draft model;
     ``"mtp"`` on a model without a head turns speculation off and says why."""
     from actors.engine.loading import load_runner
-    from daemon.settings import SpeculativeSettings
+    from actors.engine.options import SpeculativeOptions
 
     def spec(model, **kw):
-        settings = SpeculativeSettings(enabled=True, **kw)
+        settings = SpeculativeOptions(**kw)
         runner, info = load_runner(
             str(model), model, dequantize_on_cpu=True, max_batch=4, speculative=settings
         )
@@ -198,9 +198,9 @@ def test_vision_model_text_requests_speculate_with_mtp_images_decode_plainly(tin
     requests go through the speculative lane (drafted, verified), image requests through
     the plain batch, and every request's tokens equal plain decoding's."""
     from actors.engine.loading import load_runner
+    from actors.engine.options import SpeculativeOptions
     from actors.engine.vlm_mtp import VlmMtpRunner
     from actors.tokenizer import PromptBuilder
-    from daemon.settings import SpeculativeSettings
     from tests.test_vlm import LIMITS, mixed_requests
 
     model_dir = tiny_models("qwen3_5_vl_mtp")
@@ -210,7 +210,7 @@ def test_vision_model_text_requests_speculate_with_mtp_images_decode_plainly(tin
         model_dir,
         dequantize_on_cpu=True,
         max_batch=8,
-        speculative=SpeculativeSettings(enabled=True),
+        speculative=SpeculativeOptions(),
     )
     assert isinstance(runner, VlmMtpRunner)
     builder = PromptBuilder(
@@ -238,6 +238,6 @@ def test_vision_model_text_requests_speculate_with_mtp_images_decode_plainly(tin
         model_dir,
         dequantize_on_cpu=True,
         max_batch=8,
-        speculative=SpeculativeSettings(enabled=True, drafter="draft_model"),
+        speculative=SpeculativeOptions(drafter="draft_model"),
     )
     assert not off.spec_stats.enabled and "MTP head" in off.spec_stats.notes[0]

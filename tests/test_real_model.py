@@ -70,6 +70,8 @@ async def test_paris(settings):
 def test_memory_estimate_matches_the_model_config(settings):
     """KV bytes per token = layers × 2 (K, V) × KV heads × head dim × dtype size."""
     from actors.engine.loading import load_runner
+    from actors.engine.options import MemoryOptions
+    from daemon.supervisor import options_from
 
     m = settings.model
     runner, info = load_runner(
@@ -77,7 +79,7 @@ def test_memory_estimate_matches_the_model_config(settings):
         Path(m.cache_dir),
         dequantize_on_cpu=m.dequantize_on_cpu,
         max_batch=2,
-        memory=settings.memory,
+        memory=options_from(settings.memory, MemoryOptions),
     )
     config = json.loads((info.model_dir / "config.json").read_text())
     head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]

@@ -19,9 +19,9 @@ TEXT = (
 
 
 def _settings(**values):
-    from daemon.settings import SpecPrefillSettings
+    from actors.engine.options import SpecPrefillOptions
 
-    return SpecPrefillSettings(enabled=True, **{"threshold_tokens": 8, "chunk_tokens": 4, **values})
+    return SpecPrefillOptions(**{"threshold_tokens": 8, "chunk_tokens": 4, **values})
 
 
 def sparse_runner(model_dir, scorer_dir=None, **values):

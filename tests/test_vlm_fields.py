@@ -326,9 +326,9 @@ def test_structured_output_with_vision_mtp_speculation_on(tiny_models):
     from types import SimpleNamespace
 
     from actors.engine.loading import load_runner
+    from actors.engine.options import SpeculativeOptions
     from actors.engine.vlm_mtp import VlmMtpRunner
     from daemon.api.common import _check_speculation
-    from daemon.settings import SpeculativeSettings
     from protocol.messages import EngineStats
     from tests.engine_driver import drive
 
@@ -338,7 +338,7 @@ def test_structured_output_with_vision_mtp_speculation_on(tiny_models):
         model_dir,
         dequantize_on_cpu=True,
         max_batch=4,
-        speculative=SpeculativeSettings(enabled=True),
+        speculative=SpeculativeOptions(),
     )
     assert isinstance(runner, VlmMtpRunner) and runner.spec_stats.enabled
     request = chat(max_tokens=30, constraint=Constraint(kind="json_schema", schema=SCHEMA))

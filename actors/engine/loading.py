@@ -26,6 +26,12 @@ from mlx_lm.utils import load as mlx_lm_load
 from actors.engine.gguf import convert_gguf, default_model_path
 from actors.engine.memory import MemoryModel, kv_budget
 from actors.engine.mtp import MTPDrafter, load_mtp
+from actors.engine.options import (
+    MemoryOptions,
+    PrefixCacheOptions,
+    SpecPrefillOptions,
+    SpeculativeOptions,
+)
 from actors.engine.prefix_cache import PrefixCache
 from actors.engine.runner import MlxRunner
 from actors.engine.spec_prefill import SpecPrefill, SpecPrefillStats, unsupported_layers
@@ -61,7 +67,7 @@ def device_memory_bytes() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
-def memory_model(runner: MlxRunner, settings: Any) -> MemoryModel | None:
+def memory_model(runner: MlxRunner, settings: MemoryOptions | None) -> MemoryModel | None:
     """Probe the model's caches, size the request budget, and set MLX's memory limit."""
     if settings is None:
         return None
@@ -118,8 +124,8 @@ def dequantize_for_cpu(model: nn.Module, config: dict[str, Any], enabled: bool) 
     return model
 
 
-def make_prefix_cache(settings: Any) -> PrefixCache | None:
-    if settings is None or not settings.enabled:
+def make_prefix_cache(settings: PrefixCacheOptions | None) -> PrefixCache | None:
+    if settings is None:
         return None
     budget = settings.max_bytes or int(device_memory_bytes() * settings.memory_fraction)
     log.info("prefix cache: %.0f MiB budget, %d-token blocks", budget / 2**20, settings.block_size)
@@ -135,7 +141,7 @@ def _prefill_off(reason: str) -> SpecPrefillStats:
 
 
 def make_spec_prefill(
-    model: nn.Module, scorer: tuple[nn.Module, str], settings: Any
+    model: nn.Module, scorer: tuple[nn.Module, str], settings: SpecPrefillOptions
 ) -> SpecPrefill:
     """SpecPrefill for this model, or (its stats saying why) off for its cache layout."""
     stats = SpecPrefillStats(scorer=scorer[1])
@@ -157,10 +163,6 @@ def load_draft(
     draft_id, draft_dir = resolve_model_dir(path, cache_dir, log.info)
     log.info("loading draft model %s from %s", draft_id, draft_dir)
     return load_model(draft_dir, dequantize_on_cpu=dequantize_on_cpu)[0], draft_id
-
-
-def _enabled(section: Any) -> bool:
-    return section is not None and section.enabled
 
 
 def _stop_tokens(processor: Any, config: dict[str, Any]) -> list[int]:
@@ -216,17 +218,19 @@ def _load_vision(
         model_id, model_dir, max_batch=max_batch, dequantize_on_cpu=dequantize_on_cpu
     )
     speculative = extras["speculative"]
-    if _enabled(speculative):
+    if speculative is not None:
         runner, stats = _vision_speculation(runner, model_dir, speculative, dequantize_on_cpu)
         runner.spec_stats = stats
     info = dataclasses.replace(info, memory=memory_model(runner, extras["memory"]))
-    if _enabled(extras["spec_prefill"]):
+    if extras["spec_prefill"] is not None:
         log.warning("SpecPrefill is not implemented for vision models: off")
         runner.spec_prefill_stats = _prefill_off("vision models prefill in full")
     return runner, info
 
 
-def _vision_speculation(runner, model_dir: Path, speculative: Any, dequantize_on_cpu: bool):
+def _vision_speculation(
+    runner, model_dir: Path, speculative: SpeculativeOptions, dequantize_on_cpu: bool
+):
     """The runner and its speculation stats: MTP for text-only requests, or off and why."""
     if speculative.drafter == "draft_model":
         log.warning("draft-model speculation is not implemented for vision models: off")
@@ -261,7 +265,7 @@ def _helpers(model, model_id, cache_dir, dequantize_on_cpu, speculative, spec_pr
     ``where``: the model's directory and config (an MTP head is read from there).
     """
     draft, drafter, off = None, "", None
-    if _enabled(speculative) and speculative.drafter in ("auto", "mtp"):
+    if speculative is not None and speculative.drafter in ("auto", "mtp"):
         try:
             draft = load_mtp_drafter(model, *where, dequantize_on_cpu)
             drafter = draft.name
@@ -269,12 +273,12 @@ def _helpers(model, model_id, cache_dir, dequantize_on_cpu, speculative, spec_pr
             if speculative.drafter == "mtp":
                 log.warning("speculative decoding is off: %s", exc)
                 off = _off(f"drafter = mtp: {exc}")
-    if _enabled(speculative) and draft is None and off is None:
+    if speculative is not None and draft is None and off is None:
         draft, drafter = load_draft(
             speculative.draft_model, cache_dir, model, model_id, dequantize_on_cpu
         )
     sparse = None
-    if _enabled(spec_prefill):
+    if spec_prefill is not None:
         usable = draft is not None and isinstance(draft, nn.Module)  # an MTP head cannot score
         scorer = (draft, drafter) if usable and not spec_prefill.scorer_model else None
         scorer = scorer or load_draft(
@@ -291,16 +295,16 @@ def load_runner(
     dequantize_on_cpu: bool,
     max_batch: int,
     kind: str = "auto",
-    prefix_cache: Any = None,
-    memory: Any = None,
-    speculative: Any = None,
-    spec_prefill: Any = None,
+    prefix_cache: PrefixCacheOptions | None = None,
+    memory: MemoryOptions | None = None,
+    speculative: SpeculativeOptions | None = None,
+    spec_prefill: SpecPrefillOptions | None = None,
 ) -> tuple[MlxRunner, ModelInfo]:
     """Load the model for serving; call on the generation thread.
 
     The kind (text or vision) comes from the model's config unless ``kind`` names it.
-    ``memory`` (the ``[memory]`` settings) turns on the memory estimate and budget;
-    without it the engine has no memory gate.
+    Each feature is off where its options are None; without ``memory`` (the memory
+    estimate and budget) the engine has no memory gate.
     """
     model_id, model_dir = resolve_model_dir(path, cache_dir, log.info)
     config = json.loads((model_dir / "config.json").read_text())

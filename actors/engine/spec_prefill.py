@@ -36,6 +36,8 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache, BatchKVCache, KVCache, make_prompt_cache
 
+from actors.engine.options import SpecPrefillOptions
+
 
 class PositionedKVCache(KVCache):
     """A ``KVCache`` whose RoPE positions run ``skipped`` ahead of its stored entries.
@@ -273,14 +275,14 @@ class SpecPrefillStats:
 
 @dataclass
 class SpecPrefill:
-    """The scorer model and the ``[spec_prefill]`` settings; decides each request's plan."""
+    """The scorer model and its options; decides each request's plan."""
 
     scorer: Any
-    settings: Any
+    options: SpecPrefillOptions
     stats: SpecPrefillStats
 
     def plan(self, tokens: tuple[int, ...], cached: int, wanted: bool | None) -> SparsePlan | None:
-        s = self.settings
+        s = self.options
         use = s.by_default if wanted is None else wanted
         suffix = len(tokens) - 1 - cached
         if not use or suffix < s.threshold_tokens:

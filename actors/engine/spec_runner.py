@@ -15,7 +15,10 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
+from actors.engine.options import SpeculativeOptions
+from actors.engine.prefix_cache import PrefixCache
 from actors.engine.runner import MlxRunner, Pending, make_processors
+from actors.engine.spec_prefill import SpecPrefill
 from actors.engine.speculative import (
     Drafter,
     ModelDrafter,
@@ -45,8 +48,8 @@ class SpeculativeRunner(MlxRunner):
         num_draft: int,
         spec_max_batch: int,
         drafter: str = "draft model",
-        prefix_cache: Any = None,
-        spec_prefill: Any = None,
+        prefix_cache: PrefixCache | None = None,
+        spec_prefill: SpecPrefill | None = None,
     ):
         super().__init__(
             model, stop_tokens, max_batch, prefix_cache=prefix_cache, spec_prefill=spec_prefill
@@ -176,10 +179,10 @@ def make_speculative_runner(
     draft: nn.Module | Drafter,
     stop_tokens: list[int],
     max_batch: int,
-    settings: Any,
-    prefix_cache: Any,
+    options: SpeculativeOptions,
+    prefix_cache: PrefixCache | None,
     drafter: str,
-    spec_prefill: Any = None,
+    spec_prefill: SpecPrefill | None = None,
 ) -> MlxRunner:
     """A ``SpeculativeRunner``; a plain runner (and a logged reason) if the model can't rewind."""
     try:
@@ -188,8 +191,8 @@ def make_speculative_runner(
             draft,
             stop_tokens,
             max_batch,
-            num_draft=settings.num_draft_tokens,
-            spec_max_batch=settings.max_batch,
+            num_draft=options.num_draft_tokens,
+            spec_max_batch=options.max_batch,
             drafter=drafter,
             prefix_cache=prefix_cache,
             spec_prefill=spec_prefill,

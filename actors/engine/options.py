@@ -1,0 +1,54 @@
+"""The typed options of the model's features, for ``loading.load_runner``.
+
+The supervisor maps the settings tree onto these (``daemon/supervisor.py``);
+nothing in ``actors/`` reads a settings section. A feature is off where its
+options are None. No mlx here: the daemon imports this module before any model
+code loads.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+
+@dataclass(frozen=True)
+class MemoryOptions:
+    """How much device memory requests may take, and MLX's own limits (``[memory]``)."""
+
+    device_fraction: float = 0.9  # of device memory, for weights and requests together
+    headroom_mb: int = 1024  # kept free besides
+    kv_budget_mb: int = 0  # an explicit request budget (0: what the fraction leaves)
+    set_mlx_limit: bool = True  # make MLX's memory limit the same fraction
+    cache_limit_mb: int = 256  # freed buffers MLX keeps for reuse
+
+
+@dataclass(frozen=True)
+class PrefixCacheOptions:
+    """Snapshot block size and budget (``max_bytes``, else ``memory_fraction`` of the device)."""
+
+    block_size: int = 64
+    max_bytes: int = 0
+    memory_fraction: float = 0.1
+
+
+@dataclass(frozen=True)
+class SpeculativeOptions:
+    """Which drafter proposes how many tokens, up to which batch size."""
+
+    drafter: Literal["auto", "mtp", "draft_model"] = "auto"
+    draft_model: str = ""  # "": the served model drafts for itself
+    num_draft_tokens: int = 3
+    max_batch: int = 8
+
+
+@dataclass(frozen=True)
+class SpecPrefillOptions:
+    """When SpecPrefill applies to a prompt, how much of it is kept, and who scores it."""
+
+    by_default: bool = True  # for requests that do not say
+    threshold_tokens: int = 2048  # uncached prompt tokens it needs to apply
+    keep_fraction: float = 0.3
+    chunk_tokens: int = 64
+    scorer_model: str = ""  # "": the draft model when speculating, else the served model
+    hybrid: bool = False  # also on models with SSM layers (they see only kept tokens)
