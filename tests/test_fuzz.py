@@ -6,24 +6,29 @@ Requests come from ``tests/strategies.py``, derived from the wire structs in
 plausible, with extreme numbers and token ids, and hostile (wrong types, deep
 nesting, odd unicode, invalid UTF-8, missing and unknown fields, odd
 Content-Type and Host headers); a fifth of the clients hang up after the first
-bytes. Fixed corner cases (``CORNER_FIELDS``, ``http_corner_cases``) run
-first, every time. Requests go over a real socket to the app behind hypercorn,
-one at a time from a worker thread (Hypothesis drives them, so a failure is
-shrunk to a minimal request and reported per kind, named after the server's
-exception), while a canary task keeps sending a well-formed request.
+bytes. Fixed corner cases (``CORNER_FIELDS``, ``http_corner_cases``,
+``output_corner_cases``) run first, every time. Requests go over a real socket
+to the app behind hypercorn from a worker thread, one or a burst of up to three
+at a time (Hypothesis drives them, so a failure is shrunk to a minimal request
+and reported per kind, named after the server's exception), while a canary
+task keeps sending a well-formed request.
 
-Every example must get a status below 500 within ``hang_s``, and a streamed
-200 must not carry a server error. Requests are sent one at a time (beside
-the canary), so the server is never legitimately overloaded: a 503 counts as a
-failure like any 5xx (a 429 would pass, being a client-side answer, but cannot
-occur here). After the run the engine is idle, ``/health`` answers 200, the
-canary never failed, and the process's RSS grew less than a bound.
+Every example must get a status below 500 within ``hang_s``, a streamed 200
+no malformed frame or server error, a JSON answer valid JSON. At most three
+requests are in flight beside the canary, so the server is never legitimately
+overloaded: a 503 counts as a failure like any 5xx (a 429 would pass, being a
+client-side answer, but cannot occur here). After the run the engine is idle,
+``/health`` answers 200, the canary never failed, and the process's RSS grew
+less than a bound.
 
-Two tiers: the scripted fake runner (``FAKE_EXAMPLES`` per route, its own
-server each), and the real default model (``REAL_EXAMPLES`` over all routes,
-``mlx`` marker; answers capped at 32 tokens to fit a CPU): MLX does no bounds
-checks of its own, so an unchecked token id can crash it. Run with ``-s`` to
-see each run's summary line (requests, statuses, failures, the commonest 400s).
+Tiers: the scripted fake runner (``FAKE_EXAMPLES`` per route, its own server
+each; ``BURST_EXAMPLES`` bursts over all routes; ``OUTPUT_EXAMPLES`` per
+tool-call format, where the fake echoes hostile tool-call and reasoning markup
+for the output parsers), and the real default model (``REAL_EXAMPLES`` bursts
+over all routes, ``mlx`` marker; answers capped at 32 tokens to fit a CPU):
+MLX does no bounds checks of its own, so an unchecked token id can crash it,
+and the real tokenizer refuses what the fake's accepts. Run with ``-s`` to see
+each run's summary line (requests, statuses, failures, the commonest 400s).
 """
 
 from __future__ import annotations
@@ -262,7 +267,7 @@ def stream_error(body: bytes) -> str | None:
 
 @dataclass
 class Fuzzer:
-    """Sends probes one at a time and judges each answer; keeps the tally."""
+    """Sends probes (a burst at a time) and judges each answer; keeps the tally."""
 
     url: str
     hang_s: float
@@ -308,12 +313,12 @@ class Fuzzer:
             self.rejected[_reason(body)] += 1
         if r.status_code >= 500:
             return f"HTTP {r.status_code}: {body[:300]!r}"
-        kind = r.headers.get("content-type", "")
         if probe.hang_up:
             return None
-        if kind.startswith("text/event-stream"):
+        content_type = r.headers.get("content-type", "")
+        if content_type.startswith("text/event-stream"):
             return stream_error(body)
-        if kind.startswith("application/json") and not _is_json(body):
+        if content_type.startswith("application/json") and not _is_json(body):
             return f"malformed JSON answer: {body[:300]!r}"
         return None
 
