@@ -1,13 +1,15 @@
 """Hypothesis strategies for hostile HTTP requests, derived from the wire structs.
 
-``request_body(Type)`` walks ``msgspec.inspect.type_info`` of a wire request
-struct (``protocol/*.py``), so a field added there is fuzzed without touching
-this file. A few field names get extra, meaningful values (roles, token ids,
-JSON schemas…) mixed in with the type-derived ones, and every node may be
-swapped for a hostile value: a wrong type, an extreme number, deep nesting,
-odd unicode. ``http_body`` then serialises the value, sometimes breaking the
-bytes themselves (invalid UTF-8, truncation, a BOM, ``NaN``), and
-``content_type`` / ``host`` pick hostile headers.
+``request_body(Type, mode)`` walks ``msgspec.inspect.type_info`` of a wire
+request struct (``protocol/*.py``), so a field added there is fuzzed without
+touching this file. Some fields get meaningful values (roles, token ids, JSON
+schemas…) by name (``_hints``). Modes (``Derive``): ``tame`` requests a
+careless client sends, ``edgy`` ones with extreme numbers and token ids,
+``hostile`` ones where any node may be a wrong type, deep nesting or odd
+unicode. ``http_body`` serialises a value, sometimes breaking the bytes
+themselves (invalid UTF-8, truncation, a BOM, ``NaN``), ``content_type`` /
+``host`` pick hostile headers, and ``model_output`` is tool-call and reasoning
+markup for a model to say (the fake runner echoes it).
 """
 
 from __future__ import annotations
@@ -64,7 +66,7 @@ RAW_NUMBERS = ["NaN", "Infinity", "-Infinity", "1e400", "-1e400", "1e-400", "00"
 
 
 def text() -> st.SearchStrategy[str]:
-    """Short text, some of it odd; never the fake runner's scripted failures."""
+    """Short text, some of it odd: lone surrogates, NUL, special tokens, template syntax."""
     plain = st.text(st.characters(codec=None, exclude_categories=()), max_size=24)
     return st.one_of(plain, st.sampled_from(ODD_STRINGS), st.sampled_from(["hi", "Paris?"]))
 
@@ -185,7 +187,7 @@ class Derive:
     """Strategies from msgspec type info, in one of three modes.
 
     ``tame``: plausible values (what a careless but honest client sends), so requests
-    reach the engine. ``edgy``: the same shapes, but every number and token id is
+    reach the engine. ``edgy``: the same shapes, but half the numbers and token ids
     extreme (huge, negative, past the vocabulary): what must be caught before MLX,
     which checks no bounds. ``hostile``: also any node may be replaced by any value,
     required fields may go missing, tags may be wrong, unknown fields appear.
