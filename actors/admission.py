@@ -41,8 +41,22 @@ class _Queued:
         return self.request.priority, self.seq
 
 
+@dataclass(frozen=True)
+class AdmissionOptions:
+    """The admission actor's options (the supervisor maps ``[admission]`` onto them)."""
+
+    max_running: int = 32  # slots: requests past admission, up to the end of their generation
+    max_waiting: int = 64  # queue places; beyond them a request is refused (429)
+    priority: bool = False  # order the queue by each request's ``priority``
+    retry_after_s: float = 1.0  # a refusal's Retry-After
+
+
 class AdmissionPolicy:
     """``max_running`` slots and ``max_waiting`` places; FCFS unless ``priority`` is on."""
+
+    @classmethod
+    def from_options(cls, options: AdmissionOptions) -> AdmissionPolicy:
+        return cls(options.max_running, options.max_waiting, priority=options.priority)
 
     def __init__(
         self,
@@ -91,15 +105,16 @@ async def run(
     outbox: trio.MemorySendChannel[AdmittedRequest],
     mailboxes: Mailboxes,
     policy: AdmissionPolicy,
-    retry_after_s: float,
+    options: AdmissionOptions,
     *,
     task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Run, queue or reject each request; forward runnable ones to the tokenizer."""
+    """Run, queue or reject each request (``policy``, made from ``options``); forward
+    runnable ones to the tokenizer."""
     task_status.started()
     async with inbox, outbox:
         async for message in inbox:
-            await _handle(message, outbox, mailboxes, policy, retry_after_s)
+            await _handle(message, outbox, mailboxes, policy, options.retry_after_s)
 
 
 async def _handle(

@@ -21,6 +21,7 @@ renders them in Jinja's ``ImmutableSandboxedEnvironment`` (``range`` capped at
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import jinja2
@@ -28,6 +29,7 @@ import msgspec
 import trio
 
 from actors.engine.memory import MemoryModel
+from actors.engine.types import ModelInfo
 from actors.grammar import CompiledGrammar, GrammarCompiler, GrammarError
 from actors.mailbox import Mailboxes
 from actors.normalize import NormalizeError, normalize_messages
@@ -92,8 +94,42 @@ class PromptError(ValueError):
         self.reason: Reason = reason
 
 
+@dataclass(frozen=True)
+class TokenizerOptions:
+    """The tokenizer actor's options (the supervisor maps ``[tokenizer]``, ``[engine]``,
+    ``[prefix_cache]`` and ``[vision]`` onto them)."""
+
+    workers: int = 2  # threads that build prompts
+    default_max_tokens: int = 512  # when a request names none (shrunk to fit)
+    max_prompt_tokens: int = 0  # 0: the model's context
+    checkpoints: bool = True  # mark where the system prompt and the previous turn end
+    tool_format: str = "auto"  # tool-call markup, or "auto": from the chat template
+    reasoning_tags: str = "auto"  # "auto", "none" or "<open>,<close>"
+    image_limits: ImageLimits | None = None  # None: a text model's (no images)
+
+
 class PromptBuilder:
     """Chat template + tokenizer + context, memory and output checks for one model."""
+
+    @classmethod
+    def for_model(
+        cls, info: ModelInfo, options: TokenizerOptions, grammars: GrammarCompiler
+    ) -> PromptBuilder:
+        """The builder for the loaded model, configured by ``options``."""
+        o = options
+        return cls(
+            info.tokenizer,
+            info.context_length,
+            default_max_tokens=o.default_max_tokens,
+            max_prompt_tokens=o.max_prompt_tokens,
+            vocab_size=info.vocab_size,
+            checkpoints=o.checkpoints,
+            processor=info.processor,
+            image_limits=o.image_limits,
+            memory=info.memory,
+            traits=template_traits(info.tokenizer, o.tool_format, o.reasoning_tags),
+            grammars=grammars,
+        )
 
     def __init__(
         self,
@@ -361,12 +397,13 @@ async def run(
     outbox: trio.MemorySendChannel[Submit],
     mailboxes: Mailboxes,
     builder: PromptBuilder,
-    workers: int,
+    options: TokenizerOptions,
     *,
     task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Tokenize each admitted request in a worker thread and submit it to the engine."""
-    limiter = trio.CapacityLimiter(workers)
+    """Tokenize each admitted request in a worker thread (``options.workers`` at once)
+    and submit it to the engine."""
+    limiter = trio.CapacityLimiter(options.workers)
     task_status.started()
     async with inbox, outbox, trio.open_nursery() as nursery:
         async for request in inbox:

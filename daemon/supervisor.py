@@ -33,47 +33,54 @@ from hypercorn.config import Sockets
 from hypercorn.trio import serve as hypercorn_serve
 
 from actors import admission, streamer, tokenizer
-from actors.admission import AdmissionPolicy
+from actors.admission import AdmissionOptions, AdmissionPolicy
 from actors.engine import actor as engine
-from actors.engine.actor import EngineOptions, RunnerFactory
+from actors.engine.actor import EngineOptions, Publish, RunnerFactory
 from actors.engine.options import (
     MemoryOptions,
     PrefixCacheOptions,
     SpecPrefillOptions,
     SpeculativeOptions,
 )
-from actors.engine.types import ModelInfo
 from actors.grammar import GrammarCompiler
 from actors.mailbox import Mailboxes
 from actors.streamer import StreamState
-from actors.tokenizer import PromptBuilder
-from actors.tools import template_traits
+from actors.tokenizer import PromptBuilder, TokenizerOptions
 from actors.vision import ImageLimits
 from daemon.app import create_app
 from daemon.pipeline import Pipeline, ServerState, Timeouts
-from daemon.settings import Settings
+from daemon.settings import (
+    PrefixCacheSettings,
+    Settings,
+    SpecPrefillSettings,
+    SpeculativeSettings,
+)
 from protocol.messages import AdmissionInbox, AdmittedRequest, EngineInbox, EngineStep, Failed
 
 log = logging.getLogger("mlxd")
 _Options = TypeVar("_Options")
+Feature = PrefixCacheSettings | SpeculativeSettings | SpecPrefillSettings
 
 
-def options_from(section: msgspec.Struct, kind: type[_Options]) -> _Options | None:
-    """An actor's options from the settings section it mirrors, field by field (None
-    where the section says ``enabled = false``: the feature is off)."""
-    if not getattr(section, "enabled", True):
-        return None
-    return kind(**{f.name: getattr(section, f.name) for f in dataclasses.fields(kind)})
+def options_from(section: msgspec.Struct, kind: type[_Options]) -> _Options:
+    """Options (a dataclass) from the settings section they mirror, field by field."""
+    fields = dataclasses.fields(kind)  # type: ignore[arg-type]
+    return kind(**{f.name: getattr(section, f.name) for f in fields})
+
+
+def feature_options(section: Feature, kind: type[_Options]) -> _Options | None:
+    """A feature's options; None where its section says ``enabled = false``."""
+    return options_from(section, kind) if section.enabled else None
 
 
 def mlx_runner_factory(settings: Settings) -> RunnerFactory:
     """Loads the real model; runs on the generation thread (imports MLX there)."""
     s, m = settings, settings.model
     features = {
-        "prefix_cache": options_from(s.prefix_cache, PrefixCacheOptions),
+        "prefix_cache": feature_options(s.prefix_cache, PrefixCacheOptions),
         "memory": options_from(s.memory, MemoryOptions),
-        "speculative": options_from(s.speculative, SpeculativeOptions),
-        "spec_prefill": options_from(s.spec_prefill, SpecPrefillOptions),
+        "speculative": feature_options(s.speculative, SpeculativeOptions),
+        "spec_prefill": feature_options(s.spec_prefill, SpecPrefillOptions),
     }
 
     def factory():
@@ -128,20 +135,25 @@ def open_graph(s: Settings) -> Graph:
     )
 
 
-def _prompt_builder(info: ModelInfo, s: Settings, grammars: GrammarCompiler) -> PromptBuilder:
-    """The tokenizer actor's sync core, configured for the loaded model."""
-    return PromptBuilder(
-        info.tokenizer,
-        info.context_length,
+def tokenizer_options(s: Settings) -> TokenizerOptions:
+    return TokenizerOptions(
+        workers=s.tokenizer.workers,
         default_max_tokens=s.engine.default_max_tokens,
         max_prompt_tokens=s.engine.max_prompt_tokens,
-        vocab_size=info.vocab_size,
         checkpoints=s.prefix_cache.enabled and s.prefix_cache.system_prompt,
-        processor=info.processor,
+        tool_format=s.tokenizer.tool_format,
+        reasoning_tags=s.tokenizer.reasoning_tags,
         image_limits=options_from(s.vision, ImageLimits),
-        memory=info.memory,
-        traits=template_traits(info.tokenizer, s.tokenizer.tool_format, s.tokenizer.reasoning_tags),
-        grammars=grammars,
+    )
+
+
+def engine_options(s: Settings, publish: Publish) -> EngineOptions:
+    return EngineOptions(
+        max_batch=s.engine.max_batch,
+        prefill_chunk_tokens=s.engine.prefill_chunk_tokens,
+        retry_after_s=s.admission.retry_after_s,
+        release_after_idle_s=s.memory.release_after_idle_s,
+        publish=publish,
     )
 
 
@@ -154,13 +166,7 @@ async def run_actors(
 ) -> None:
     """Start the actors in dependency order; ``started`` once the model is loaded."""
     s, pipeline, mailboxes = settings, graph.pipeline, graph.pipeline.mailboxes
-    options = EngineOptions(
-        max_batch=s.engine.max_batch,
-        prefill_chunk_tokens=s.engine.prefill_chunk_tokens,
-        retry_after_s=s.admission.retry_after_s,
-        release_after_idle_s=s.memory.release_after_idle_s,
-        publish=pipeline.publish,
-    )
+    options = engine_options(s, pipeline.publish)
     async with trio.open_nursery() as nursery:
         info = await nursery.start(engine.run, graph.engine[1], graph.steps[0], factory, options)
         pipeline.info = info
@@ -168,29 +174,15 @@ async def run_actors(
         await nursery.start(streamer.run, graph.steps[1], graph.engine[0].clone(), state)
         # Reading the vocabulary into llguidance takes a moment: not on the trio thread.
         grammars = await trio.to_thread.run_sync(GrammarCompiler, info.tokenizer)
-        builder = _prompt_builder(info, s, grammars)
-        pipeline.builder = builder
-        pipeline.count_limiter = trio.CapacityLimiter(s.tokenizer.workers)
-        await nursery.start(
-            tokenizer.run,
-            graph.tokenize[1],
-            graph.engine[0],
-            mailboxes,
-            builder,
-            s.tokenizer.workers,
-        )
-        a = s.admission
-        policy = pipeline.policy = AdmissionPolicy(
-            a.max_running, a.max_waiting, priority=a.priority
-        )
-        await nursery.start(
-            admission.run,
-            graph.admission_rx,
-            graph.tokenize[0],
-            mailboxes,
-            policy,
-            s.admission.retry_after_s,
-        )
+        prompts = tokenizer_options(s)
+        builder = pipeline.builder = PromptBuilder.for_model(info, prompts, grammars)
+        pipeline.count_limiter = trio.CapacityLimiter(prompts.workers)
+        tokenizer_channels = (graph.tokenize[1], graph.engine[0], mailboxes)
+        await nursery.start(tokenizer.run, *tokenizer_channels, builder, prompts)
+        queue = options_from(s.admission, AdmissionOptions)
+        policy = pipeline.policy = AdmissionPolicy.from_options(queue)
+        admission_channels = (graph.admission_rx, graph.tokenize[0], mailboxes)
+        await nursery.start(admission.run, *admission_channels, policy, queue)
         # Frees a request's slot when its final event arrives, read or not.
         await nursery.start(pipeline.release_ended)
         # Queue timeouts and deadlines, for every request wherever it is.

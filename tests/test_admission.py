@@ -6,7 +6,7 @@ from __future__ import annotations
 import trio
 
 from actors import admission
-from actors.admission import AdmissionPolicy, Decision
+from actors.admission import AdmissionOptions, AdmissionPolicy, Decision
 from actors.mailbox import Mailboxes
 from daemon.pipeline import Pipeline, Timeouts
 from protocol.messages import (
@@ -18,6 +18,8 @@ from protocol.messages import (
     SamplingParams,
     Started,
 )
+
+OPTIONS = AdmissionOptions(retry_after_s=3)  # the actor reads only retry_after_s
 
 
 def req(i):
@@ -118,7 +120,7 @@ def test_priority_is_ignored_unless_enabled():
 async def _admission_actor(nursery, policy, mailboxes):
     inbox_tx, inbox_rx = trio.open_memory_channel(8)
     out_tx, out_rx = trio.open_memory_channel(8)
-    await nursery.start(admission.run, inbox_rx, out_tx, mailboxes, policy, 3)
+    await nursery.start(admission.run, inbox_rx, out_tx, mailboxes, policy, OPTIONS)
     return inbox_tx, out_rx
 
 
@@ -132,7 +134,7 @@ async def test_queue_timeout_on_the_fake_clock_is_a_503_with_retry_after(autojum
         admission_tx, engine_tx, mailboxes, timeouts=Timeouts(30, 0), retry_after_s=3
     )
     async with trio.open_nursery() as nursery:
-        await nursery.start(admission.run, admission_rx, admitted_tx, mailboxes, policy, 3)
+        await nursery.start(admission.run, admission_rx, admitted_tx, mailboxes, policy, OPTIONS)
         await nursery.start(pipeline.release_ended)
         await nursery.start(pipeline.expire)
         t0 = trio.current_time()
