@@ -2,7 +2,8 @@
 
 A ``Session`` is one request's life: its mailbox is registered and an ``Admit``
 sent on entry; ``close()`` (shielded, idempotent) unregisters the mailbox, frees
-the admission slot and, unless the engine already ended the sequence, aborts it.
+the admission slot and, unless the sequence is already over (the engine ended it,
+or the streamer aborted it at a stop string), aborts it.
 A client disconnect cancels the handler, whose cleanup calls ``close()``: that is
 the abort path. The slot and the sequence are freed earlier, by
 ``Pipeline.release_ended``, as soon as the request's final event reaches its
@@ -26,14 +27,13 @@ import enum
 import math
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any
 
 import trio
 
 from actors.admission import AdmissionPolicy
 from actors.engine.types import ModelInfo
 from actors.mailbox import Bell, Mailbox, Mailboxes
-from actors.tokenizer import bad_input
+from actors.tokenizer import PromptBuilder, bad_input
 from daemon.telemetry import Live, RequestTrace, Telemetry
 from protocol import status as wire
 from protocol.messages import (
@@ -82,7 +82,7 @@ class Session:
         await self.release()
 
     async def release(self, *, shield: bool = True) -> None:
-        """Abort the sequence unless the engine ended it, and free the admission slot (once)."""
+        """Abort the sequence unless it is over, and free the admission slot (once)."""
         if self._released:
             return
         self._released = True
@@ -178,7 +178,7 @@ class Pipeline:
     sessions: dict[str, Session] = field(default_factory=dict)
     telemetry: Telemetry = field(default_factory=Telemetry)
 
-    builder: Any = None  # the tokenizer actor's PromptBuilder, for count_tokens
+    builder: PromptBuilder | None = None  # the tokenizer actor's, for count_tokens
     count_limiter: trio.CapacityLimiter | None = None  # its worker threads (tokenizer.workers)
 
     async def count_tokens(self, request: AdmittedRequest) -> int:
@@ -187,6 +187,7 @@ class Pipeline:
         Raises ``PromptError`` (a 400) for a prompt that bad input cannot build, as the
         tokenizer actor fails such a request; any other exception is a bug (a 500).
         """
+        assert self.builder is not None, "count_tokens before the model loaded"
         try:
             tokens = await trio.to_thread.run_sync(
                 self.builder.tokens, request, limiter=self.count_limiter
