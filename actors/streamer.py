@@ -29,7 +29,7 @@ from actors.detokenizer import (
     marker_ids,
     special_ids,
 )
-from actors.mailbox import Mailboxes
+from actors.mailbox import Mailbox, Mailboxes
 from actors.parsers import OutputParser, Parsed
 from protocol.messages import (
     Abort,
@@ -95,7 +95,14 @@ class StreamState:
         for failed in step.failed:
             self._requests.pop(failed.request_id, None)
             self._mailboxes.deliver(failed)
+        self._forget_ended()
         return self._aborts
+
+    def _forget_ended(self) -> None:
+        """Drop the state of requests that ended elsewhere (client gone, timed out, drained):
+        their abort is on its way to the engine, which may send no final step for them."""
+        for rid in [r for r in self._requests if _over(self._mailboxes.get(r))]:
+            del self._requests[rid]
 
     def _guarded(self, request_id: str, work: Callable[[Any], None], arg: Any) -> bool:
         """One request's share of a step; an exception fails that request alone (a 500,
@@ -205,6 +212,10 @@ class StreamState:
             stop_string=req.matcher.matched,
         )
         self._deliver(request_id, finished)
+
+
+def _over(box: Mailbox | None) -> bool:
+    return box is None or box.ended
 
 
 async def run(

@@ -8,6 +8,7 @@ from actors.mailbox import Mailboxes
 from actors.streamer import StreamState
 from protocol.messages import (
     EngineStep,
+    Failed,
     Finished,
     OutputSpec,
     Started,
@@ -90,3 +91,18 @@ def test_a_stop_string_ends_the_request_and_asks_for_its_abort_once():
     assert isinstance(finished, Finished) and finished.stop_string == "cd"
     late = TokenStep(request_id="r", tokens=(ord("x"),), finish_reason="length")
     assert state.on_step(EngineStep(tokens=(late,))) == [] and len(state) == 0
+
+
+def test_requests_that_ended_elsewhere_are_forgotten():
+    """A request aborted mid-stream (client gone, timed out) gets no final step from the
+    engine: the streamer drops its state once its mailbox is gone or has ended."""
+    boxes = Mailboxes()
+    for rid in ("gone", "timed_out", "live"):
+        boxes.register(rid)
+    state = StreamState(SpecialTokenizer(), boxes)
+    started = tuple(Started(request_id=r, prompt_tokens=3) for r in ("gone", "timed_out", "live"))
+    state.on_step(EngineStep(started=started))
+    assert len(state) == 3
+    boxes.unregister("gone")
+    boxes.deliver(Failed(request_id="timed_out", reason="request_timeout", message="late"))
+    assert state.on_step(EngineStep()) == [] and len(state) == 1
