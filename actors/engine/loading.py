@@ -67,24 +67,24 @@ def device_memory_bytes() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
-def memory_model(runner: MlxRunner, settings: MemoryOptions | None) -> MemoryModel | None:
+def memory_model(runner: MlxRunner, options: MemoryOptions | None) -> MemoryModel | None:
     """Probe the model's caches, size the request budget, and set MLX's memory limit."""
-    if settings is None:
+    if options is None:
         return None
     device = device_memory_bytes()
     weights = mx.get_active_memory()
     budget = kv_budget(
         device_bytes=device,
         weights_bytes=weights,
-        fraction=settings.device_fraction,
-        headroom_bytes=settings.headroom_mb << 20,
-        explicit_bytes=settings.kv_budget_mb << 20,
+        fraction=options.device_fraction,
+        headroom_bytes=options.headroom_mb << 20,
+        explicit_bytes=options.kv_budget_mb << 20,
     )
-    if settings.set_mlx_limit:
-        mx.set_memory_limit(int(device * settings.device_fraction))
+    if options.set_mlx_limit:
+        mx.set_memory_limit(int(device * options.device_fraction))
     # Freed buffers MLX keeps for reuse; the rest go back to the system (and all of
     # them whenever the engine goes idle, ``release_buffers``).
-    mx.set_cache_limit(settings.cache_limit_mb << 20)
+    mx.set_cache_limit(options.cache_limit_mb << 20)
     model = MemoryModel(layers=runner.probe_layers(), budget_bytes=budget)
     log.info(
         "memory: %.0f MiB device, %.0f MiB weights, %.0f MiB for requests "
@@ -124,12 +124,12 @@ def dequantize_for_cpu(model: nn.Module, config: dict[str, Any], enabled: bool) 
     return model
 
 
-def make_prefix_cache(settings: PrefixCacheOptions | None) -> PrefixCache | None:
-    if settings is None:
+def make_prefix_cache(options: PrefixCacheOptions | None) -> PrefixCache | None:
+    if options is None:
         return None
-    budget = settings.max_bytes or int(device_memory_bytes() * settings.memory_fraction)
-    log.info("prefix cache: %.0f MiB budget, %d-token blocks", budget / 2**20, settings.block_size)
-    return PrefixCache(block_size=settings.block_size, max_bytes=budget)
+    budget = options.max_bytes or int(device_memory_bytes() * options.memory_fraction)
+    log.info("prefix cache: %.0f MiB budget, %d-token blocks", budget / 2**20, options.block_size)
+    return PrefixCache(block_size=options.block_size, max_bytes=budget)
 
 
 def _off(reason: str) -> SpecStats:
@@ -141,17 +141,17 @@ def _prefill_off(reason: str) -> SpecPrefillStats:
 
 
 def make_spec_prefill(
-    model: nn.Module, scorer: tuple[nn.Module, str], settings: SpecPrefillOptions
+    model: nn.Module, scorer: tuple[nn.Module, str], options: SpecPrefillOptions
 ) -> SpecPrefill:
     """SpecPrefill for this model, or (its stats saying why) off for its cache layout."""
     stats = SpecPrefillStats(scorer=scorer[1])
-    why = unsupported_layers(make_prompt_cache(model), settings.hybrid)
+    why = unsupported_layers(make_prompt_cache(model), options.hybrid)
     if why is not None:
         log.warning("SpecPrefill is off for this model: %s", why)
         stats.enabled, stats.notes = False, [f"off: {why}"]
     elif any(not hasattr(c, "keys") for c in make_prompt_cache(model)):
         stats.notes.append("hybrid model: SSM layers see only the kept tokens")
-    return SpecPrefill(scorer[0], settings, stats)
+    return SpecPrefill(scorer[0], options, stats)
 
 
 def load_draft(
