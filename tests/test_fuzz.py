@@ -14,7 +14,8 @@ and reported per kind, named after the server's exception), while a canary
 task keeps sending a well-formed request.
 
 Every example must get a status below 500 within ``hang_s``, a streamed 200
-no malformed frame or server error, a JSON answer valid JSON. At most three
+no malformed frame or server error, a JSON answer valid JSON, and the server
+must log no exception for it (one a client that hung up would never see). At most three
 requests are in flight beside the canary, so the server is never legitimately
 overloaded: a 503 counts as a failure like any 5xx (a 429 would pass, being a
 client-side answer, but cannot occur here). After the run the engine is idle,
@@ -284,6 +285,9 @@ class Fuzzer:
         logged = len(self.errors.seen)
         with ThreadPoolExecutor(len(probes)) as pool:
             problems = [p for p in pool.map(self._problem, probes) if p is not None]
+        logged_now = self.errors.seen[logged:]
+        if logged_now and not problems:  # e.g. after the client hung up: it saw nothing
+            problems = [f"the server logged {logged_now}"]
         if not problems:
             return
         kind = ", ".join(dict.fromkeys(self.errors.seen[logged:])) or problems[0].split(":")[0]
