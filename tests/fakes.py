@@ -101,6 +101,9 @@ class FakeRunner:
     def skipped_tokens(self, request_id: str) -> int:
         return 0
 
+    def wait_for(self, request: TokenizedRequest) -> str | None:
+        return None
+
     def prefill(self, request_id: str, budget: int) -> int:
         seq = self.prefilling[request_id]
         self.prefill_log.append((request_id, self.decode_steps))

@@ -244,3 +244,37 @@ def test_options_the_model_cannot_run_are_a_400_before_any_runner_call():
     }
     assert not runner.removed or set(runner.removed) <= {"ok"}
     assert tokens_by_request(steps)["ok"] == alone({"ok": "fine"})["ok"]
+
+
+def test_the_prefill_budget_is_charged_for_the_tokens_run_in_that_step():
+    runner = FakeRunner(step_delay=0)
+    core = EngineCore(runner, max_batch=8, prefill_chunk_tokens=100)
+    core.submit(req("long", "x" * 251))  # 250 tokens to prefill: 100, 100, 50
+    core.submit(req("short", "y" * 31))
+    for _ in range(3):
+        core.step()
+    # the third step ran 50 of "long"'s tokens, so "short" got the other 50 of the budget
+    # (charging "long" all 250 it has prefilled so far left it nothing)
+    assert [rid for rid, _ in runner.prefill_log] == ["long", "long", "long", "short"]
+    assert "short" in core.decoding
+
+
+def test_a_request_held_for_a_shared_prefill_keeps_its_place_and_lets_others_start():
+    class Sharing(FakeRunner):
+        def wait_for(self, request):
+            if request.request_id == "follower" and "leader" in self.prefilling:
+                return "leader"
+            return None
+
+    runner = Sharing(step_delay=0)
+    core = EngineCore(runner, max_batch=8, prefill_chunk_tokens=10)
+    core.submit(req("leader", "s" * 40))
+    core.submit(req("follower", "s" * 40))
+    core.submit(req("other", "o" * 5))
+    first = core.step()
+    assert [s.request_id for s in first.started] == ["leader", "other"]
+    assert core.waiting[0].request.request_id == "follower"
+    steps = [first, *run_until_idle(core)]
+    starts = {s.request_id: i for i, step in enumerate(steps) for s in step.started}
+    assert starts["follower"] >= 4  # the leader's 39 tokens take 4 chunks of 10 first
+    assert tokens_by_request(steps)["follower"] == tokens_by_request(steps)["leader"]

@@ -84,6 +84,7 @@ class EngineCore:
         self.decoding: dict[str, TokenizedRequest] = {}
         self.reserved: dict[str, int] = {}  # estimated bytes of every sequence in the batch
         self.reserved_bytes = 0
+        self._left: dict[str, int] = {}  # prompt tokens each prefilling request has yet to run
         self._seq = itertools.count()
         self._steps = self._decode_steps = self._batch_size = self._batch_tokens = 0
         self._failed_steps = 0
@@ -100,6 +101,7 @@ class EngineCore:
     def abort(self, request_id: str) -> None:
         self.waiting = [w for w in self.waiting if w.request.request_id != request_id]
         self.prefilling.pop(request_id, None)
+        self._left.pop(request_id, None)
         self.decoding.pop(request_id, None)
         self.recovery.forget(request_id)
         self._release(request_id)
@@ -137,18 +139,30 @@ class EngineCore:
     # ---- waiting → prefill ----------------------------------------------------------
 
     def _admit(self, started: list[Started], failed: list[Failed]) -> None:
-        """Move waiting requests into prefill while the batch and the memory budget have room."""
-        while self.waiting and len(self.prefilling) + len(self.decoding) < self.max_batch:
-            request = self.waiting[0].request
-            need = self._estimate(request)
-            if self.memory and self.reserved_bytes + need > self.memory.budget_bytes:
-                if self.reserved:
-                    return  # it fits once running sequences finish: wait, in order
+        """Move waiting requests into prefill while the batch and the memory budget have room.
+
+        A request whose prompt shares its start with one being prefilled right now waits
+        (in its place) until that prefill has passed the shared part and left a snapshot
+        there (``Runner.wait_for``): the shared prefix is computed once, not once each.
+        """
+        held: list[_Waiting] = []
+        try:
+            while self.waiting and len(self.prefilling) + len(self.decoding) < self.max_batch:
+                request = self.waiting[0].request
+                if self.runner.wait_for(request) is not None:
+                    held.append(self.waiting.pop(0))
+                    continue
+                need = self._estimate(request)
+                if self.memory and self.reserved_bytes + need > self.memory.budget_bytes:
+                    if self.reserved:
+                        return  # it fits once running sequences finish: wait, in order
+                    self.waiting.pop(0)
+                    failed.append(self._too_large(request))
+                    continue
                 self.waiting.pop(0)
-                failed.append(self._too_large(request))
-                continue
-            self.waiting.pop(0)
-            self._start(request, need, started, failed)
+                self._start(request, need, started, failed)
+        finally:
+            self.waiting[:0] = held  # they keep their places at the front
 
     def _start(
         self, request: TokenizedRequest, need: int, started: list[Started], failed: list[Failed]
@@ -165,10 +179,11 @@ class EngineCore:
         self.prefilling[rid] = request
         self.reserved[rid] = need
         self.reserved_bytes += need
-        if not self.recovery.started(request):
-            return  # a replay: its client already has its Started
         prompt = len(request.prompt_tokens)
         prefilled = prompt - cached - self.runner.skipped_tokens(rid)
+        self._left[rid] = max(prefilled - 1, 0)  # the last prompt token goes in with decode
+        if not self.recovery.started(request):
+            return  # a replay: its client already has its Started
         started.append(
             Started(
                 request_id=rid,
@@ -210,22 +225,22 @@ class EngineCore:
                 break
             if not self.recovery.may_prefill(rid):
                 continue  # a trial runs: its step must hold only rows it can blame
-            before = self._remaining(rid)
+            before = self._left.get(rid, 0)
             try:
                 left = self.runner.prefill(rid, budget)
             except Exception as exc:  # noqa: BLE001 - a prefill error fails this request only
                 self.prefilling.pop(rid)
+                self._left.pop(rid, None)
                 self._release(rid)
                 self.runner.remove(rid)
                 self.recovery.forget(rid)
                 failed.append(self._failure(rid, "prefill failed", exc))
                 continue
-            budget -= max(before - left, 1)
+            budget -= max(before - left, 1)  # charged for what it ran in this step
+            self._left[rid] = left
             if left == 0:
                 self.decoding[rid] = self.prefilling.pop(rid)
-
-    def _remaining(self, rid: str) -> int:
-        return len(self.prefilling[rid].prompt_tokens) - 1
+                self._left.pop(rid, None)
 
     def _decode(self, failed: list[Failed]) -> list[TokenStep]:
         """One decode step; a runner may emit several tokens per request (speculation)."""

@@ -96,6 +96,11 @@ class PrefixCache:
         self.stats.cached_tokens += best.length
         return best
 
+    def peek(self, prompt: Sequence[int], limit: int) -> int:
+        """How much of ``prompt[:limit]`` a lookup would reuse; counts nothing, moves nothing."""
+        best = self._best(prompt, limit)
+        return best.length if best is not None else 0
+
     def _candidates(self, prompt: Sequence[int]) -> set[tuple[int, ...]]:
         found = set(self._short)
         for h in block_hashes(prompt, self.block_size):

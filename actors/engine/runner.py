@@ -14,6 +14,7 @@ The variants (``spec_runner``, ``vlm_runner``, ``vlm_mtp``) subclass it; only
 
 from __future__ import annotations
 
+import bisect
 import copy
 import ctypes
 import ctypes.util
@@ -125,6 +126,19 @@ class Pending:
         return min([n, *ahead])
 
 
+def common_prefix_length(a: tuple[int, ...], b: tuple[int, ...], limit: int) -> int:
+    """How many leading tokens ``a`` and ``b`` share, up to ``limit`` (a binary search over
+    slice comparisons, which run in C)."""
+    lo, hi = 0, max(min(limit, len(a), len(b)), 0)
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if a[:mid] == b[:mid]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
 class MlxRunner:
     """Per-request chunked prefill, then continuous batched decode in mlx-lm."""
 
@@ -210,6 +224,28 @@ class MlxRunner:
             self._sparse.add(request.request_id)
         self._pending[request.request_id] = pending
         return done
+
+    def wait_for(self, request: TokenizedRequest) -> str | None:
+        """A request being prefilled that shares at least one more prefix-cache block with
+        this one than the cache holds: it gets a checkpoint at the shared block boundary
+        (so it snapshots there), and its id is returned so this one waits and then starts
+        from that snapshot. K agents sending the same system prompt at once compute it once.
+        Exact boundaries, so hybrid (SSM) models share too."""
+        if self.prefix_cache is None or not self._pending:
+            return None
+        prompt = request.prompt_tokens
+        block = self.prefix_cache.block_size
+        have = self.prefix_cache.peek(prompt, len(prompt) - 1)
+        for rid, pending in self._pending.items():
+            other = pending.request.prompt_tokens
+            limit = min(len(prompt), len(other)) - 1
+            boundary = common_prefix_length(prompt, other, limit) // block * block
+            if pending.sparse is not None or boundary < have + block or pending.done >= boundary:
+                continue
+            if boundary not in pending.checkpoints:
+                bisect.insort(pending.checkpoints, boundary)
+            return rid
+        return None
 
     def skipped_tokens(self, request_id: str) -> int:
         """Prompt tokens SpecPrefill will not prefill for this request (0: a full prefill)."""
