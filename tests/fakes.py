@@ -79,6 +79,7 @@ class FakeRunner:
     prefill_log: list[tuple[str, int]] = field(default_factory=list)  # (request, decode step)
     resets: int = 0
     released: int = 0  # times the engine went idle and released buffers
+    cache_held: int = 0  # scripted prefix-cache bytes (they share the memory budget)
     replies: dict[str, tuple[tuple[int, ...], list[int]]] = field(default_factory=dict)
     bytes_per_token: int = 1024  # the fake's "device memory" per token held
     peak: int = 0
@@ -157,6 +158,11 @@ class FakeRunner:
 
     def release_buffers(self) -> None:
         self.released += 1
+
+    def shrink_cache(self, nbytes: int) -> int:
+        freed = min(nbytes, self.cache_held)
+        self.cache_held -= freed
+        return freed
 
     def remove(self, request_id: str) -> None:
         self.removed.append(request_id)

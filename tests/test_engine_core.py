@@ -278,3 +278,15 @@ def test_a_request_held_for_a_shared_prefill_keeps_its_place_and_lets_others_sta
     starts = {s.request_id: i for i, step in enumerate(steps) for s in step.started}
     assert starts["follower"] >= 4  # the leader's 39 tokens take 4 chunks of 10 first
     assert tokens_by_request(steps)["follower"] == tokens_by_request(steps)["leader"]
+
+
+def test_prefix_cache_snapshots_share_the_memory_budget_and_yield_to_requests():
+    runner, core = core_with(budget=2 * 19 * 1024)  # room for two requests
+    runner.cache_held = 30 * 1024  # snapshots hold most of it
+    core.submit(req("a"))
+    core.submit(req("b"))
+    first = core.step()
+    assert [s.request_id for s in first.started] == ["a", "b"]
+    # the snapshots were evicted, just enough for both requests
+    assert core.reserved_bytes + runner.cache_held <= 2 * 19 * 1024
+    assert runner.cache_held == 0

@@ -86,3 +86,15 @@ def test_oversized_snapshot_is_not_stored_and_clear_empties():
     c.clear()
     assert c.stats.bytes == 0
     assert c.lookup([1] * 9, limit=8) is None
+
+
+def test_evict_frees_least_recently_used_first_and_peek_counts_nothing():
+    c = cache()
+    for i in range(3):
+        c.insert([i] * 8, f"s{i}", 100, trimmable=False)
+    assert c.peek([1] * 8 + [5], limit=8) == 8
+    assert (c.stats.hits, c.stats.misses) == (0, 0)
+    c.lookup([0] * 8 + [5], limit=8)  # s0 is now the most recently used
+    assert c.evict(150) == 200  # s1, then s2
+    assert c.stats.bytes == 100 and c.peek([0] * 8 + [5], limit=8) == 8
+    assert c.evict(10_000) == 100 and c.stats.entries == 0

@@ -153,7 +153,7 @@ class EngineCore:
                     held.append(self.waiting.pop(0))
                     continue
                 need = self._estimate(request)
-                if self.memory and self.reserved_bytes + need > self.memory.budget_bytes:
+                if self.memory and not self._fits(need):
                     if self.reserved:
                         return  # it fits once running sequences finish: wait, in order
                     self.waiting.pop(0)
@@ -163,6 +163,15 @@ class EngineCore:
                 self._start(request, need, started, failed)
         finally:
             self.waiting[:0] = held  # they keep their places at the front
+
+    def _fits(self, need: int) -> bool:
+        """Whether ``need`` more bytes fit the budget, which prefix-cache snapshots share:
+        they are evicted (least recently used first) to make room for live requests."""
+        assert self.memory is not None
+        over = self.reserved_bytes + need + self.runner.cache_held - self.memory.budget_bytes
+        if over > 0:
+            self.runner.shrink_cache(over)
+        return self.reserved_bytes + need + self.runner.cache_held <= self.memory.budget_bytes
 
     def _start(
         self, request: TokenizedRequest, need: int, started: list[Started], failed: list[Failed]

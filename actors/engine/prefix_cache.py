@@ -160,6 +160,17 @@ class PrefixCache:
         self.stats.bytes -= entry.nbytes
         self.stats.entries = len(self._entries)
 
+    def evict(self, nbytes: int) -> int:
+        """Drop least-recently-used snapshots until ``nbytes`` are freed (or none is left);
+        returns the bytes freed."""
+        freed = 0
+        while freed < nbytes and self._entries:
+            key = next(iter(self._entries))
+            freed += self._entries[key].nbytes
+            self._drop(key)
+            self.stats.evictions += 1
+        return freed
+
     def clear(self) -> None:
         for key in list(self._entries):
             self._drop(key)

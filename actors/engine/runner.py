@@ -397,6 +397,15 @@ class MlxRunner:
         if self.prefix_cache is not None:
             self.prefix_cache.clear()
 
+    @property
+    def cache_held(self) -> int:
+        """Bytes of prefix-cache snapshots (they count against the request memory budget)."""
+        return self.prefix_cache.stats.bytes if self.prefix_cache is not None else 0
+
+    def shrink_cache(self, nbytes: int) -> int:
+        """Evict least-recently-used snapshots to free ``nbytes`` for running requests."""
+        return self.prefix_cache.evict(nbytes) if self.prefix_cache is not None else 0
+
     def reset(self) -> None:
         """After a failed decode step: a fresh batch (the old one may be half-updated)."""
         self.generator.close()

@@ -51,6 +51,16 @@ class Runner(Protocol):
 
     def remove(self, request_id: str) -> None: ...
     def clear_cache(self) -> None: ...
+
+    @property
+    def cache_held(self) -> int:
+        """Bytes the prefix cache's snapshots hold; they count against the memory budget."""
+        ...
+
+    def shrink_cache(self, nbytes: int) -> int:
+        """Evict snapshots to free at least ``nbytes`` (fewer if there are not that many)."""
+        ...
+
     def reset(self) -> None:
         """Drop the decode batch after a failed step (its requests have been failed)."""
 
