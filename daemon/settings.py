@@ -133,10 +133,18 @@ class PrefixCacheSettings(_Section):
 
 class SpeculativeSettings(_Section):
     enabled: bool = False
-    drafter: Literal["auto", "mtp", "draft_model"] = "auto"
+    drafter: Literal["auto", "mtp", "draft_model", "lookup"] = "auto"
     draft_model: str = ""
     num_draft_tokens: Positive = 3
     max_batch: Positive = 8
+    lookup_max_ngram: Positive = 3
+    lookup_min_ngram: Positive = 1
+
+    def __post_init__(self) -> None:
+        _require(
+            self.lookup_min_ngram <= self.lookup_max_ngram,
+            "speculative.lookup_min_ngram: more than lookup_max_ngram",
+        )
 
 
 class SpecPrefillSettings(_Section):

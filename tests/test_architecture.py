@@ -19,7 +19,7 @@ PACKAGES = ("daemon", "actors", "protocol", "scripts", "tests")
 # variant that serves it.
 COMPOSITION_ROOT = "actors.engine.loading"
 # The runner variants (they build on the base runner, ``actors.engine.runner``) and the
-# MTP drafter. Vision + MTP is a vision runner whose text-only rows decode the
+# MTP and prompt-lookup drafters. Vision + MTP is a vision runner whose text-only rows decode the
 # speculative runner's way, so a variant may build on another; nothing else in the
 # served tree may import one.
 VARIANTS = frozenset(
@@ -28,6 +28,7 @@ VARIANTS = frozenset(
         "actors.engine.vlm_runner",
         "actors.engine.vlm_mtp",
         "actors.engine.mtp",
+        "actors.engine.lookup",
     }
 )
 # Tests and benchmarks build a variant directly, to check or time it against the plain runner.

@@ -2,7 +2,7 @@
 
 The only module that imports the runner variants: a text model gets the plain
 ``MlxRunner`` or, with speculation on, a ``SpeculativeRunner`` drafting with the
-model's MTP head or a draft model; a vision model gets a ``VlmRunner``, or a
+model's MTP head, a draft model or prompt lookup; a vision model gets a ``VlmRunner``, or a
 ``VlmMtpRunner`` when its text backbone has an MTP head. Around the runner it
 builds the prefix cache, SpecPrefill (with its scorer), and the memory model. Call
 ``load_runner`` on the generation thread: MLX streams are thread-local.
@@ -24,6 +24,7 @@ from mlx_lm.utils import dequantize_model
 from mlx_lm.utils import load as mlx_lm_load
 
 from actors.engine.gguf import convert_gguf, default_model_path
+from actors.engine.lookup import LookupDrafter
 from actors.engine.memory import MemoryModel, kv_budget
 from actors.engine.mtp import MTPDrafter, load_mtp
 from actors.engine.options import (
@@ -232,8 +233,8 @@ def _vision_speculation(
     runner, model_dir: Path, speculative: SpeculativeOptions, dequantize_on_cpu: bool
 ):
     """The runner and its speculation stats: MTP for text-only requests, or off and why."""
-    if speculative.drafter == "draft_model":
-        log.warning("draft-model speculation is not implemented for vision models: off")
+    if speculative.drafter in ("draft_model", "lookup"):
+        log.warning("%s speculation is not implemented for vision models: off", speculative.drafter)
         return runner, _off("vision models speculate only with an MTP head (drafter = mtp)")
     config = json.loads((model_dir / "config.json").read_text())
     try:
@@ -265,6 +266,10 @@ def _helpers(model, model_id, cache_dir, dequantize_on_cpu, speculative, spec_pr
     ``where``: the model's directory and config (an MTP head is read from there).
     """
     draft, drafter, off = None, "", None
+    if speculative is not None and speculative.drafter == "lookup":
+        draft = LookupDrafter(speculative.lookup_max_ngram, speculative.lookup_min_ngram)
+        drafter = draft.name
+        log.info("speculative decoding: drafting by n-gram lookup in each request's tokens")
     if speculative is not None and speculative.drafter in ("auto", "mtp"):
         try:
             draft = load_mtp_drafter(model, *where, dequantize_on_cpu)
@@ -279,7 +284,7 @@ def _helpers(model, model_id, cache_dir, dequantize_on_cpu, speculative, spec_pr
         )
     sparse = None
     if spec_prefill is not None:
-        usable = draft is not None and isinstance(draft, nn.Module)  # an MTP head cannot score
+        usable = isinstance(draft, nn.Module)  # an MTP head or prompt lookup cannot score
         scorer = (draft, drafter) if usable and not spec_prefill.scorer_model else None
         scorer = scorer or load_draft(
             spec_prefill.scorer_model, cache_dir, model, model_id, dequantize_on_cpu

@@ -36,10 +36,12 @@ class PrefixCacheOptions:
 class SpeculativeOptions:
     """Which drafter proposes how many tokens, up to which batch size."""
 
-    drafter: Literal["auto", "mtp", "draft_model"] = "auto"
+    drafter: Literal["auto", "mtp", "draft_model", "lookup"] = "auto"
     draft_model: str = ""  # "": the served model drafts for itself
     num_draft_tokens: int = 3
     max_batch: int = 8
+    lookup_max_ngram: int = 3  # prompt lookup: longest suffix matched, tried first
+    lookup_min_ngram: int = 1  # shortest suffix matched
 
 
 @dataclass(frozen=True)

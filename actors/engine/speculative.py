@@ -4,8 +4,8 @@
 public batching API (``merge`` / ``extend`` / ``filter`` / ``extract`` /
 ``prepare`` / ``finalize`` / ``trim``). Each step:
 
-1. the drafter (``ModelDrafter`` here, ``mtp.MTPDrafter``) proposes ``k`` tokens
-   for every row (batched, autoregressive);
+1. the drafter (``ModelDrafter`` here, ``mtp.MTPDrafter``, ``lookup.LookupDrafter``)
+   proposes up to ``k`` tokens for every row;
 2. one target forward pass verifies all rows: row ``i`` is fed ``[last, d1..dk]``;
 3. each row accepts its own prefix: greedy rows while the draft equals the
    target's argmax, sampled rows by standard rejection sampling (accept ``d``
@@ -116,20 +116,25 @@ def sample(logits: mx.array, key: mx.array | None) -> int:
 
 def accept_sampled(
     p: mx.array,
-    q: mx.array,
+    q: mx.array | None,
     drafts: Sequence[int],
     next_key: Callable[[], mx.array | None],
 ) -> tuple[int, int]:
     """Standard speculative sampling for one row: (drafts accepted, next token).
 
     ``p`` is the target's ``[k+1, V]`` probabilities, ``q`` the draft's ``[k, V]``
-    from which ``drafts`` were drawn.
+    from which ``drafts`` were drawn; None for a deterministic drafter (prompt
+    lookup), whose ``q`` is all on the drafted token.
     """
     for j, d in enumerate(drafts):
         u = mx.random.uniform(key=next_key()).item()
-        if u * q[j, d].item() < p[j, d].item():  # u < p/q without dividing by q
+        qd = 1.0 if q is None else q[j, d].item()
+        if u * qd < p[j, d].item():  # u < p/q without dividing by q
             continue
-        residual = mx.maximum(p[j] - q[j], 0.0)
+        if q is None:  # max(p - onehot(d), 0): p without d
+            residual = p[j] * (mx.arange(p.shape[-1]) != d)
+        else:
+            residual = mx.maximum(p[j] - q[j], 0.0)
         if residual.sum().item() <= 0.0:  # p == q up to rounding: nothing to correct
             residual = p[j]
         return j, sample(mx.log(residual), next_key())
@@ -238,12 +243,15 @@ def merge_caches(caches: Sequence[Sequence[Any]]) -> list[Any]:
 
 
 class Drafter:
-    """What proposes tokens: a draft model (``ModelDrafter``) or the target's MTP head.
+    """What proposes tokens: a draft model (``ModelDrafter``), the target's MTP head
+    (``mtp.MTPDrafter``) or n-gram lookup in the request's own tokens (``lookup``).
 
     A drafter follows each request's prefill (``start`` / ``prefilled`` / ``joined``),
     then keeps per-row state aligned with the batch's rows (``add`` / ``filter``):
-    ``propose`` drafts ``k`` tokens per row, ``update`` tells it what the target
-    accepted. ``wants_hidden``: it needs the target's last hidden states (prefill
+    ``propose`` drafts up to ``k`` tokens per row (rows may get fewer, or none: the
+    verify pass is right-padded), ``update`` tells it what the target accepted. A
+    drafter that does not ``draw`` from logits is deterministic: sampled rows then
+    accept by rejection sampling against a point mass. ``wants_hidden``: it needs the target's last hidden states (prefill
     chunks and the verify pass), so the target runs split at its head.
     """
 
@@ -535,7 +543,7 @@ class SpeculativeBatch:
                 bonus.append(argmax[i][a])
                 continue
             p = mx.softmax(scaled_logits(logprobs[i], r.params), axis=-1)
-            qi = mx.stack(q[i]) if drafts[i] else None
+            qi = mx.stack(q[i]) if q[i] else None  # none drawn: a deterministic drafter
             a, t = accept_sampled(p, qi, drafts[i], r.next_key)
             accepted.append(a)
             bonus.append(t)
