@@ -184,8 +184,8 @@ class PromptBuilder:
             messages, add_generation_prompt=generation_prompt, tokenize=False, **extra
         )
 
-    def _encode(self, text: str) -> list[int]:
-        return self.tokenizer.encode(text, add_special_tokens=False)
+    def _encode(self, text: str, param: str = "messages") -> list[int]:
+        return self.tokenizer.encode(utf8_text(text, param), add_special_tokens=False)
 
     def render_chat(self, request: ChatRequest) -> tuple[str, list[int], tuple[int, ...]]:
         """The rendered conversation, its tokens and its prefix-cache checkpoints."""
@@ -233,7 +233,7 @@ class PromptBuilder:
             if not sources:
                 return _Prompt(prompt, self._encode(prompt))
             images = load_images(sources, self.image_limits)
-            tokens, arrays = self.vision.encode(prompt, images)
+            tokens, arrays = self.vision.encode(utf8_text(prompt, "messages"), images)
         except VisionError as exc:
             raise PromptError(str(exc), "messages") from exc
         except (jinja2.TemplateError, ValueError, TypeError, KeyError) as exc:
@@ -249,7 +249,7 @@ class PromptBuilder:
         if isinstance(request, ChatRequest):
             return _Prompt(*self.render_chat(request))
         if isinstance(request.prompt, str):
-            return _Prompt("", self.tokenizer.encode(request.prompt))
+            return _Prompt("", self.tokenizer.encode(utf8_text(request.prompt, "prompt")))
         bad = [t for t in request.prompt if not 0 <= t < self.vocab_size]
         if bad:
             raise PromptError(f"token ids out of range [0, {self.vocab_size}): {bad[:5]}", "prompt")
@@ -328,6 +328,21 @@ class PromptBuilder:
             raise PromptError(
                 m.too_large_message(prompt, max_tokens), "max_tokens", reason="request_too_large"
             )
+
+
+def utf8_text(text: str, param: str) -> str:
+    """``text``, if it can be UTF-8 (what tokenizers take). A JSON ``\\ud800``-``\\udfff``
+    escape without its pair decodes to a lone surrogate, which cannot: a 400, not a
+    tokenizer error."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise PromptError(
+            f"the text holds an unpaired UTF-16 surrogate (U+{ord(exc.object[exc.start]):04X}): "
+            "JSON \\ud800-\\udfff escapes must come in high-low pairs",
+            param,
+        ) from exc
+    return text
 
 
 def bad_input(exc: Exception) -> PromptError | None:

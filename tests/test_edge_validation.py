@@ -450,3 +450,34 @@ def test_json_depth_is_fast_on_a_4mb_body():
         start = time.perf_counter()
         json_depth(body, 64)
         assert time.perf_counter() - start < 0.5
+
+
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        # in the body itself, the JSON decoder refuses it
+        (CHAT, b'{"messages": [{"role": "user", "content": "a \\udfff b"}]}'),
+        (COMPLETIONS, b'{"prompt": "\\ud800"}'),
+        # inside a JSON string the server parses later (tool-call arguments)
+        (
+            CHAT,
+            b'{"messages": [{"role": "user", "content": "x"}, {"role": "assistant", '
+            b'"tool_calls": [{"id": "c1", "type": "function", "function": {"name": "f", '
+            b'"arguments": "{\\"q\\": \\"\\\\ud800\\"}"}}]}, {"role": "tool", '
+            b'"tool_call_id": "c1", "content": "1"}]}',
+        ),
+        (
+            RESPONSES,
+            b'{"input": [{"type": "function_call", "call_id": "c1", "name": "f", '
+            b'"arguments": "{\\"q\\": \\"\\\\udfff\\"}"}, {"type": "function_call_output", '
+            b'"call_id": "c1", "output": "12"}], "max_output_tokens": 4}',
+        ),
+    ],
+)
+async def test_an_unpaired_surrogate_escape_is_a_400_not_a_tokenizer_error(path, body):
+    """Tokenizers take UTF-8, which cannot hold a lone surrogate (found by the fuzz suite:
+    a Responses function_call's arguments reached the tokenizer and made a 500)."""
+    async with client() as (c, _):
+        r = await c.post(path, data=body, headers={"Content-Type": "application/json"})
+        error = await openai_error(r, 400)
+    assert error["code"] != "internal_error", error
