@@ -7,10 +7,13 @@ acceptance rate is an upper bound and the speed shows what verification costs on
 this backend; ``--draft-layers N`` drafts with the model's first N layers (its own
 norm and head: a cheap draft sharing every weight). The concurrency where the
 speed-up falls below 1 is what ``speculative.max_batch`` should be set under.
-Prints numbers; asserts nothing. Run from the repository root:
+``--lookup`` drafts by prompt lookup instead (n-gram matches in each request's own
+tokens, no model); ``--workload copy`` asks for code back with a small change, the
+copy-heavy case lookup is for. Prints numbers; asserts nothing. Run from the
+repository root:
 
-    .venv/bin/python -m scripts.bench_spec [--draft DIR | --draft-layers N] [--k 3]
-        [--max-tokens 64] [--concurrency 1,2,4,8,16]
+    .venv/bin/python -m scripts.bench_spec [--draft DIR | --draft-layers N | --lookup]
+        [--workload chat|copy] [--k 3] [--max-tokens 64] [--concurrency 1,2,4,8,16]
     .venv/bin/python -m scripts.bench_spec --verify-cost [--concurrency 1,2,4,8,16,32]
 """
 
@@ -35,12 +38,57 @@ PROMPTS = [
 ]
 
 
-def _requests(tokenizer, n: int, max_tokens: int, tag: str):
+# Copy-heavy: code to give back with one change (what agents and editors ask for).
+CODE = [
+    """def moving_average(values, window):
+    if window <= 0:
+        raise ValueError("window must be positive")
+    total = sum(values[:window])
+    out = [total / window]
+    for i in range(window, len(values)):
+        total += values[i] - values[i - window]
+        out.append(total / window)
+    return out""",
+    """class Stack:
+    def __init__(self):
+        self.items = []
+
+    def push(self, item):
+        self.items.append(item)
+
+    def pop(self):
+        if not self.items:
+            raise IndexError("pop from an empty stack")
+        return self.items.pop()
+
+    def peek(self):
+        return self.items[-1] if self.items else None""",
+    """def parse_config(path):
+    settings = {}
+    with open(path) as f:
+        for line in f:
+            line = line.strip()
+            if not line or line.startswith("#"):
+                continue
+            key, _, value = line.partition("=")
+            settings[key.strip()] = value.strip()
+    return settings""",
+]
+CHANGES = ["Rename the function or class to use a `my_` prefix", "Add a docstring at the top"]
+
+
+def _copy_prompt(i: int) -> str:
+    code, change = CODE[i % len(CODE)], CHANGES[(i // len(CODE)) % len(CHANGES)]
+    return f"Here is some Python code:\n\n```python\n{code}\n```\n\n{change}. Reply with the full code."
+
+
+def _requests(tokenizer, n: int, max_tokens: int, tag: str, workload: str = "chat"):
     from protocol.messages import SamplingParams, TokenizedRequest
 
     out = []
     for i in range(n):
-        messages = [{"role": "user", "content": PROMPTS[i % len(PROMPTS)]}]
+        text = _copy_prompt(i) if workload == "copy" else PROMPTS[i % len(PROMPTS)]
+        messages = [{"role": "user", "content": text}]
         prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
         sampling = SamplingParams(max_tokens=max_tokens, temperature=0.0)
         out.append(
@@ -125,6 +173,7 @@ def verify_cost(args) -> None:
 
 def bench(args) -> None:
     from actors.engine.loading import load_model, load_runner
+    from actors.engine.lookup import LookupDrafter
     from actors.engine.spec_runner import SpeculativeRunner
 
     cache_dir = Path(args.cache_dir).expanduser()
@@ -132,7 +181,10 @@ def bench(args) -> None:
     width = max(counts)
     plain, info = load_runner(args.model, cache_dir, dequantize_on_cpu=True, max_batch=width)
     draft, name = plain.model, "itself"
-    if args.draft:
+    if args.lookup:
+        draft = LookupDrafter(args.lookup_max_ngram, args.lookup_min_ngram)
+        name = f"prompt lookup ({args.lookup_max_ngram}..{args.lookup_min_ngram}-grams)"
+    elif args.draft:
         draft, name = load_model(Path(args.draft), dequantize_on_cpu=True)[0], args.draft
     elif args.draft_layers:
         draft, name = (
@@ -140,18 +192,20 @@ def bench(args) -> None:
             f"its first {args.draft_layers} layers",
         )
     stops = sorted(info.tokenizer.eos_token_ids)
-    print(f"model {info.model_id} ({info.backend}), draft {name}, k={args.k}")
+    print(f"model {info.model_id} ({info.backend}), draft {name}, k={args.k}, {args.workload}")
     for n in counts:
         spec = SpeculativeRunner(
             plain.model, draft, stops, width, num_draft=args.k, spec_max_batch=width
         )
-        _decode_rate(plain, _requests(info.tokenizer, n, 8, "w"))  # warm-up
-        _decode_rate(spec, _requests(info.tokenizer, n, 8, "w"))
+
+        def requests(max_tokens, tag, n=n):
+            return _requests(info.tokenizer, n, max_tokens, tag, args.workload)
+
+        _decode_rate(plain, requests(8, "w"))  # warm-up
+        _decode_rate(spec, requests(8, "w"))
         spec.spec_stats.__init__()  # count the timed run only
-        base_tokens, base_s = _decode_rate(
-            plain, _requests(info.tokenizer, n, args.max_tokens, "p")
-        )
-        spec_tokens, spec_s = _decode_rate(spec, _requests(info.tokenizer, n, args.max_tokens, "s"))
+        base_tokens, base_s = _decode_rate(plain, requests(args.max_tokens, "p"))
+        spec_tokens, spec_s = _decode_rate(spec, requests(args.max_tokens, "s"))
         stats = spec.spec_stats
         print(
             f"concurrency {n}: plain {base_tokens / base_s:7.1f} tok/s | speculative"
@@ -167,6 +221,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--draft", default="", help="draft model dir; default the model itself")
     parser.add_argument("--cache-dir", default="~/.cache/mlxd")
     parser.add_argument("--draft-layers", type=int, default=0, help="draft with the first N layers")
+    parser.add_argument("--lookup", action="store_true", help="draft by prompt lookup (no model)")
+    parser.add_argument("--lookup-max-ngram", type=int, default=3)
+    parser.add_argument("--lookup-min-ngram", type=int, default=1)
+    parser.add_argument(
+        "--workload", choices=("chat", "copy"), default="chat", help="copy: code given back"
+    )
     parser.add_argument("--concurrency", default="1,8", help="comma-separated request counts")
     parser.add_argument("--k", type=int, default=3)
     parser.add_argument(

@@ -80,6 +80,30 @@ def test_drafter_follows_prefill_joins_updates_and_filters_rows():
     assert drafter.fresh().rows == [] and drafter.nbytes == 0
 
 
+def test_a_deterministic_draft_is_accepted_with_the_targets_probability():
+    """``q`` None (a point mass on the draft): the first token is still distributed as
+    ``p``, whether or not the draft is likely."""
+    import mlx.core as mx
+
+    from actors.engine.speculative import accept_sampled
+
+    p = mx.array([[0.5, 0.3, 0.15, 0.05], [0.25, 0.25, 0.25, 0.25]])
+    key = [mx.random.key(11)]
+
+    def next_key():
+        key[0], sub = mx.random.split(key[0])
+        return sub
+
+    n = 2000
+    for draft in (0, 3):
+        counts = [0] * 4
+        for _ in range(n):
+            accepted, token = accept_sampled(p, None, [draft], next_key)
+            counts[draft if accepted else token] += 1
+        freq = [c / n for c in counts]
+        assert all(abs(f - t) < 0.035 for f, t in zip(freq, p[0].tolist(), strict=True)), freq
+
+
 # ---- on tiny models -------------------------------------------------------------------
 
 
@@ -130,7 +154,8 @@ def test_greedy_lookup_speculation_equals_plain_decoding(
 def test_a_copy_of_the_prompt_is_drafted_from_the_prompt(tiny_models):
     """A bigram target (its next token depends on the last one only) continues ``P + O
     + P`` with ``O``, what it continued ``P`` with: the lookup finds the suffix in the
-    first copy and drafts ``O`` from it."""
+    first copy and drafts ``O`` from it. Alone, and in a batch (a hybrid target) with
+    rows that accept less."""
     plain, runner, info = lookup_runner(tiny_models("qwen3_5_mtp_exact"))
     prompt = info.tokenizer.encode("def fibonacci(n): return n if n < 2 else")
     (out,) = alone(plain, [request("p", prompt, 12)]).values()
@@ -143,6 +168,10 @@ def test_a_copy_of_the_prompt_is_drafted_from_the_prompt(tiny_models):
     print(stats)
     assert stats.acceptance_rate > 0.5
     assert stats.emitted / stats.steps > 2  # more than two tokens per verify pass
+    others = _requests(info)[:4]
+    expected = alone(plain, [copy, *others])
+    got, failed = drive(runner, {0: [copy, others[0]], 1: others[1:]})
+    assert not failed and got == expected
 
 
 @pytest.mark.mlx
@@ -189,3 +218,25 @@ def test_lookup_settings_reach_the_options():
     )
     with pytest.raises(msgspec.ValidationError, match="lookup_min_ngram"):
         msgspec.convert({"lookup_max_ngram": 2, "lookup_min_ngram": 3}, SpeculativeSettings)
+
+
+@pytest.mark.mlx
+async def test_default_model_with_lookup_drafts_over_http(tmp_path_factory):
+    """SmolLM2 asked to give code back: same replies as without speculation, and
+    ``/v1/speculative`` counts the lookup drafter's accepted drafts."""
+    from tests.conftest import settings_with
+    from tests.test_speculative import _chat_all
+
+    code = "def area(width, height):\n    return width * height\n"
+    prompts = [f"Repeat this code exactly:\n\n{code}", f"Add a docstring to:\n\n{code}"]
+    cache_dir = str(tmp_path_factory.getbasetemp() / "mlxd-cache")
+    off = settings_with(model={"cache_dir": cache_dir})
+    on = settings_with(
+        model={"cache_dir": cache_dir}, speculative={"enabled": True, "drafter": "lookup"}
+    )
+    plain, _ = await _chat_all(off, prompts)
+    spec, stats = await _chat_all(on, prompts)
+    print(stats)
+    assert spec == plain
+    assert stats["enabled"] and stats["drafter"] == "lookup"
+    assert stats["accepted"] > 0 and 0 < stats["acceptance_rate"] <= 1
