@@ -431,6 +431,10 @@ class ServerRun:
             "ttft_p95_s": percentile(ttft, 95),
             "turn1_ttft_p50_s": percentile(first, 50),
             "turn1_ttft_p95_s": percentile(first, 95),
+            "ttft_p50_by_turn_s": [
+                percentile([t.ttft for t in ok if t.turn == n], 50)
+                for n in range(1, 1 + max((t.turn for t in self.turns), default=0))
+            ],
             "prompt_tokens": sum(t.prompt_tokens for t in ok),
             "cached_tokens": sum(cached) if cached else None,
             "completion_tokens": sum(t.completion_tokens for t in ok),
@@ -468,9 +472,12 @@ def ratios(runs: list[ServerRun]) -> dict[str, float]:
 
 def report(title: str, runs: list[ServerRun]) -> str:
     lines = [title, "  ".join(_cell(h, i, w, "s") for i, (h, _, w, _) in enumerate(_COLUMNS))]
-    for run in runs:
-        s = run.summary()
+    summaries = [run.summary() for run in runs]
+    for s in summaries:
         lines.append("  ".join(_cell(s[k], i, w, f) for i, (_, k, w, f) in enumerate(_COLUMNS)))
+    for s in summaries:
+        by_turn = " ".join(f"{v:.1f}" for v in s["ttft_p50_by_turn_s"])
+        lines.append(f"{s['server']} TTFT p50 by turn (s): {by_turn}")
         lines += [f"{s['server']} error: {e}" for e in s["errors"]]
     if r := ratios(runs):
         lines.append(
@@ -525,10 +532,18 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def _revision() -> str:
+    """The checkout mlxd runs from (``-dirty``: with uncommitted changes)."""
+    git = ["git", "-C", str(ROOT), "describe", "--always", "--dirty"]
+    done = subprocess.run(git, capture_output=True, text=True, check=False)
+    return done.stdout.strip() or "unknown"
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     versions = {
+        "mlxd": _revision(),
         "mlx_lm": importlib.metadata.version("mlx-lm"),
         "mlx": importlib.metadata.version("mlx"),
     }
@@ -558,6 +573,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         preload = blas.find_openblas() if sys.platform == "linux" else None
         print(
+            f"mlxd {versions['mlxd']}, "
             f"mlx-lm {versions['mlx_lm']} (mlx_lm.server with its default flags), "
             f"mlx {versions['mlx']}; OpenBLAS preloaded for both: {preload or 'no'}"
         )
