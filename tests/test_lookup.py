@@ -240,3 +240,21 @@ async def test_default_model_with_lookup_drafts_over_http(tmp_path_factory):
     assert spec == plain
     assert stats["enabled"] and stats["drafter"] == "lookup"
     assert stats["accepted"] > 0 and 0 < stats["acceptance_rate"] <= 1
+
+
+@pytest.mark.mlx
+def test_vision_models_do_not_speculate_with_lookup(tiny_models):
+    """Off, and the status says why: the VLM lane's verify pass cannot take rows with
+    different draft counts (right-padded) on mlx-vlm's Qwen3.5 yet."""
+    from actors.engine.loading import load_runner
+    from actors.engine.options import SpeculativeOptions
+
+    model_dir = tiny_models("qwen3_5_vl")
+    runner, _ = load_runner(
+        str(model_dir),
+        model_dir,
+        dequantize_on_cpu=True,
+        max_batch=8,
+        speculative=SpeculativeOptions(drafter="lookup"),
+    )
+    assert not runner.spec_stats.enabled and "MTP head" in runner.spec_stats.notes[0]

@@ -214,7 +214,7 @@ def _load_vision(
     model_id: str, model_dir: Path, max_batch: int, dequantize_on_cpu: bool, extras: dict
 ) -> tuple[MlxRunner, ModelInfo]:
     """A vision model: MTP speculation for text-only requests when its text backbone has a
-    head; no draft-model speculation or SpecPrefill yet, and the status says so."""
+    head; no draft-model or lookup speculation or SpecPrefill yet, and the status says so."""
     runner, info = load_vlm(
         model_id, model_dir, max_batch=max_batch, dequantize_on_cpu=dequantize_on_cpu
     )
@@ -232,7 +232,10 @@ def _load_vision(
 def _vision_speculation(
     runner, model_dir: Path, speculative: SpeculativeOptions, dequantize_on_cpu: bool
 ):
-    """The runner and its speculation stats: MTP for text-only requests, or off and why."""
+    """The runner and its speculation stats: MTP for text-only requests, or off and why.
+
+    Not lookup: its rows draft different counts, and mlx-vlm's Qwen3.5 language model
+    decodes right-padded verify rows wrongly (measured: greedy output differs)."""
     if speculative.drafter in ("draft_model", "lookup"):
         log.warning("%s speculation is not implemented for vision models: off", speculative.drafter)
         return runner, _off("vision models speculate only with an MTP head (drafter = mtp)")
@@ -253,6 +256,12 @@ def _vision_speculation(
     return mtp, mtp.spec_stats
 
 
+def lookup_drafter(options: SpeculativeOptions) -> LookupDrafter:
+    """Prompt lookup with the configured n-gram bounds (no model to load)."""
+    log.info("speculative decoding: drafting by n-gram lookup in each request's tokens")
+    return LookupDrafter(options.lookup_max_ngram, options.lookup_min_ngram)
+
+
 def load_mtp_drafter(model: nn.Module, model_dir: Path, config: dict, dequantize_on_cpu: bool):
     """The model's own MTP head as a drafter; ``ValueError`` saying why it has none."""
     head = dequantize_for_cpu(load_mtp(model_dir, config), config, dequantize_on_cpu)
@@ -267,9 +276,8 @@ def _helpers(model, model_id, cache_dir, dequantize_on_cpu, speculative, spec_pr
     """
     draft, drafter, off = None, "", None
     if speculative is not None and speculative.drafter == "lookup":
-        draft = LookupDrafter(speculative.lookup_max_ngram, speculative.lookup_min_ngram)
+        draft = lookup_drafter(speculative)
         drafter = draft.name
-        log.info("speculative decoding: drafting by n-gram lookup in each request's tokens")
     if speculative is not None and speculative.drafter in ("auto", "mtp"):
         try:
             draft = load_mtp_drafter(model, *where, dequantize_on_cpu)
