@@ -69,8 +69,8 @@ FAKE_EXAMPLES = {
     "/v1/messages/count_tokens": 25,
     "/v1/responses": 50,
 }
-REAL_EXAMPLES = 20  # bursts of up to three requests
-OUTPUT_EXAMPLES = 10  # per tool-call format
+REAL_EXAMPLES = 15  # bursts of up to three requests
+OUTPUT_EXAMPLES = 8  # per tool-call format
 BURST_EXAMPLES = 25  # of up to three requests at once
 JSON = "application/json"
 # In-stream error types that mean the server failed (OpenAI's, Anthropic's).
