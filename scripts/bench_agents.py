@@ -269,27 +269,13 @@ def free_port() -> int:
 def command(server: str, model_dir: Path, port: int) -> tuple[list[str], dict[str, str]]:
     env = dict(os.environ, HF_HUB_OFFLINE="1")
     if server == "mlxd":  # its launcher preloads OpenBLAS itself
-        return [
-            sys.executable,
-            "-m",
-            "daemon.cli",
-            "serve",
-            str(model_dir),
-            "--port",
-            str(port),
-        ], env
+        args = ["daemon.cli", "serve", str(model_dir), "--port", str(port)]
+        return [sys.executable, "-m", *args], env
     lib = blas.find_openblas()
     if sys.platform == "linux" and lib:
         env["LD_PRELOAD"] = ":".join(filter(None, [lib, env.get("LD_PRELOAD")]))
-    return [
-        sys.executable,
-        "-m",
-        "mlx_lm.server",
-        "--model",
-        str(model_dir),
-        "--port",
-        str(port),
-    ], env
+    args = ["mlx_lm.server", "--model", str(model_dir), "--port", str(port)]
+    return [sys.executable, "-m", *args], env
 
 
 def _tail(log: Path, n: int = 20) -> str:
@@ -361,11 +347,13 @@ def _qwen3_5_hybrid() -> dict:
     }
 
 
-def default_model_dir() -> Path:
-    """SmolLM2-135M-Instruct converted from the bundled GGUF (cached under ~/.cache/mlxd)."""
+def converted(gguf: Path | None = None) -> Path:
+    """A GGUF file (default: the bundled SmolLM2-135M-Instruct) as an mlx-lm directory,
+    cached under ~/.cache/mlxd as mlxd caches it."""
     from actors.engine.gguf import convert_gguf, default_model_path
 
-    return convert_gguf(default_model_path(), Path("~/.cache/mlxd").expanduser(), lambda _: None)
+    source = gguf or default_model_path()
+    return convert_gguf(source, Path("~/.cache/mlxd").expanduser(), lambda _: None)
 
 
 def float32_copy(model_dir: Path, out: Path) -> Path:
@@ -396,11 +384,13 @@ def prepare(name: str, tmp: Path) -> tuple[Path, str]:
     if name == "hybrid":
         from scripts.tiny_models import build_text_model
 
-        out = build_text_model(_qwen3_5_hybrid(), default_model_dir(), tmp / "hybrid")
+        out = build_text_model(_qwen3_5_hybrid(), converted(), tmp / "hybrid")
         return out, "random-weight Qwen3.5 hybrid (28 layers, width 576), float32"
-    source = default_model_dir() if name == "default" else Path(name)
+    source = Path(name)
+    if name == "default" or source.suffix == ".gguf":
+        source = converted(None if name == "default" else source)
     model_dir = float32_copy(source, tmp / "float32")
-    label = "SmolLM2-135M-Instruct (Q4_1 GGUF)" if name == "default" else str(source)
+    label = "SmolLM2-135M-Instruct (Q4_1 GGUF)" if name == "default" else name
     return model_dir, f"{label}, {'dequantized to float32' if model_dir != source else 'as is'}"
 
 
@@ -521,7 +511,9 @@ def _servers(text: str) -> list[str]:
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="bench_agents", description=__doc__.splitlines()[0])
-    p.add_argument("--model", default="default", help="DIR, default or hybrid; comma list")
+    p.add_argument(
+        "--model", default="default", help="DIR, FILE.gguf, default or hybrid; a comma list"
+    )
     p.add_argument("--agents", type=int, default=4, help="concurrent conversations (K)")
     p.add_argument("--turns", type=int, default=5, help="requests per conversation (T)")
     p.add_argument("--max-tokens", type=int, default=32, help="tokens per reply")
