@@ -17,6 +17,23 @@ def load(model_dir: Path, max_batch: int = 8, kind: str = "auto"):
     )
 
 
+def speculative_runner(model_dir: Path, make_drafter, *, k=3, spec_max_batch=8, max_batch=8):
+    """(plain runner, speculative runner, info) over one loaded target; ``make_drafter``
+    takes the target model and returns a ``Drafter`` or a draft model."""
+    from actors.engine.spec_runner import SpeculativeRunner
+
+    plain, info = load(model_dir, max_batch)
+    runner = SpeculativeRunner(
+        plain.model,
+        make_drafter(plain.model),
+        sorted(info.tokenizer.eos_token_ids),
+        max_batch,
+        num_draft=k,
+        spec_max_batch=spec_max_batch,
+    )
+    return plain, runner, info
+
+
 def request(rid: str, tokens, max_tokens: int = 10, vision=None) -> TokenizedRequest:
     return TokenizedRequest(
         request_id=rid,

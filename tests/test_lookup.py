@@ -13,7 +13,7 @@ from types import SimpleNamespace
 import pytest
 
 from actors.engine.lookup import LookupDrafter, NgramIndex
-from tests.engine_driver import alone, drive, load, request
+from tests.engine_driver import alone, drive, request, speculative_runner
 from tests.test_speculative import _requests, _schedule, assert_sampled_runs_repeat
 
 # ---- the index and the drafter, no model -----------------------------------------------
@@ -108,18 +108,13 @@ def test_a_deterministic_draft_is_accepted_with_the_targets_probability():
 
 
 def lookup_runner(model_dir, *, k=3, spec_max_batch=8, max_batch=8, ngrams=(3, 1)):
-    from actors.engine.spec_runner import SpeculativeRunner
-
-    plain, info = load(model_dir, max_batch)
-    runner = SpeculativeRunner(
-        plain.model,
-        LookupDrafter(*ngrams),
-        sorted(info.tokenizer.eos_token_ids),
-        max_batch,
-        num_draft=k,
+    return speculative_runner(
+        model_dir,
+        lambda _: LookupDrafter(*ngrams),
+        k=k,
         spec_max_batch=spec_max_batch,
+        max_batch=max_batch,
     )
-    return plain, runner, info
 
 
 @pytest.mark.mlx

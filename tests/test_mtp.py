@@ -13,26 +13,21 @@ import json
 
 import pytest
 
-from tests.engine_driver import alone, drive, load
+from tests.engine_driver import alone, drive, load, speculative_runner
 from tests.test_speculative import _requests, _schedule, assert_sampled_runs_repeat
 
 
 def mtp_runner(model_dir, *, k=3, spec_max_batch=8, max_batch=8):
     from actors.engine.loading import load_mtp_drafter
-    from actors.engine.spec_runner import SpeculativeRunner
 
-    plain, info = load(model_dir, max_batch)
     config = json.loads((model_dir / "config.json").read_text())
-    drafter = load_mtp_drafter(plain.model, model_dir, config, True)
-    runner = SpeculativeRunner(
-        plain.model,
-        drafter,
-        sorted(info.tokenizer.eos_token_ids),
-        max_batch,
-        num_draft=k,
+    return speculative_runner(
+        model_dir,
+        lambda target: load_mtp_drafter(target, model_dir, config, True),
+        k=k,
         spec_max_batch=spec_max_batch,
+        max_batch=max_batch,
     )
-    return plain, runner, info
 
 
 @pytest.mark.mlx

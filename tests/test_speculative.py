@@ -11,7 +11,7 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from tests.engine_driver import alone, drive, load, request
+from tests.engine_driver import alone, drive, request, speculative_runner
 
 PROMPTS = [
     "Hi",
@@ -29,21 +29,15 @@ JOINS = (0, 0, 1, 2, 3, 5, 8, 13)
 
 def speculative(target_dir, draft_dir, *, k=3, spec_max_batch=8, max_batch=8):
     from actors.engine.loading import load_model
-    from actors.engine.spec_runner import SpeculativeRunner
 
-    plain, info = load(target_dir, max_batch)
-    draft = (
-        plain.model if draft_dir == target_dir else load_model(draft_dir, dequantize_on_cpu=True)[0]
+    def draft(target):
+        if draft_dir == target_dir:
+            return target
+        return load_model(draft_dir, dequantize_on_cpu=True)[0]
+
+    return speculative_runner(
+        target_dir, draft, k=k, spec_max_batch=spec_max_batch, max_batch=max_batch
     )
-    runner = SpeculativeRunner(
-        plain.model,
-        draft,
-        sorted(info.tokenizer.eos_token_ids),
-        max_batch,
-        num_draft=k,
-        spec_max_batch=spec_max_batch,
-    )
-    return plain, runner, info
 
 
 def _requests(info):
