@@ -20,9 +20,8 @@ from dataclasses import dataclass
 from enum import Enum
 
 import trio
-
-from actors.mailbox import Mailboxes
-from protocol.messages import AdmissionInbox, Admit, AdmittedRequest, Failed, Release
+from mlxd.actors.mailbox import Mailboxes
+from mlxd.protocol.messages import AdmissionInbox, Admit, AdmittedRequest, Failed, Release
 
 
 class Decision(Enum):

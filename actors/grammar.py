@@ -22,8 +22,7 @@ from typing import Any
 
 import llguidance
 import llguidance.hf
-
-from protocol.messages import Constraint, Tool
+from mlxd.protocol.messages import Constraint, Tool
 
 
 class GrammarError(ValueError):

@@ -21,8 +21,7 @@ from collections.abc import Callable
 
 import msgspec
 import trio
-
-from protocol.messages import Failed, Finished, MailboxEvent, Started, TextDelta, ToolCallDelta
+from mlxd.protocol.messages import Failed, Finished, MailboxEvent, Started, TextDelta, ToolCallDelta
 
 # Pending deltas are merged into one this often: a client that reads nothing costs
 # its output's text, not a growing list of small objects.

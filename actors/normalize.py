@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from actors.tools import template_tool_calls
-from protocol.messages import ContentPart, Message, TextPart
+from mlxd.actors.tools import template_tool_calls
+from mlxd.protocol.messages import ContentPart, Message, TextPart
 
 ChatDict = dict[str, object]
 

@@ -30,7 +30,7 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from protocol.messages import OutputSpec, ToolCall
+from mlxd.protocol.messages import OutputSpec, ToolCall
 
 TOOL_FORMATS = ("hermes", "mistral", "llama3", "json")
 IdFactory = Callable[[], str]

@@ -20,8 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import trio
-
-from actors.detokenizer import (
+from mlxd.actors.detokenizer import (
     Decoder,
     IncrementalDetokenizer,
     StopMatcher,
@@ -29,9 +28,9 @@ from actors.detokenizer import (
     marker_ids,
     special_ids,
 )
-from actors.mailbox import Mailbox, Mailboxes
-from actors.parsers import OutputParser, Parsed
-from protocol.messages import (
+from mlxd.actors.mailbox import Mailbox, Mailboxes
+from mlxd.actors.parsers import OutputParser, Parsed
+from mlxd.protocol.messages import (
     Abort,
     EngineInbox,
     EngineStep,

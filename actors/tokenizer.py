@@ -27,21 +27,20 @@ from typing import Any, NamedTuple
 import jinja2
 import msgspec
 import trio
-
-from actors.engine.memory import MemoryModel
-from actors.engine.types import ModelInfo
-from actors.grammar import CompiledGrammar, GrammarCompiler, GrammarError
-from actors.mailbox import Mailboxes
-from actors.normalize import NormalizeError, normalize_messages
-from actors.tools import (
+from mlxd.actors.engine.memory import MemoryModel
+from mlxd.actors.engine.types import ModelInfo
+from mlxd.actors.grammar import CompiledGrammar, GrammarCompiler, GrammarError
+from mlxd.actors.mailbox import Mailboxes
+from mlxd.actors.normalize import NormalizeError, normalize_messages
+from mlxd.actors.tools import (
     TemplateTraits,
     history_as_text,
     template_traits,
     tool_dicts,
     tool_system_prompt,
 )
-from actors.vision import ImageLimits, VisionError, VisionProcessor, load_images, split_images
-from protocol.messages import (
+from mlxd.actors.vision import ImageLimits, VisionError, VisionProcessor, load_images, split_images
+from mlxd.protocol.messages import (
     AdmittedRequest,
     ChatRequest,
     Failed,

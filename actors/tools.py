@@ -14,8 +14,8 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-from actors.parsers import TOOL_FORMATS
-from protocol.messages import ContentPart, Message, TextPart, Tool, ToolCall
+from mlxd.actors.parsers import TOOL_FORMATS
+from mlxd.protocol.messages import ContentPart, Message, TextPart, Tool, ToolCall
 
 _FORMAT_MARKERS = (
     ("<tool_call>", "hermes"),

@@ -21,9 +21,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-
-from actors.tools import template_source
-from protocol.messages import ImagePart
+from mlxd.actors.tools import template_source
+from mlxd.protocol.messages import ImagePart
 
 
 class VisionError(ValueError):

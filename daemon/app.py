@@ -18,26 +18,25 @@ from __future__ import annotations
 
 import msgspec
 import trio
+from mlxd.daemon.api import anthropic, openai, responses
+from mlxd.daemon.api.body import is_json_type
+from mlxd.daemon.api.common import Validator, json_response
+from mlxd.daemon.api.errors import ApiError, install_errors
+from mlxd.daemon.pipeline import Pipeline, ServerState
+from mlxd.daemon.security import AllowedHosts, ApiKeys, Cors, well_formed_host
+from mlxd.daemon.settings import Settings
+from mlxd.daemon.telemetry import request_log, status_snapshot
+from mlxd.protocol.messages import ClearCache
 from prometheus_client import CONTENT_TYPE_LATEST
 from quart import Response, request
 from quart_trio import QuartTrio
-
-from daemon.api import anthropic, openai, responses
-from daemon.api.body import is_json_type
-from daemon.api.common import Validator, json_response
-from daemon.api.errors import ApiError, install_errors
-from daemon.pipeline import Pipeline, ServerState
-from daemon.security import AllowedHosts, ApiKeys, Cors, well_formed_host
-from daemon.settings import Settings
-from daemon.telemetry import request_log, status_snapshot
-from protocol.messages import ClearCache
 
 __all__ = ["ApiError", "create_app"]
 
 
 def create_app(pipeline: Pipeline, settings: Settings) -> QuartTrio:
     """Build the app; the pipeline supplies the actor graph, settings the limits."""
-    app = QuartTrio("mlxd")
+    app = QuartTrio(__name__)
     app.config.update(
         MAX_CONTENT_LENGTH=settings.server.max_body_bytes, RESPONSE_TIMEOUT=None, BODY_TIMEOUT=60
     )

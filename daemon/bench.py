@@ -9,7 +9,7 @@ prompts, submits them straight to an ``EngineCore`` and steps it until idle, so
     mlxd bench --url http://127.0.0.1:8000 --concurrency 1,8,32
     mlxd bench --engine --max-tokens 64
     mlxd bench --both --url http://127.0.0.1:8000 --json
-    python -m scripts.bench ...  (the same, from a checkout)
+    python -m mlxd.scripts.bench ...  (the same, from a checkout)
 
 Nothing here imports MLX at module level: engine mode imports it when it runs.
 """
@@ -224,7 +224,7 @@ def run_server(
 
 
 def _tokenized(tokenizer, concurrency: int, max_tokens: int, tag: str) -> list:
-    from protocol.messages import SamplingParams, TokenizedRequest
+    from mlxd.protocol.messages import SamplingParams, TokenizedRequest
 
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
     out = []
@@ -267,9 +267,9 @@ def _engine_level(core, requests: list, mode: str = "engine") -> LevelResult:
 
 
 def run_engine(levels: list[int], max_tokens: int, config: Path | None) -> list[LevelResult]:
-    from actors.engine.core import EngineCore
-    from actors.engine.loading import load_runner
-    from daemon.settings import load_settings
+    from mlxd.actors.engine.core import EngineCore
+    from mlxd.actors.engine.loading import load_runner
+    from mlxd.daemon.settings import load_settings
 
     settings = load_settings(config)
     m, e = settings.model, settings.engine

@@ -34,7 +34,7 @@ def status() -> str:
     return "BLAS: MLX's reference BLAS (slow); install libopenblas0-pthread for ~80x faster matmul"
 
 
-def reexec_with_openblas(module: str = "daemon.cli") -> None:
+def reexec_with_openblas(module: str = "mlxd.daemon.cli") -> None:
     """Re-exec ``python -m module`` with OpenBLAS preloaded, once, when it exists on Linux."""
     if sys.platform != "linux" or os.environ.get(_MARK):
         return

@@ -9,10 +9,10 @@ import os
 import sys
 from pathlib import Path
 
-from daemon import blas, service
-from daemon.bench import main as bench_main
-from daemon.security import ApiKeys
-from daemon.settings import SettingsError, load_settings
+from mlxd.daemon import blas, service
+from mlxd.daemon.bench import main as bench_main
+from mlxd.daemon.security import ApiKeys
+from mlxd.daemon.settings import SettingsError, load_settings
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -58,8 +58,7 @@ def serve(args: argparse.Namespace) -> int:
         return 1
     logging.getLogger("mlxd").info(blas.status())
     import trio
-
-    from daemon.supervisor import serve as serve_forever
+    from mlxd.daemon.supervisor import serve as serve_forever
 
     try:
         trio.run(serve_forever, settings)

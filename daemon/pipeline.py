@@ -29,14 +29,13 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 import trio
-
-from actors.admission import AdmissionPolicy
-from actors.engine.types import ModelInfo
-from actors.mailbox import Bell, Mailbox, Mailboxes
-from actors.tokenizer import PromptBuilder, bad_input
-from daemon.telemetry import Live, RequestTrace, Telemetry
-from protocol import status as wire
-from protocol.messages import (
+from mlxd.actors.admission import AdmissionPolicy
+from mlxd.actors.engine.types import ModelInfo
+from mlxd.actors.mailbox import Bell, Mailbox, Mailboxes
+from mlxd.actors.tokenizer import PromptBuilder, bad_input
+from mlxd.daemon.telemetry import Live, RequestTrace, Telemetry
+from mlxd.protocol import status as wire
+from mlxd.protocol.messages import (
     Abort,
     AdmissionInbox,
     Admit,

@@ -20,10 +20,10 @@ from pathlib import Path
 from string import Template
 from xml.sax.saxutils import escape
 
-from daemon.settings import SettingsError, load_settings
+from mlxd.daemon.settings import SettingsError, load_settings
 
-ROOT = Path(__file__).resolve().parent.parent
-TEMPLATES = ROOT / "config"
+# ``config/`` beside the packages: the checkout's, or ``mlxd/config`` in an installed wheel.
+TEMPLATES = Path(__file__).resolve().parent.parent / "config"
 DEFAULT_LABEL = "com.mlxd.server"
 
 
@@ -70,7 +70,7 @@ def spec_from_args(args: argparse.Namespace) -> ServiceSpec:
     """The service's command line; the config is validated now, not at the first start."""
     config = args.config.expanduser().resolve() if args.config else None
     settings = load_settings(config)  # SettingsError: reported by the caller
-    serve = [sys.executable, "-m", "daemon.cli", "serve"]
+    serve = [sys.executable, "-m", "mlxd.daemon.cli", "serve"]
     if args.model:
         model = Path(args.model).expanduser()
         serve.append(str(model.resolve()) if model.exists() else args.model)
@@ -85,7 +85,7 @@ def spec_from_args(args: argparse.Namespace) -> ServiceSpec:
         label=args.label,
         arguments=tuple(serve),
         environment=_environment(args.env),
-        working_directory=ROOT,
+        working_directory=Path.home(),  # installed or not, the code is imported by name
         log_dir=(args.log_dir or Path("~/Library/Logs/mlxd")).expanduser(),
         exit_timeout=int(s.drain_timeout_s + s.flush_timeout_s) + 10,
     )

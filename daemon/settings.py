@@ -95,7 +95,7 @@ class TokenizerSettings(_Section):
     count_tokens_max_waiting: NonNegative = 8
 
     def __post_init__(self) -> None:
-        from actors.parsers import TOOL_FORMATS  # plain Python, no trio or mlx
+        from mlxd.actors.parsers import TOOL_FORMATS  # plain Python, no trio or mlx
 
         _require(
             self.tool_format in ("auto", *TOOL_FORMATS),

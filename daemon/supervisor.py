@@ -31,31 +31,30 @@ import trio
 from hypercorn.config import Config as HypercornConfig
 from hypercorn.config import Sockets
 from hypercorn.trio import serve as hypercorn_serve
-
-from actors import admission, streamer, tokenizer
-from actors.admission import AdmissionOptions, AdmissionPolicy
-from actors.engine import actor as engine
-from actors.engine.actor import EngineOptions, Publish, RunnerFactory
-from actors.engine.options import (
+from mlxd.actors import admission, streamer, tokenizer
+from mlxd.actors.admission import AdmissionOptions, AdmissionPolicy
+from mlxd.actors.engine import actor as engine
+from mlxd.actors.engine.actor import EngineOptions, Publish, RunnerFactory
+from mlxd.actors.engine.options import (
     MemoryOptions,
     PrefixCacheOptions,
     SpecPrefillOptions,
     SpeculativeOptions,
 )
-from actors.grammar import GrammarCompiler
-from actors.mailbox import Mailboxes
-from actors.streamer import StreamState
-from actors.tokenizer import PromptBuilder, TokenizerOptions
-from actors.vision import ImageLimits
-from daemon.app import create_app
-from daemon.pipeline import Pipeline, ServerState, Timeouts
-from daemon.settings import (
+from mlxd.actors.grammar import GrammarCompiler
+from mlxd.actors.mailbox import Mailboxes
+from mlxd.actors.streamer import StreamState
+from mlxd.actors.tokenizer import PromptBuilder, TokenizerOptions
+from mlxd.actors.vision import ImageLimits
+from mlxd.daemon.app import create_app
+from mlxd.daemon.pipeline import Pipeline, ServerState, Timeouts
+from mlxd.daemon.settings import (
     PrefixCacheSettings,
     Settings,
     SpecPrefillSettings,
     SpeculativeSettings,
 )
-from protocol.messages import AdmissionInbox, AdmittedRequest, EngineInbox, EngineStep, Failed
+from mlxd.protocol.messages import AdmissionInbox, AdmittedRequest, EngineInbox, EngineStep, Failed
 
 log = logging.getLogger("mlxd")
 _Options = TypeVar("_Options")
@@ -84,7 +83,7 @@ def mlx_runner_factory(settings: Settings) -> RunnerFactory:
     }
 
     def factory():
-        from actors.engine.loading import load_runner
+        from mlxd.actors.engine.loading import load_runner
 
         return load_runner(
             m.path,

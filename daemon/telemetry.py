@@ -27,13 +27,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import msgspec
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
-from prometheus_client.registry import Collector
-
-from daemon.api.errors import STATUS, code_of
-from protocol import status as wire
-from protocol.messages import (
+from mlxd.daemon.api.errors import STATUS, code_of
+from mlxd.protocol import status as wire
+from mlxd.protocol.messages import (
     EngineStats,
     Failed,
     Finished,
@@ -44,9 +40,12 @@ from protocol.messages import (
     Started,
     TextDelta,
 )
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
-    from daemon.settings import Settings
+    from mlxd.daemon.settings import Settings
 
 request_log = logging.getLogger("mlxd.requests")
 

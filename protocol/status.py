@@ -8,8 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 import msgspec
-
-from protocol.messages import EngineStats
+from mlxd.protocol.messages import EngineStats
 
 
 class RequestStatus(msgspec.Struct, kw_only=True):

@@ -10,9 +10,9 @@ then the next. Prints per server the wall time, TTFT p50/p95 over all turns and
 over turn 1 alone, and the prompt, cached and generated tokens the server
 reported, then the ratio mlx_lm.server / mlxd (above 1: mlxd is faster).
 
-    python -m scripts.bench_agents                       # default model, both servers
-    python -m scripts.bench_agents --model hybrid --agents 4 --turns 5 --json
-    python -m scripts.bench_agents --model DIR --servers mlxd
+    python -m mlxd.scripts.bench_agents                       # default model, both servers
+    python -m mlxd.scripts.bench_agents --model hybrid --agents 4 --turns 5 --json
+    python -m mlxd.scripts.bench_agents --model DIR --servers mlxd
 
 ``default`` is SmolLM2-135M-Instruct converted from the bundled GGUF; ``hybrid``
 a random-weight Qwen3.5-architecture model (GatedDeltaNet + attention) of about
@@ -41,8 +41,8 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from daemon import blas
-from daemon.bench import percentile
+from mlxd.daemon import blas
+from mlxd.daemon.bench import percentile
 
 ROOT = Path(__file__).resolve().parent.parent
 SERVERS = ("mlxd", "mlx_lm")
@@ -269,7 +269,7 @@ def free_port() -> int:
 def command(server: str, model_dir: Path, port: int) -> tuple[list[str], dict[str, str]]:
     env = dict(os.environ, HF_HUB_OFFLINE="1")
     if server == "mlxd":  # its launcher preloads OpenBLAS itself
-        args = ["daemon.cli", "serve", str(model_dir), "--port", str(port)]
+        args = ["mlxd.daemon.cli", "serve", str(model_dir), "--port", str(port)]
         return [sys.executable, "-m", *args], env
     lib = blas.find_openblas()
     if sys.platform == "linux" and lib:
@@ -328,7 +328,7 @@ def serving(
 def _qwen3_5_hybrid() -> dict:
     """A Qwen3.5 hybrid of about SmolLM2-135M's compute: 28 layers (7 full attention, 21
     GatedDeltaNet) at width 576, ~107M parameters besides the (untied) embeddings."""
-    from scripts.tiny_models import QWEN3_5
+    from mlxd.scripts.tiny_models import QWEN3_5
 
     return {
         **QWEN3_5,
@@ -350,7 +350,7 @@ def _qwen3_5_hybrid() -> dict:
 def converted(gguf: Path | None = None) -> Path:
     """A GGUF file (default: the bundled SmolLM2-135M-Instruct) as an mlx-lm directory,
     cached under ~/.cache/mlxd as mlxd caches it."""
-    from actors.engine.gguf import convert_gguf, default_model_path
+    from mlxd.actors.engine.gguf import convert_gguf, default_model_path
 
     source = gguf or default_model_path()
     return convert_gguf(source, Path("~/.cache/mlxd").expanduser(), lambda _: None)
@@ -361,9 +361,8 @@ def float32_copy(model_dir: Path, out: Path) -> Path:
     the CPU (as mlxd loads it there), else ``model_dir`` itself."""
     import mlx.core as mx
     from mlx_lm.utils import dequantize_model, load, save_model
-
-    from actors.engine.loading import backend
-    from scripts.tiny_models import copy_tokenizer
+    from mlxd.actors.engine.loading import backend
+    from mlxd.scripts.tiny_models import copy_tokenizer
 
     config = json.loads((model_dir / "config.json").read_text())
     if "quantization" not in config or backend() != "cpu":
@@ -382,7 +381,7 @@ def float32_copy(model_dir: Path, out: Path) -> Path:
 def prepare(name: str, tmp: Path) -> tuple[Path, str]:
     """The model directory both servers load, and a line describing it."""
     if name == "hybrid":
-        from scripts.tiny_models import build_text_model
+        from mlxd.scripts.tiny_models import build_text_model
 
         out = build_text_model(_qwen3_5_hybrid(), converted(), tmp / "hybrid")
         return out, "random-weight Qwen3.5 hybrid (28 layers, width 576), float32"

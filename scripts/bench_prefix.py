@@ -2,7 +2,7 @@
 
 Runs the actor graph in-process (no HTTP) and prints, for a ~2,000-token system
 prompt and for a 5-turn agent-style conversation, TTFT cold vs cached. A number
-printer, not a test: ``python -m scripts.bench_prefix`` (OpenBLAS preloaded, e.g.
+printer, not a test: ``python -m mlxd.scripts.bench_prefix`` (OpenBLAS preloaded, e.g.
 through ``mlxd bench-prefix`` or ``LD_PRELOAD``).
 """
 
@@ -15,10 +15,9 @@ import time
 
 import msgspec
 import trio
-
-from daemon.settings import load_settings
-from daemon.supervisor import mlx_runner_factory, open_graph, run_actors
-from protocol.messages import ChatRequest, Message, SamplingParams, TextDelta
+from mlxd.daemon.settings import load_settings
+from mlxd.daemon.supervisor import mlx_runner_factory, open_graph, run_actors
+from mlxd.protocol.messages import ChatRequest, Message, SamplingParams, TextDelta
 
 RULES = [
     "Always answer in plain English.",

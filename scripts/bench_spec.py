@@ -12,9 +12,9 @@ tokens, no model); ``--workload copy`` asks for code back with a small change, t
 copy-heavy case lookup is for. Prints numbers; asserts nothing. Run from the
 repository root:
 
-    .venv/bin/python -m scripts.bench_spec [--draft DIR | --draft-layers N | --lookup]
+    .venv/bin/python -m mlxd.scripts.bench_spec [--draft DIR | --draft-layers N | --lookup]
         [--workload chat|copy] [--k 3] [--max-tokens 64] [--concurrency 1,2,4,8,16]
-    .venv/bin/python -m scripts.bench_spec --verify-cost [--concurrency 1,2,4,8,16,32]
+    .venv/bin/python -m mlxd.scripts.bench_spec --verify-cost [--concurrency 1,2,4,8,16,32]
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import os
 import time
 from pathlib import Path
 
-from daemon import blas
+from mlxd.daemon import blas
 
 PROMPTS = [
     "Write a short poem about the sea.",
@@ -83,7 +83,7 @@ def _copy_prompt(i: int) -> str:
 
 
 def _requests(tokenizer, n: int, max_tokens: int, tag: str, workload: str = "chat"):
-    from protocol.messages import SamplingParams, TokenizedRequest
+    from mlxd.protocol.messages import SamplingParams, TokenizedRequest
 
     out = []
     for i in range(n):
@@ -132,9 +132,8 @@ def verify_cost(args) -> None:
     on a big model). ``speculative.max_batch`` is where that stops holding."""
     import mlx.core as mx
     from mlx_lm.models.cache import make_prompt_cache
-
-    from actors.engine.loading import load_runner
-    from actors.engine.speculative import merge_caches
+    from mlxd.actors.engine.loading import load_runner
+    from mlxd.actors.engine.speculative import merge_caches
 
     cache_dir = Path(args.cache_dir).expanduser()
     runner, info = load_runner(args.model, cache_dir, dequantize_on_cpu=True, max_batch=1)
@@ -174,9 +173,9 @@ def verify_cost(args) -> None:
 
 
 def bench(args) -> None:
-    from actors.engine.loading import load_model, load_runner
-    from actors.engine.lookup import LookupDrafter
-    from actors.engine.spec_runner import SpeculativeRunner
+    from mlxd.actors.engine.loading import load_model, load_runner
+    from mlxd.actors.engine.lookup import LookupDrafter
+    from mlxd.actors.engine.spec_runner import SpeculativeRunner
 
     cache_dir = Path(args.cache_dir).expanduser()
     counts = [int(c) for c in args.concurrency.split(",")]
@@ -248,5 +247,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    blas.reexec_with_openblas("scripts.bench_spec")
+    blas.reexec_with_openblas("mlxd.scripts.bench_spec")
     raise SystemExit(main())

@@ -8,7 +8,7 @@ unless ``--scorer`` names a smaller one: with the model scoring itself, scoring
 SpecPrefill only pays with a smaller scorer; the "prefill only" column shows the
 target's part alone. Prints numbers; asserts nothing. From the repository root:
 
-    .venv/bin/python -m scripts.bench_spec_prefill [--scorer DIR] [--lengths 4096 8000]
+    .venv/bin/python -m mlxd.scripts.bench_spec_prefill [--scorer DIR] [--lengths 4096 8000]
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import os
 import time
 from pathlib import Path
 
-from daemon import blas
+from mlxd.daemon import blas
 
 TEXT = (
     "The history of the river town is long and full of small events: markets, floods, "
@@ -27,7 +27,7 @@ TEXT = (
 
 
 def _request(tokenizer, length: int, tag: str):
-    from protocol.messages import SamplingParams, TokenizedRequest
+    from mlxd.protocol.messages import SamplingParams, TokenizedRequest
 
     tokens = tokenizer.encode(TEXT * (length // 20 + 1))[: length - 8]
     tokens += tokenizer.encode(" In one sentence, what is this about?")[:8]
@@ -55,9 +55,9 @@ def _ttft(runner, request, chunk: int) -> tuple[float, float]:
 
 
 def bench(args) -> None:
-    from actors.engine.loading import load_model, load_runner, make_spec_prefill
-    from actors.engine.options import SpecPrefillOptions
-    from actors.engine.runner import MlxRunner
+    from mlxd.actors.engine.loading import load_model, load_runner, make_spec_prefill
+    from mlxd.actors.engine.options import SpecPrefillOptions
+    from mlxd.actors.engine.runner import MlxRunner
 
     cache_dir = Path(args.cache_dir).expanduser()
     plain, info = load_runner(args.model, cache_dir, dequantize_on_cpu=True, max_batch=8)
@@ -107,5 +107,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    blas.reexec_with_openblas("scripts.bench_spec_prefill")
+    blas.reexec_with_openblas("mlxd.scripts.bench_spec_prefill")
     raise SystemExit(main())

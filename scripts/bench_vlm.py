@@ -5,7 +5,7 @@ directory and drives the real runner in-process: every request is prefilled firs
 (untimed), then decode steps are timed until all finish. Prints numbers; asserts
 nothing. Run from the repository root:
 
-    .venv/bin/python -m scripts.bench_vlm [--models qwen2_vl,qwen3_5_vl] [--max-tokens 64]
+    .venv/bin/python -m mlxd.scripts.bench_vlm [--models qwen2_vl,qwen3_5_vl] [--max-tokens 64]
 """
 
 from __future__ import annotations
@@ -16,12 +16,12 @@ import tempfile
 import time
 from pathlib import Path
 
-from daemon import blas
+from mlxd.daemon import blas
 
 
 def _requests(builder, n: int, max_tokens: int):
-    from protocol.messages import ChatRequest, ImagePart, Message, SamplingParams, TextPart
-    from scripts.tiny_models import data_url, png
+    from mlxd.protocol.messages import ChatRequest, ImagePart, Message, SamplingParams, TextPart
+    from mlxd.scripts.tiny_models import data_url, png
 
     out = []
     for i in range(n):
@@ -54,9 +54,9 @@ def _decode_rate(runner, requests) -> tuple[int, float]:
 
 
 def bench(model_dir: Path, n: int, max_tokens: int) -> None:
-    from actors.engine.loading import load_runner
-    from actors.tokenizer import PromptBuilder
-    from actors.vision import ImageLimits
+    from mlxd.actors.engine.loading import load_runner
+    from mlxd.actors.tokenizer import PromptBuilder
+    from mlxd.actors.vision import ImageLimits
 
     runner, info = load_runner(str(model_dir), model_dir, dequantize_on_cpu=True, max_batch=n)
     builder = PromptBuilder(
@@ -90,8 +90,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     print(blas.status())
-    from actors.engine.gguf import convert_gguf, default_model_path
-    from scripts import tiny_models as tm
+    from mlxd.actors.engine.gguf import convert_gguf, default_model_path
+    from mlxd.scripts import tiny_models as tm
 
     configs = {"qwen2_vl": tm.qwen2_vl_config, "qwen3_5_vl": tm.qwen3_5_vl_config}
     with tempfile.TemporaryDirectory() as tmp:
@@ -104,5 +104,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    blas.reexec_with_openblas("scripts.bench_vlm")
+    blas.reexec_with_openblas("mlxd.scripts.bench_vlm")
     raise SystemExit(main())

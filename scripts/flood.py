@@ -7,7 +7,7 @@ stayed 200 throughout, and TTFT p50/p99 of the admitted requests. With
 its peak, and ``--settle`` seconds after it (MLX's freed buffers go back to the
 system when the engine goes idle).
 
-    python -m scripts.flood --url http://127.0.0.1:8000 -n 200 --max-tokens 32 --pid PID
+    python -m mlxd.scripts.flood --url http://127.0.0.1:8000 -n 200 --max-tokens 32 --pid PID
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import json
 import time
 from collections import Counter
 
-from daemon.bench import percentile, prompts
+from mlxd.daemon.bench import percentile, prompts
 
 
 async def _one(client, url: str, prompt: str, max_tokens: int) -> tuple[int, float | None, str]:

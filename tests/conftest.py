@@ -10,11 +10,11 @@ import pytest
 import trio
 from hypercorn.config import Config
 from hypercorn.trio import serve
+from mlxd.daemon.app import create_app
+from mlxd.daemon.settings import load_settings
+from mlxd.daemon.supervisor import open_graph, run_actors
+from mlxd.protocol.messages import ChatRequest, Message, SamplingParams, TextDelta
 
-from daemon.app import create_app
-from daemon.settings import load_settings
-from daemon.supervisor import open_graph, run_actors
-from protocol.messages import ChatRequest, Message, SamplingParams, TextDelta
 from tests.fakes import FakeRunner, fake_factory
 
 # As `mlxd serve` does: model directories are local; nothing may reach for a hub.
@@ -118,7 +118,7 @@ async def real_server(settings=None, factory=None, runner=None, memory=None):
 @pytest.fixture(scope="session")
 def smollm_tokenizer(tmp_path_factory):
     """SmolLM2's tokenizer files, converted from the default GGUF once per session."""
-    from actors.engine.gguf import convert_gguf, default_model_path
+    from mlxd.actors.engine.gguf import convert_gguf, default_model_path
 
     return convert_gguf(default_model_path(), tmp_path_factory.mktemp("gguf"), lambda _: None)
 
@@ -126,7 +126,7 @@ def smollm_tokenizer(tmp_path_factory):
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory, smollm_tokenizer):
     """``tiny_models(name)``: the directory of a tiny model from ``scripts/tiny_models.py``."""
-    from scripts import tiny_models as tm
+    from mlxd.scripts import tiny_models as tm
 
     root = tmp_path_factory.mktemp("tiny-models")
     builders = {

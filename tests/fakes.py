@@ -6,9 +6,14 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from actors.engine.memory import AttentionLayer, MemoryModel
-from actors.engine.types import Decoded, ModelInfo
-from protocol.messages import RunnerCounters, SpeculativeCounters, TokenizedRequest, TokenLogprob
+from mlxd.actors.engine.memory import AttentionLayer, MemoryModel
+from mlxd.actors.engine.types import Decoded, ModelInfo
+from mlxd.protocol.messages import (
+    RunnerCounters,
+    SpeculativeCounters,
+    TokenizedRequest,
+    TokenLogprob,
+)
 
 EOS = 0
 

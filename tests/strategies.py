@@ -284,7 +284,7 @@ def request_body(cls: type[msgspec.Struct], mode: str) -> st.SearchStrategy[Any]
 
 def _hints(mode: str, d: Derive) -> dict[str, st.SearchStrategy[Any]]:
     """Values that mean something to the server, keyed by ``Struct.field`` or field name."""
-    from protocol.responses import InputItem
+    from mlxd.protocol.responses import InputItem
 
     hostile = mode == "hostile"
     words = text() if hostile else tame_text()

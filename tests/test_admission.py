@@ -4,12 +4,11 @@ timeout (the pipeline's timer) in front of it."""
 from __future__ import annotations
 
 import trio
-
-from actors import admission
-from actors.admission import AdmissionOptions, AdmissionPolicy, Decision
-from actors.mailbox import Mailboxes
-from daemon.pipeline import Pipeline, Timeouts
-from protocol.messages import (
+from mlxd.actors import admission
+from mlxd.actors.admission import AdmissionOptions, AdmissionPolicy, Decision
+from mlxd.actors.mailbox import Mailboxes
+from mlxd.daemon.pipeline import Pipeline, Timeouts
+from mlxd.protocol.messages import (
     Abort,
     Admit,
     CompletionRequest,

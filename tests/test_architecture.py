@@ -55,9 +55,9 @@ def _imported(
     """The dotted names an import statement loads: ``from a.b import c`` loads the module
     ``a.b.c`` if there is one (in ``known``), else ``a.b``."""
     if isinstance(node, ast.Import):
-        yield from (alias.name for alias in node.names)
+        yield from (alias.name.removeprefix("mlxd.") for alias in node.names)
         return
-    base = node.module or ""
+    base = (node.module or "").removeprefix("mlxd.")  # installed under the mlxd namespace
     if node.level:  # relative: from the importing module's package, up ``level - 1``
         package = module.split(".") if is_package else module.split(".")[:-1]
         anchor = package[: len(package) - (node.level - 1)]

@@ -14,16 +14,15 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-
-from daemon.cli import _parser
-from daemon.service import render_plist, spec_from_args
+from mlxd.daemon.cli import _parser
+from mlxd.daemon.service import render_plist, spec_from_args
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
 def mlxd(*args, **kw):
     return subprocess.Popen(
-        [sys.executable, "-m", "daemon.cli", *args],
+        [sys.executable, "-m", "mlxd.daemon.cli", *args],
         cwd=ROOT,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,

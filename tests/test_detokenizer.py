@@ -1,8 +1,7 @@
 """Incremental detokenizer and stop strings, with a byte-level fake and the real tokenizer."""
 
 import pytest
-
-from actors.detokenizer import IncrementalDetokenizer, StopMatcher
+from mlxd.actors.detokenizer import IncrementalDetokenizer, StopMatcher
 
 
 class ByteTokenizer:
@@ -79,7 +78,7 @@ class _ByteLevel:
 
 
 def test_token_texts_give_exact_bytes_of_partial_characters():
-    from actors.detokenizer import TokenTexts
+    from mlxd.actors.detokenizer import TokenTexts
 
     texts = TokenTexts(_ByteLevel())
     assert texts(1) == ("é", (0xC3, 0xA9))

@@ -9,11 +9,11 @@ from contextlib import asynccontextmanager
 
 import pytest
 import trio
+from mlxd.daemon.api.body import is_json_type, json_depth
+from mlxd.daemon.app import create_app
+from mlxd.daemon.security import AllowedHosts
+from mlxd.daemon.settings import load_settings
 
-from daemon.api.body import is_json_type, json_depth
-from daemon.app import create_app
-from daemon.security import AllowedHosts
-from daemon.settings import load_settings
 from tests.conftest import running_graph, settings_with
 
 CHAT = "/v1/chat/completions"
@@ -261,8 +261,9 @@ async def test_a_schema_that_allows_no_output_is_400_not_an_empty_answer(schema)
 
 
 def test_recursive_schemas_that_allow_values_compile():
-    from actors.grammar import GrammarCompiler
-    from protocol.messages import Constraint
+    from mlxd.actors.grammar import GrammarCompiler
+    from mlxd.protocol.messages import Constraint
+
     from tests.fakes import CharTokenizer
 
     grammars = GrammarCompiler(CharTokenizer())

@@ -6,10 +6,9 @@ import json
 from typing import get_args
 
 import pytest
-
-from daemon.api import anthropic, openai, responses
-from daemon.api.errors import REASONS, STATUS, ApiError, code_of
-from protocol.messages import Failed, Reason
+from mlxd.daemon.api import anthropic, openai, responses
+from mlxd.daemon.api.errors import REASONS, STATUS, ApiError, code_of
+from mlxd.protocol.messages import Failed, Reason
 
 FORMATS = {"openai": openai.ERRORS, "anthropic": anthropic.ERRORS, "responses": responses.ERRORS}
 

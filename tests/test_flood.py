@@ -12,8 +12,8 @@ import json
 
 import httpx
 import trio
+from mlxd.daemon.bench import percentile
 
-from daemon.bench import percentile
 from tests.conftest import metric, real_server, settings_with
 from tests.fakes import FakeRunner, fake_memory
 

@@ -49,8 +49,8 @@ import pytest
 import trio
 from hypothesis import HealthCheck, Phase, assume, example, given, settings
 from hypothesis import strategies as st
+from mlxd.protocol import anthropic, openai, responses
 
-from protocol import anthropic, openai, responses
 from tests import strategies as fz
 from tests.conftest import real_server, settings_with
 from tests.fakes import FakeRunner, fake_factory
@@ -539,7 +539,7 @@ def real_settings(tmp_path_factory):
 async def test_fuzz_real_model(real_settings):
     """All routes; the fixed cases where a bad value could reach MLX or the real tokenizer
     (the HTTP-level ones are the same code as in the fake tier)."""
-    from daemon.supervisor import mlx_runner_factory
+    from mlxd.daemon.supervisor import mlx_runner_factory
 
     paths = ["/v1/chat/completions", "/v1/completions", "/v1/responses"]
     corners = [case for path in paths for case in corner_cases(path)]

@@ -6,8 +6,7 @@ from pathlib import Path
 
 import mlx.core as mx
 import pytest
-
-from actors.engine.gguf import (
+from mlxd.actors.engine.gguf import (
     UnsupportedModel,
     convert_gguf,
     default_model_path,

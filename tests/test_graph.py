@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import msgspec
 import trio
+from mlxd.daemon.supervisor import drain
+from mlxd.protocol.messages import Failed, Finished, Started, TextDelta
 
-from daemon.supervisor import drain
-from protocol.messages import Failed, Finished, Started, TextDelta
 from tests.conftest import chat, collect, running_graph, settings_with, text_of
 from tests.fakes import fake_memory
 
@@ -117,7 +117,7 @@ async def test_prefill_failure_fails_only_that_request():
 
 
 async def test_template_error_is_a_400_for_that_request():
-    from protocol.messages import ChatRequest, Message, SamplingParams
+    from mlxd.protocol.messages import ChatRequest, Message, SamplingParams
 
     async with running_graph() as (pipeline, runner):
         req = ChatRequest(

@@ -194,7 +194,16 @@ def daemon(tmp_path_factory):
     log = tmp / "mlxd.log"
     with log.open("w") as out:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "daemon.cli", "serve", "--port", str(port), "--config", config],
+            [
+                sys.executable,
+                "-m",
+                "mlxd.daemon.cli",
+                "serve",
+                "--port",
+                str(port),
+                "--config",
+                config,
+            ],
             cwd=ROOT,
             stdout=out,
             stderr=subprocess.STDOUT,

@@ -8,10 +8,10 @@ from contextlib import asynccontextmanager
 import httpx
 import pytest
 import trio
+from mlxd.daemon.app import create_app
+from mlxd.daemon.pipeline import ServerState
+from mlxd.daemon.settings import load_settings
 
-from daemon.app import create_app
-from daemon.pipeline import ServerState
-from daemon.settings import load_settings
 from tests.conftest import (
     assert_idle,
     chat,
@@ -320,7 +320,7 @@ async def test_api_keys_bearer_and_x_api_key_health_stays_open(tmp_path):
 
 
 async def test_an_unreadable_or_empty_key_file_is_a_startup_error(tmp_path):
-    from daemon.app import create_app
+    from mlxd.daemon.app import create_app
 
     empty = tmp_path / "empty"
     empty.write_text("# nothing\n")
@@ -465,8 +465,8 @@ async def test_deadline_mid_stream_ends_with_an_error_event():
 
 
 def test_priority_field_is_honoured_only_when_enabled():
-    from daemon.api.common import Validator
-    from protocol import openai as wire
+    from mlxd.daemon.api.common import Validator
+    from mlxd.protocol import openai as wire
 
     w = wire.chat_decoder.decode(b'{"messages": [], "priority": -5}')
     assert Validator(load_settings()).priority(w.priority) == 0

@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 import pytest
-
-from actors.engine.memory import (
+from mlxd.actors.engine.memory import (
     AttentionLayer,
     MemoryModel,
     StateLayer,

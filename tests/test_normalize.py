@@ -1,7 +1,6 @@
 import pytest
-
-from actors.normalize import NormalizeError, normalize_messages
-from protocol.messages import ImagePart, Message, TextPart
+from mlxd.actors.normalize import NormalizeError, normalize_messages
+from mlxd.protocol.messages import ImagePart, Message, TextPart
 
 
 def msgs(*pairs):

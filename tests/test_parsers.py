@@ -6,9 +6,8 @@ import itertools
 import json
 
 import pytest
-
-from actors.parsers import OutputParser, Parsed
-from protocol.messages import OutputSpec
+from mlxd.actors.parsers import OutputParser, Parsed
+from mlxd.protocol.messages import OutputSpec
 
 THINK = ("<think>", "</think>")
 

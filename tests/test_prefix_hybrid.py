@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import pytest
+from mlxd.actors.engine.prefix_cache import PrefixCache
+from mlxd.protocol.messages import SamplingParams, TokenizedRequest
 
-from actors.engine.prefix_cache import PrefixCache
-from protocol.messages import SamplingParams, TokenizedRequest
 from tests.engine_driver import drive, load
 
 pytestmark = pytest.mark.mlx

@@ -5,16 +5,16 @@ from __future__ import annotations
 import msgspec
 import pytest
 import trio
-
-from daemon.settings import load_settings
-from daemon.supervisor import mlx_runner_factory
-from protocol.messages import (
+from mlxd.daemon.settings import load_settings
+from mlxd.daemon.supervisor import mlx_runner_factory
+from mlxd.protocol.messages import (
     ChatRequest,
     CompletionRequest,
     Finished,
     Message,
     SamplingParams,
 )
+
 from tests.conftest import collect, running_graph, text_of
 
 pytestmark = pytest.mark.mlx

@@ -10,8 +10,8 @@ import httpx
 import jsonschema
 import pytest
 import trio
+from mlxd.daemon.supervisor import mlx_runner_factory
 
-from daemon.supervisor import mlx_runner_factory
 from tests.conftest import real_server
 from tests.test_anthropic import events as anthropic_events
 from tests.test_real_model import settings  # noqa: F401 - the session's settings fixture
@@ -205,11 +205,10 @@ def test_forced_call_grammar_round_trips_through_each_parser(settings, fmt):  # 
     from pathlib import Path
 
     from mlx_lm.utils import load_tokenizer
-
-    from actors.engine.loading import resolve_model_dir
-    from actors.grammar import GrammarCompiler, tool_call_lark, tool_call_schema
-    from actors.parsers import OutputParser
-    from protocol.messages import Constraint, OutputSpec, Tool
+    from mlxd.actors.engine.loading import resolve_model_dir
+    from mlxd.actors.grammar import GrammarCompiler, tool_call_lark, tool_call_schema
+    from mlxd.actors.parsers import OutputParser
+    from mlxd.protocol.messages import Constraint, OutputSpec, Tool
 
     _, model_dir = resolve_model_dir("", Path(settings.model.cache_dir), lambda _line: None)
     tokenizer = load_tokenizer(model_dir)

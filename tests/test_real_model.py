@@ -9,10 +9,10 @@ import httpx
 import msgspec
 import pytest
 import trio
+from mlxd.daemon.settings import load_settings
+from mlxd.daemon.supervisor import mlx_runner_factory
+from mlxd.protocol.messages import CompletionRequest, Failed, Finished, SamplingParams
 
-from daemon.settings import load_settings
-from daemon.supervisor import mlx_runner_factory
-from protocol.messages import CompletionRequest, Failed, Finished, SamplingParams
 from tests.conftest import chat, collect, real_server, running_graph, text_of
 
 pytestmark = pytest.mark.mlx
@@ -69,9 +69,9 @@ async def test_paris(settings):
 
 def test_memory_estimate_matches_the_model_config(settings):
     """KV bytes per token = layers × 2 (K, V) × KV heads × head dim × dtype size."""
-    from actors.engine.loading import load_runner
-    from actors.engine.options import MemoryOptions
-    from daemon.supervisor import options_from
+    from mlxd.actors.engine.loading import load_runner
+    from mlxd.actors.engine.options import MemoryOptions
+    from mlxd.daemon.supervisor import options_from
 
     m = settings.model
     runner, info = load_runner(
@@ -158,7 +158,7 @@ async def test_streamed_text_equals_non_streamed(settings):
 
 
 def test_default_model_is_found():
-    from actors.engine.gguf import default_model_path
+    from mlxd.actors.engine.gguf import default_model_path
 
     assert Path(default_model_path()).suffix == ".gguf"
 

@@ -12,8 +12,8 @@ sampled request still runs.
 from __future__ import annotations
 
 import pytest
+from mlxd.protocol.messages import SamplingParams, TokenizedRequest
 
-from protocol.messages import SamplingParams, TokenizedRequest
 from tests.engine_driver import alone, drive, load
 
 pytestmark = pytest.mark.mlx

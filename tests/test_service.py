@@ -6,12 +6,12 @@ import configparser
 import plistlib
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
-
-from daemon import service
-from daemon.cli import main
-from daemon.settings import load_settings
+from mlxd.daemon import service
+from mlxd.daemon.cli import main
+from mlxd.daemon.settings import load_settings
 
 
 def render(capsys, *argv: str) -> str:
@@ -31,7 +31,7 @@ def test_plist_parses_and_runs_this_venv_serving_with_the_given_options(capsys, 
     assert plist["Label"] == "org.example.mlxd"
     assert plist["ProgramArguments"] == [
         sys.executable,
-        *("-m", "daemon.cli", "serve", "--config", str(config), "--port", "9001"),
+        *("-m", "mlxd.daemon.cli", "serve", "--config", str(config), "--port", "9001"),
     ]
     assert plist["RunAtLoad"] is True
     assert plist["KeepAlive"] == {"SuccessfulExit": False}  # crashes restart, a drain does not
@@ -41,7 +41,7 @@ def test_plist_parses_and_runs_this_venv_serving_with_the_given_options(capsys, 
     assert plist["StandardOutPath"] == str(tmp_path / "org.example.mlxd.out.log")
     # launchd sends SIGKILL ExitTimeOut seconds after SIGTERM: longer than the drain
     assert plist["ExitTimeOut"] > 100.0 + load_settings().server.flush_timeout_s
-    assert plist["WorkingDirectory"] == str(service.ROOT)
+    assert plist["WorkingDirectory"] == str(Path.home())
 
 
 def test_the_rendered_command_starts_the_cli(capsys):
@@ -111,7 +111,7 @@ def test_systemd_unit_parses_with_literal_specials(capsys):
     unit = configparser.ConfigParser(interpolation=None, strict=False)
     unit.read_string(text)
     exec_start = unit["Service"]["ExecStart"]
-    assert exec_start == f"{sys.executable} -m daemon.cli serve --port 9002"
+    assert exec_start == f"{sys.executable} -m mlxd.daemon.cli serve --port 9002"
     assert 'Environment="NOTE=50%% of $HOME"' in text  # no $ expansion in Environment=
     assert unit["Service"]["KillSignal"] == "SIGTERM"
     s = load_settings().server

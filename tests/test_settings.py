@@ -1,6 +1,5 @@
 import pytest
-
-from daemon.settings import Settings, SettingsError, load_settings
+from mlxd.daemon.settings import Settings, SettingsError, load_settings
 
 
 def test_defaults_decode_from_default_toml():

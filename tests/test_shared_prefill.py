@@ -7,11 +7,10 @@ state can only be reused from an exact-boundary snapshot."""
 from __future__ import annotations
 
 import pytest
-
-from actors.engine.core import EngineCore
-from actors.engine.loading import load_runner
-from actors.engine.options import PrefixCacheOptions
-from protocol.messages import SamplingParams, TokenizedRequest
+from mlxd.actors.engine.core import EngineCore
+from mlxd.actors.engine.loading import load_runner
+from mlxd.actors.engine.options import PrefixCacheOptions
+from mlxd.protocol.messages import SamplingParams, TokenizedRequest
 
 pytestmark = pytest.mark.mlx
 

@@ -28,7 +28,7 @@ JOINS = (0, 0, 1, 2, 3, 5, 8, 13)
 
 
 def speculative(target_dir, draft_dir, *, k=3, spec_max_batch=8, max_batch=8):
-    from actors.engine.loading import load_model
+    from mlxd.actors.engine.loading import load_model
 
     def draft(target):
         if draft_dir == target_dir:
@@ -100,9 +100,9 @@ async def _chat_all(settings, prompts):
     import json
 
     import trio
+    from mlxd.daemon.app import create_app
+    from mlxd.daemon.supervisor import mlx_runner_factory
 
-    from daemon.app import create_app
-    from daemon.supervisor import mlx_runner_factory
     from tests.conftest import running_graph
 
     replies: dict[int, str] = {}
@@ -142,8 +142,7 @@ async def test_default_model_drafting_for_itself_over_http(tmp_path_factory):
 def test_rejection_sampling_follows_the_target_distribution():
     """The first token out of ``accept_sampled`` is distributed as the target's ``p``."""
     import mlx.core as mx
-
-    from actors.engine.speculative import accept_sampled
+    from mlxd.actors.engine.speculative import accept_sampled
 
     p = mx.array([[0.5, 0.3, 0.15, 0.05], [0.25, 0.25, 0.25, 0.25]])
     q = mx.array([[0.1, 0.2, 0.3, 0.4]])  # a poor draft: mass where p has little
@@ -172,7 +171,7 @@ def test_sampled_requests_with_the_target_as_draft(tiny_models):
 
 def assert_sampled_runs_repeat(runner, info) -> None:
     """Three seeded, sampled requests run twice: same tokens, all 8 of each."""
-    from protocol.messages import SamplingParams, TokenizedRequest
+    from mlxd.protocol.messages import SamplingParams, TokenizedRequest
 
     sampling = SamplingParams(max_tokens=8, temperature=0.8, top_p=0.9, seed=3)
     requests = [
@@ -221,12 +220,13 @@ async def test_status_and_metrics_report_acceptance_per_drafter():
     ``SamplingParams.speculative``."""
     import json
 
-    from daemon.api.common import Validator
-    from daemon.api.openai import sampling_from
-    from daemon.app import create_app
-    from daemon.settings import load_settings
-    from protocol import openai
-    from protocol.messages import SpeculativeCounters
+    from mlxd.daemon.api.common import Validator
+    from mlxd.daemon.api.openai import sampling_from
+    from mlxd.daemon.app import create_app
+    from mlxd.daemon.settings import load_settings
+    from mlxd.protocol import openai
+    from mlxd.protocol.messages import SpeculativeCounters
+
     from tests.conftest import metric, running_graph
     from tests.fakes import FakeRunner
 
@@ -255,8 +255,8 @@ async def test_status_and_metrics_report_acceptance_per_drafter():
 def test_grammar_and_logprobs_are_a_400_while_speculating():
     from types import SimpleNamespace
 
-    from daemon.api.common import ApiError, _check_speculation
-    from protocol.messages import (
+    from mlxd.daemon.api.common import ApiError, _check_speculation
+    from mlxd.protocol.messages import (
         CompletionRequest,
         Constraint,
         EngineStats,

@@ -9,8 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
-
-from daemon.settings import SettingsError, load_settings
+from mlxd.daemon.settings import SettingsError, load_settings
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -19,7 +18,17 @@ def serve(tmp_path, config: str, *args: str) -> tuple[int, str]:
     path = tmp_path / "mlxd.toml"
     path.write_text(f'[model]\ncache_dir = "{tmp_path}"\n' + config)
     proc = subprocess.run(
-        [sys.executable, "-m", "daemon.cli", "serve", "--config", str(path), "--port", "0", *args],
+        [
+            sys.executable,
+            "-m",
+            "mlxd.daemon.cli",
+            "serve",
+            "--config",
+            str(path),
+            "--port",
+            "0",
+            *args,
+        ],
         cwd=ROOT,
         capture_output=True,
         text=True,

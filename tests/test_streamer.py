@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from actors.mailbox import Mailboxes
-from actors.streamer import StreamState
-from protocol.messages import (
+from mlxd.actors.mailbox import Mailboxes
+from mlxd.actors.streamer import StreamState
+from mlxd.protocol.messages import (
     EngineStep,
     Failed,
     Finished,

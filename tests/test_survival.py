@@ -14,18 +14,18 @@ import time
 from contextlib import asynccontextmanager
 
 import httpx
+import mlxd.actors.streamer as streamer_module
 import msgspec
 import pytest
 import trio
 from hypercorn.trio import serve
+from mlxd.actors.mailbox import Mailbox, merge_deltas
+from mlxd.actors.parsers import OutputParser
+from mlxd.actors.tokenizer import PromptError
+from mlxd.daemon.app import create_app
+from mlxd.daemon.supervisor import drain, http_config
+from mlxd.protocol.messages import Failed, Finished, OutputSpec, TextDelta
 
-import actors.streamer
-from actors.mailbox import Mailbox, merge_deltas
-from actors.parsers import OutputParser
-from actors.tokenizer import PromptError
-from daemon.app import create_app
-from daemon.supervisor import drain, http_config
-from protocol.messages import Failed, Finished, OutputSpec, TextDelta
 from tests.conftest import chat, collect, real_server, running_graph, settings_with, text_of
 
 _NEST = "[" * 5000 + "]" * 5000
@@ -106,7 +106,7 @@ class _BuggyParser(OutputParser):
 
 
 async def test_a_bug_while_streaming_fails_only_that_request(monkeypatch):
-    monkeypatch.setattr(actors.streamer, "OutputParser", _BuggyParser)
+    monkeypatch.setattr(streamer_module, "OutputParser", _BuggyParser)
     async with running_graph() as (pipeline, runner):
         runner.step_delay = 0.002
         bad = await pipeline.submit(chat("bad", "a" * 20 + "x" + "a" * 200))

@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import pytest
-
-from actors.tools import history_as_text, template_traits
-from protocol.messages import Message, ToolCall
+from mlxd.actors.tools import history_as_text, template_traits
+from mlxd.protocol.messages import Message, ToolCall
 
 
 class Tok:

@@ -7,11 +7,10 @@ import threading
 from http.server import BaseHTTPRequestHandler, HTTPServer
 
 import pytest
-
-from actors.engine.types import model_kind
-from actors.vision import ImageLimits, VisionError, load_image, load_images, split_images
-from protocol.messages import ImagePart, TextPart
-from scripts.tiny_models import data_url, png
+from mlxd.actors.engine.types import model_kind
+from mlxd.actors.vision import ImageLimits, VisionError, load_image, load_images, split_images
+from mlxd.protocol.messages import ImagePart, TextPart
+from mlxd.scripts.tiny_models import data_url, png
 
 LIMITS = ImageLimits(
     max_images=2,

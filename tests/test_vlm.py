@@ -13,12 +13,12 @@ import json
 import httpx
 import pytest
 import trio
+from mlxd.actors.tokenizer import PromptBuilder
+from mlxd.actors.vision import ImageLimits
+from mlxd.daemon.supervisor import mlx_runner_factory
+from mlxd.protocol.messages import ChatRequest, ImagePart, Message, SamplingParams, TextPart
+from mlxd.scripts.tiny_models import data_url, png
 
-from actors.tokenizer import PromptBuilder
-from actors.vision import ImageLimits
-from daemon.supervisor import mlx_runner_factory
-from protocol.messages import ChatRequest, ImagePart, Message, SamplingParams, TextPart
-from scripts.tiny_models import data_url, png
 from tests.conftest import real_server, settings_with
 from tests.engine_driver import alone, drive, load
 
@@ -169,7 +169,7 @@ def test_m_rope_deltas_are_what_keeps_image_requests_right(vlm):
 
 def test_kind_override_serves_a_vlm_checkpoint_as_text(tiny_models):
     """``model.kind = "text"``: mlx-lm loads the language model alone; images are a 400."""
-    from actors.tokenizer import PromptError
+    from mlxd.actors.tokenizer import PromptError
 
     runner, info = load(tiny_models("qwen3_5_vl"), kind="text")
     assert (type(runner).__name__, info.kind, info.processor) == ("MlxRunner", "text", None)

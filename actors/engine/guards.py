@@ -29,8 +29,8 @@ import secrets
 from collections.abc import Callable
 from typing import Any
 
-from actors.engine.types import InvalidRequest
-from protocol.messages import SamplingParams
+from mlxd.actors.engine.types import InvalidRequest
+from mlxd.protocol.messages import SamplingParams
 
 MAX_SEED = 2**63 - 1
 

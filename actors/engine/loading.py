@@ -22,25 +22,24 @@ import mlx.nn as nn
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.utils import dequantize_model
 from mlx_lm.utils import load as mlx_lm_load
-
-from actors.engine.gguf import convert_gguf, default_model_path
-from actors.engine.lookup import LookupDrafter
-from actors.engine.memory import MemoryModel, kv_budget
-from actors.engine.mtp import MTPDrafter, load_mtp
-from actors.engine.options import (
+from mlxd.actors.engine.gguf import convert_gguf, default_model_path
+from mlxd.actors.engine.lookup import LookupDrafter
+from mlxd.actors.engine.memory import MemoryModel, kv_budget
+from mlxd.actors.engine.mtp import MTPDrafter, load_mtp
+from mlxd.actors.engine.options import (
     MemoryOptions,
     PrefixCacheOptions,
     SpecPrefillOptions,
     SpeculativeOptions,
 )
-from actors.engine.prefix_cache import PrefixCache
-from actors.engine.runner import MlxRunner
-from actors.engine.spec_prefill import SpecPrefill, SpecPrefillStats, unsupported_layers
-from actors.engine.spec_runner import make_speculative_runner
-from actors.engine.speculative import SpecStats, UnsupportedForSpeculation
-from actors.engine.types import ModelInfo, model_kind
-from actors.engine.vlm_mtp import VlmMtpRunner
-from actors.engine.vlm_runner import VlmRunner
+from mlxd.actors.engine.prefix_cache import PrefixCache
+from mlxd.actors.engine.runner import MlxRunner
+from mlxd.actors.engine.spec_prefill import SpecPrefill, SpecPrefillStats, unsupported_layers
+from mlxd.actors.engine.spec_runner import make_speculative_runner
+from mlxd.actors.engine.speculative import SpecStats, UnsupportedForSpeculation
+from mlxd.actors.engine.types import ModelInfo, model_kind
+from mlxd.actors.engine.vlm_mtp import VlmMtpRunner
+from mlxd.actors.engine.vlm_runner import VlmRunner
 
 log = logging.getLogger("mlxd.runner")
 

@@ -17,9 +17,8 @@ import math
 import mlx.core as mx
 import numpy as np
 from llguidance.numpy import allocate_token_bitmask, fill_next_token_bitmask
-
-from actors.grammar import CompiledGrammar
-from protocol.messages import TokenLogprob
+from mlxd.actors.grammar import CompiledGrammar
+from mlxd.protocol.messages import TokenLogprob
 
 log = logging.getLogger("mlxd.grammar")
 

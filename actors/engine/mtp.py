@@ -35,8 +35,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.cache import BatchKVCache, KVCache
-
-from actors.engine.speculative import (
+from mlxd.actors.engine.speculative import (
     Drafter,
     SpecRow,
     drop_last,

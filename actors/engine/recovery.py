@@ -32,8 +32,7 @@ from __future__ import annotations
 from collections import deque
 
 import msgspec
-
-from protocol.messages import TokenizedRequest
+from mlxd.protocol.messages import TokenizedRequest
 
 
 class Recovery:

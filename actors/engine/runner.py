@@ -37,18 +37,17 @@ from mlx_lm.sample_utils import (
     greedy_sampler,
     make_logits_processors,
 )
-
-from actors.engine import caches
-from actors.engine.caches import check_batchable, layer_kinds
-from actors.engine.guards import RowGuard, bias_processor
-from actors.engine.logits import GrammarProcessor, token_logprobs
-from actors.engine.memory import AttentionLayer, Layer, StateLayer
-from actors.engine.prefix_cache import PrefixCache
-from actors.engine.spec_prefill import SpecPrefill, SpecPrefillStats, positioned, set_position
-from actors.engine.speculative import SpecStats
-from actors.engine.types import Decoded
-from actors.grammar import CompiledGrammar
-from protocol.messages import (
+from mlxd.actors.engine import caches
+from mlxd.actors.engine.caches import check_batchable, layer_kinds
+from mlxd.actors.engine.guards import RowGuard, bias_processor
+from mlxd.actors.engine.logits import GrammarProcessor, token_logprobs
+from mlxd.actors.engine.memory import AttentionLayer, Layer, StateLayer
+from mlxd.actors.engine.prefix_cache import PrefixCache
+from mlxd.actors.engine.spec_prefill import SpecPrefill, SpecPrefillStats, positioned, set_position
+from mlxd.actors.engine.speculative import SpecStats
+from mlxd.actors.engine.types import Decoded
+from mlxd.actors.grammar import CompiledGrammar
+from mlxd.protocol.messages import (
     PrefixCacheCounters,
     RunnerCounters,
     SamplingParams,

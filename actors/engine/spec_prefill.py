@@ -35,8 +35,7 @@ from typing import Any
 
 import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache, BatchKVCache, KVCache, make_prompt_cache
-
-from actors.engine.options import SpecPrefillOptions
+from mlxd.actors.engine.options import SpecPrefillOptions
 
 
 class PositionedKVCache(KVCache):

@@ -14,12 +14,11 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
-
-from actors.engine.options import SpeculativeOptions
-from actors.engine.prefix_cache import PrefixCache
-from actors.engine.runner import MlxRunner, Pending, make_processors
-from actors.engine.spec_prefill import SpecPrefill
-from actors.engine.speculative import (
+from mlxd.actors.engine.options import SpeculativeOptions
+from mlxd.actors.engine.prefix_cache import PrefixCache
+from mlxd.actors.engine.runner import MlxRunner, Pending, make_processors
+from mlxd.actors.engine.spec_prefill import SpecPrefill
+from mlxd.actors.engine.speculative import (
     Drafter,
     ModelDrafter,
     SpecRow,
@@ -29,8 +28,8 @@ from actors.engine.speculative import (
     UnsupportedForSpeculation,
     check_rewindable,
 )
-from actors.engine.types import Decoded
-from protocol.messages import TokenizedRequest
+from mlxd.actors.engine.types import Decoded
+from mlxd.protocol.messages import TokenizedRequest
 
 log = logging.getLogger("mlxd.speculative")
 

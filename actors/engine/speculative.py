@@ -35,8 +35,7 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
-
-from protocol.messages import SamplingParams
+from mlxd.protocol.messages import SamplingParams
 
 
 class UnsupportedForSpeculation(ValueError):

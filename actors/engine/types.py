@@ -6,8 +6,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-from actors.engine.memory import MemoryModel
-from protocol.messages import FinishReason, RunnerCounters, TokenizedRequest, TokenLogprob
+from mlxd.actors.engine.memory import MemoryModel
+from mlxd.protocol.messages import FinishReason, RunnerCounters, TokenizedRequest, TokenLogprob
 
 
 class InvalidRequest(ValueError):

@@ -21,13 +21,12 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
-
-from actors.engine.runner import Pending
-from actors.engine.spec_runner import join, step
-from actors.engine.speculative import SpecStats, SpeculativeBatch, check_rewindable
-from actors.engine.types import Decoded
-from actors.engine.vlm_runner import VlmRunner
-from protocol.messages import TokenizedRequest
+from mlxd.actors.engine.runner import Pending
+from mlxd.actors.engine.spec_runner import join, step
+from mlxd.actors.engine.speculative import SpecStats, SpeculativeBatch, check_rewindable
+from mlxd.actors.engine.types import Decoded
+from mlxd.actors.engine.vlm_runner import VlmRunner
+from mlxd.protocol.messages import TokenizedRequest
 
 log = logging.getLogger("mlxd.speculative")
 

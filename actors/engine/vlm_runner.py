@@ -24,9 +24,8 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
-
-from actors.engine.caches import RowDeltas
-from actors.engine.runner import MlxRunner, Pending
+from mlxd.actors.engine.caches import RowDeltas
+from mlxd.actors.engine.runner import MlxRunner, Pending
 
 log = logging.getLogger("mlxd.runner")
 

@@ -20,12 +20,9 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 
 import trio
-from quart import Blueprint, Response, request
-from quart_trio import QuartTrio
-
-from actors.tokenizer import PromptError
-from daemon.api import sse
-from daemon.api.common import (
+from mlxd.actors.tokenizer import PromptError
+from mlxd.daemon.api import sse
+from mlxd.daemon.api.common import (
     Choice,
     Usage,
     Validator,
@@ -36,10 +33,10 @@ from daemon.api.common import (
     tool_choice,
     usage_of,
 )
-from daemon.api.errors import ApiError, ErrorFormat, ErrorReason, OnError, install_errors
-from daemon.pipeline import Pipeline
-from protocol import anthropic as wire
-from protocol.messages import (
+from mlxd.daemon.api.errors import ApiError, ErrorFormat, ErrorReason, OnError, install_errors
+from mlxd.daemon.pipeline import Pipeline
+from mlxd.protocol import anthropic as wire
+from mlxd.protocol.messages import (
     ChatRequest,
     ContentPart,
     Finished,
@@ -52,6 +49,8 @@ from protocol.messages import (
     Tool,
     ToolCall,
 )
+from quart import Blueprint, Response, request
+from quart_trio import QuartTrio
 
 # Anthropic's error ``type`` per reason; the rest (timeouts, bugs) are ``api_error``.
 _TYPES: dict[ErrorReason, str] = {

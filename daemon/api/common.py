@@ -16,16 +16,14 @@ from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass, field
 
 import msgspec
-from quart import Response
-
-from actors.mailbox import Bell
-from actors.tokenizer import RESERVED_TEMPLATE_KWARGS
-from daemon.api.body import json_depth, valid_utf8
-from daemon.api.errors import ApiError
-from daemon.pipeline import Pipeline, Session
-from daemon.settings import Settings
-from protocol import openai as wire
-from protocol.messages import (
+from mlxd.actors.mailbox import Bell
+from mlxd.actors.tokenizer import RESERVED_TEMPLATE_KWARGS
+from mlxd.daemon.api.body import json_depth, valid_utf8
+from mlxd.daemon.api.errors import ApiError
+from mlxd.daemon.pipeline import Pipeline, Session
+from mlxd.daemon.settings import Settings
+from mlxd.protocol import openai as wire
+from mlxd.protocol.messages import (
     AdmittedRequest,
     Constraint,
     Failed,
@@ -38,6 +36,7 @@ from protocol.messages import (
     Tool,
     ToolCall,
 )
+from quart import Response
 
 ChoiceEvent = tuple[int, MailboxEvent]
 

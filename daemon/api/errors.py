@@ -14,10 +14,9 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Literal, get_args
 
+from mlxd.protocol.messages import Failed, Reason
 from quart import Response, request
 from werkzeug.exceptions import HTTPException
-
-from protocol.messages import Failed, Reason
 
 HttpReason = Literal[
     "bad_host",  # a malformed Host header

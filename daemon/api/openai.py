@@ -13,11 +13,8 @@ import uuid
 from collections.abc import Callable
 
 import msgspec
-from quart import Blueprint, Response, request
-from quart_trio import QuartTrio
-
-from daemon.api import sse
-from daemon.api.common import (
+from mlxd.daemon.api import sse
+from mlxd.daemon.api.common import (
     SEED_MAX,
     Choice,
     Usage,
@@ -32,10 +29,10 @@ from daemon.api.common import (
     tool_choice,
     usage_of,
 )
-from daemon.api.errors import ApiError, ErrorFormat, ErrorReason, OnError, install_errors
-from daemon.pipeline import Pipeline
-from protocol import openai as wire
-from protocol.messages import (
+from mlxd.daemon.api.errors import ApiError, ErrorFormat, ErrorReason, OnError, install_errors
+from mlxd.daemon.pipeline import Pipeline
+from mlxd.protocol import openai as wire
+from mlxd.protocol.messages import (
     ChatRequest,
     CompletionRequest,
     Constraint,
@@ -52,6 +49,8 @@ from protocol.messages import (
     ToolCall,
     ToolCallDelta,
 )
+from quart import Blueprint, Response, request
+from quart_trio import QuartTrio
 
 # OpenAI's error ``type`` per reason; the rest are ``server_error``.
 _TYPES: dict[ErrorReason, str] = {

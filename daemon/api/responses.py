@@ -19,11 +19,8 @@ from collections.abc import Callable
 from typing import Any
 
 import msgspec
-from quart import Blueprint, Response, request
-from quart_trio import QuartTrio
-
-from daemon.api import sse
-from daemon.api.common import (
+from mlxd.daemon.api import sse
+from mlxd.daemon.api.common import (
     Choice,
     Usage,
     Validator,
@@ -35,11 +32,11 @@ from daemon.api.common import (
     tool_choice,
     usage_of,
 )
-from daemon.api.errors import ApiError, OnError, install_errors
-from daemon.api.openai import ERRORS as OPENAI_ERRORS
-from daemon.pipeline import Pipeline
-from protocol import responses as wire
-from protocol.messages import (
+from mlxd.daemon.api.errors import ApiError, OnError, install_errors
+from mlxd.daemon.api.openai import ERRORS as OPENAI_ERRORS
+from mlxd.daemon.pipeline import Pipeline
+from mlxd.protocol import responses as wire
+from mlxd.protocol.messages import (
     ChatRequest,
     ContentPart,
     Finished,
@@ -52,6 +49,8 @@ from protocol.messages import (
     Tool,
     ToolCall,
 )
+from quart import Blueprint, Response, request
+from quart_trio import QuartTrio
 
 # HTTP errors are OpenAI's error object, with OpenAI's types; in a stream the type is
 # the ``code`` of the ``error`` event and of the failed response.

@@ -13,11 +13,10 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from typing import Protocol
 
+from mlxd.daemon.api.common import ChoiceEvent, Usage
+from mlxd.daemon.api.errors import ApiError
+from mlxd.protocol.messages import Failed, Finished, Started, TextDelta
 from quart import Response
-
-from daemon.api.common import ChoiceEvent, Usage
-from daemon.api.errors import ApiError
-from protocol.messages import Failed, Finished, Started, TextDelta
 
 
 class Shape(Protocol):
