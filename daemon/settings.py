@@ -184,6 +184,29 @@ class LoggingSettings(_Section):
         )
 
 
+class ModelEntry(_Section):
+    """One served model of ``[[models]]``; ``speculative`` / ``spec_prefill`` (sub-tables)
+    replace the global sections for this model only."""
+
+    id: str  # the request's ``model`` that selects it
+    path: str = ""  # mlx-lm model dir or .gguf file; "" = SmolLM2-135M-Instruct
+    kind: Literal["auto", "text", "vision"] = "auto"
+    adapter_path: str = ""  # an mlx-lm LoRA adapter directory applied at load; "" = none
+    max_batch: NonNegative = 0  # 0 = engine.max_batch
+    preload: bool = False  # load at start-up instead of on first use
+    speculative: SpeculativeSettings | None = None
+    spec_prefill: SpecPrefillSettings | None = None
+
+
+class ModelPoolSettings(_Section):
+    max_loaded: Positive = 2
+    max_loaded_mb: NonNegative = 0
+    idle_unload_s: Seconds = 0.0
+    max_waiting: NonNegative = 32
+    load_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 120.0
+    failed_retry_s: Seconds = 30.0
+
+
 class Settings(_Section):
     server: ServerSettings = msgspec.field(default_factory=ServerSettings)
     model: ModelSettings = msgspec.field(default_factory=ModelSettings)
@@ -198,6 +221,25 @@ class Settings(_Section):
     vision: VisionSettings = msgspec.field(default_factory=VisionSettings)
     streaming: StreamingSettings = msgspec.field(default_factory=StreamingSettings)
     logging: LoggingSettings = msgspec.field(default_factory=LoggingSettings)
+    models: list[ModelEntry] = []
+    model_pool: ModelPoolSettings = msgspec.field(default_factory=ModelPoolSettings)
+
+    def __post_init__(self) -> None:
+        ids = [m.id for m in self.models]
+        _require(all(i.strip() == i != "" for i in ids), "models: an empty or padded id")
+        _require(len(set(ids)) == len(ids), "models: two entries with the same id")
+        _require(
+            not (self.models and (self.model.path or self.model.served_id)),
+            "models: [[models]] replaces [model] path / served_id; set one or the other",
+        )
+
+    def model_entries(self) -> list[ModelEntry]:
+        """The served models: ``[[models]]``, or ``[model]`` as one preloaded entry (its id
+        "" until loaded: then ``served_id`` or the model's own name)."""
+        if self.models:
+            return list(self.models)
+        m = self.model
+        return [ModelEntry(id=m.served_id, path=m.path, kind=m.kind, preload=True)]
 
 
 class SettingsError(ValueError):
