@@ -34,6 +34,7 @@ from mlxd.actors.engine.options import (
 )
 from mlxd.actors.engine.prefix_cache import PrefixCache
 from mlxd.actors.engine.runner import MlxRunner
+from mlxd.actors.engine.sources import hub_snapshot, model_source
 from mlxd.actors.engine.spec_prefill import SpecPrefill, SpecPrefillStats, unsupported_layers
 from mlxd.actors.engine.spec_runner import make_speculative_runner
 from mlxd.actors.engine.speculative import SpecStats, UnsupportedForSpeculation
@@ -99,13 +100,19 @@ def memory_model(runner: MlxRunner, options: MemoryOptions | None) -> MemoryMode
 
 
 def resolve_model_dir(path: str, cache_dir: Path, progress) -> tuple[str, Path]:
-    """A model directory as given, or a GGUF file converted (and cached) into one."""
-    source = Path(path).expanduser() if path else default_model_path()
-    if not source.exists():
-        raise FileNotFoundError(f"model not found: {source}")
-    if source.suffix == ".gguf":
-        return source.stem, convert_gguf(source, cache_dir, progress)
-    return source.name, source
+    """The model's id and directory: a local directory as given, a GGUF file converted (and
+    cached) into one, or a Hugging Face Hub id (``ORG/NAME[@revision]``) from its cache."""
+    source = model_source(path) if path else model_source(str(default_model_path()))
+    match source.kind:
+        case "local":
+            return source.path.name, source.path
+        case "gguf":
+            return source.path.stem, convert_gguf(source.path, cache_dir, progress)
+        case "hub":
+            return source.repo, hub_snapshot(source, progress)
+    raise FileNotFoundError(
+        f"model not found: {path} (not a local directory, .gguf file or Hugging Face id ORG/NAME)"
+    )
 
 
 def config_value(config: dict[str, Any], key: str, default: Any = None) -> Any:
