@@ -1,7 +1,10 @@
-"""The typed settings tree, decoded from ``config/default.toml`` plus an optional user file."""
+"""The typed settings tree: ``config/default.toml``, then an optional user file, then
+``MLXD_<SECTION>__<KEY>`` environment variables, then command-line flags."""
 
 from __future__ import annotations
 
+import typing
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -52,6 +55,19 @@ class ModelSettings(_Section):
     cache_dir: str = "~/.cache/mlxd"
     dequantize_on_cpu: bool = True
     kind: Literal["auto", "text", "vision"] = "auto"
+    chat_template: str = ""
+
+    def chat_template_text(self) -> str:
+        """The server's chat template: ``chat_template`` itself when it holds a Jinja tag,
+        else the file it names ("" = the model's own); ``ValueError`` if it cannot be read."""
+        value = self.chat_template
+        if not value or "{" in value:
+            return value
+        path = Path(value).expanduser()
+        try:
+            return path.read_text()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ValueError(f"model.chat_template: cannot read {path}: {exc}") from None
 
 
 class AdmissionSettings(_Section):
@@ -207,6 +223,14 @@ class ModelPoolSettings(_Section):
     failed_retry_s: Seconds = 30.0
 
 
+class DistributedSettings(_Section):
+    """One model over several machines (``mlx.launch ... -- mlxd serve MODEL --parallel``)."""
+
+    parallel: Literal["off", "tensor", "pipeline", "auto"] = "off"
+    step_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 60.0
+    exit_grace_s: Seconds = 1.0
+
+
 class Settings(_Section):
     server: ServerSettings = msgspec.field(default_factory=ServerSettings)
     model: ModelSettings = msgspec.field(default_factory=ModelSettings)
@@ -221,6 +245,7 @@ class Settings(_Section):
     vision: VisionSettings = msgspec.field(default_factory=VisionSettings)
     streaming: StreamingSettings = msgspec.field(default_factory=StreamingSettings)
     logging: LoggingSettings = msgspec.field(default_factory=LoggingSettings)
+    distributed: DistributedSettings = msgspec.field(default_factory=DistributedSettings)
     models: list[ModelEntry] = []
     model_pool: ModelPoolSettings = msgspec.field(default_factory=ModelPoolSettings)
 
@@ -263,15 +288,71 @@ def _read_toml(path: Path) -> dict[str, Any]:
         raise SettingsError(f"{path}: {exc}") from exc
 
 
-def load_settings(path: Path | None = None, overrides: dict[str, Any] | None = None) -> Settings:
-    """Defaults from config/default.toml, then the user's file, then CLI overrides."""
+ENV_PREFIX = "MLXD_"
+
+
+def _field_type(section: str, key: str) -> Any:
+    """The declared type of ``[section] key``; None if there is no such setting."""
+    sections = {f.name: f.type for f in msgspec.structs.fields(Settings)}
+    kind = sections.get(section)
+    if not (isinstance(kind, type) and issubclass(kind, msgspec.Struct)):
+        return None
+    return next((f.type for f in msgspec.structs.fields(kind) if f.name == key), None)
+
+
+def _env_value(name: str, text: str, kind: Any) -> Any:
+    """An environment variable's text as a value of the setting's type: numbers and booleans
+    parsed, a list as a JSON array or comma-separated; constraints checked."""
+    bare = typing.get_args(kind)[0] if typing.get_origin(kind) is Annotated else kind
+    try:
+        raw: Any = text
+        if typing.get_origin(bare) is list:
+            raw = msgspec.json.decode(text) if text.lstrip().startswith("[") else text.split(",")
+            raw = [item.strip() if isinstance(item, str) else item for item in raw]
+            raw = [item for item in raw if item != ""]
+        return msgspec.convert(raw, type=kind, strict=False)
+    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+        raise SettingsError(f"{name}={text!r}: {exc}") from None
+
+
+def env_overrides(environ: Mapping[str, str]) -> dict[str, Any]:
+    """``MLXD_<SECTION>__<KEY>`` variables (e.g. ``MLXD_SERVER__PORT=9000``) as overrides.
+
+    A variable that names no setting is an error, and so is ``MLXD_SERVER_PORT`` (one
+    underscore) for a real section; other ``MLXD_*`` names are not settings."""
+    sections = [f.name for f in msgspec.structs.fields(Settings)]
+    out: dict[str, dict[str, Any]] = {}
+    for name, text in sorted(environ.items()):
+        if not name.startswith(ENV_PREFIX):
+            continue
+        section, sep, key = name[len(ENV_PREFIX) :].lower().partition("__")
+        if not sep and not any(section.startswith(f"{s}_") for s in sections):
+            continue
+        kind = _field_type(section, key) if sep else None
+        if kind is None:
+            raise SettingsError(
+                f"{name}: no such setting; the form is MLXD_<SECTION>__<KEY>, "
+                "e.g. MLXD_SERVER__PORT=9000 for [server] port"
+            )
+        out.setdefault(section, {})[key] = _env_value(name, text, kind)
+    return out
+
+
+def load_settings(
+    path: Path | None = None,
+    overrides: dict[str, Any] | None = None,
+    environ: Mapping[str, str] | None = None,
+) -> Settings:
+    """Defaults from config/default.toml, then the user's file, then ``MLXD_*`` variables from
+    ``environ`` (the caller passes ``os.environ``; none by default), then CLI overrides."""
     raw = _read_toml(DEFAULT_CONFIG)
     if path is not None:
         raw = _merge(raw, _read_toml(path))
+    if environ is not None:
+        raw = _merge(raw, env_overrides(environ))
     raw = _merge(raw, overrides or {})
     try:
         return msgspec.convert(raw, type=Settings)
     except msgspec.ValidationError as exc:
-        raise SettingsError(
-            f"invalid setting ({path or DEFAULT_CONFIG} + command line): {exc}"
-        ) from exc
+        layers = [str(path or DEFAULT_CONFIG), *["environment"] * (environ is not None), "flags"]
+        raise SettingsError(f"invalid setting ({' + '.join(layers)}): {exc}") from exc
