@@ -28,6 +28,11 @@ def _parser() -> argparse.ArgumentParser:
         choices=("auto", "text", "vision"),
         help="model kind (default: from the model's config.json; model.kind)",
     )
+    serve.add_argument(
+        "--parallel",
+        choices=("off", "tensor", "pipeline", "auto"),
+        help="one model over the ranks of `mlx.launch` (distributed.parallel)",
+    )
     sub.add_parser("bench", help="benchmark a server or the in-process engine (see --help)")
     service.add_parsers(sub)
     return parser
@@ -38,7 +43,8 @@ def _overrides(args: argparse.Namespace) -> dict:
     model = {"path": args.model} if args.model else {}
     if args.kind:
         model["kind"] = args.kind
-    return {"server": server, "model": model}
+    distributed = {"parallel": args.parallel} if args.parallel else {}
+    return {"server": server, "model": model, "distributed": distributed}
 
 
 def serve(args: argparse.Namespace) -> int:
