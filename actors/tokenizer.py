@@ -13,7 +13,8 @@ worker threads (templates, BPE, grammars and images are CPU work) and hands only
 numpy arrays to the engine. Any failure here is that request's alone, delivered
 to its mailbox: a 400 for input it cannot build (a ``RecursionError`` from
 deeply nested arguments, a template error), a logged 500 for a bug. Chat
-templates are the model's own (clients cannot send one) and transformers
+templates are the model's own or the server's (``model.chat_template``; clients
+cannot send one) and transformers
 renders them in Jinja's ``ImmutableSandboxedEnvironment`` (``range`` capped at
 100,000 items); their input is bounded by ``server.max_body_bytes``.
 """
@@ -105,6 +106,15 @@ class TokenizerOptions:
     tool_format: str = "auto"  # tool-call markup, or "auto": from the chat template
     reasoning_tags: str = "auto"  # "auto", "none" or "<open>,<close>"
     image_limits: ImageLimits | None = None  # None: a text model's (no images)
+    chat_template: str = ""  # the server's template, used instead of the model's; "": the model's
+
+
+def use_chat_template(info: ModelInfo, template: str) -> None:
+    """The server's chat template in place of the model's, wherever one is read: the
+    tokenizer's (text models, template traits) and the processor's (vision models)."""
+    info.tokenizer.chat_template = template
+    if info.processor is not None:
+        info.processor.chat_template = template
 
 
 class PromptBuilder:
@@ -116,6 +126,8 @@ class PromptBuilder:
     ) -> PromptBuilder:
         """The builder for the loaded model, configured by ``options``."""
         o = options
+        if o.chat_template:
+            use_chat_template(info, o.chat_template)
         return cls(
             info.tokenizer,
             info.context_length,

@@ -143,6 +143,7 @@ def tokenizer_options(s: Settings) -> TokenizerOptions:
         tool_format=s.tokenizer.tool_format,
         reasoning_tags=s.tokenizer.reasoning_tags,
         image_limits=options_from(s.vision, ImageLimits),
+        chat_template=s.model.chat_template_text(),
     )
 
 
