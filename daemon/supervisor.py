@@ -22,6 +22,7 @@ import logging
 import os
 import signal
 import socket
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import NoReturn, TypeVar
@@ -59,6 +60,7 @@ from mlxd.protocol.messages import AdmissionInbox, AdmittedRequest, EngineInbox,
 log = logging.getLogger("mlxd")
 _Options = TypeVar("_Options")
 Feature = PrefixCacheSettings | SpeculativeSettings | SpecPrefillSettings
+Monitor = Callable[[Pipeline], Awaitable[None]]
 
 
 def options_from(section: msgspec.Struct, kind: type[_Options]) -> _Options:
@@ -162,12 +164,18 @@ async def run_actors(
     settings: Settings,
     factory: RunnerFactory,
     *,
+    monitor: Monitor | None = None,
     task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Start the actors in dependency order; ``started`` once the model is loaded."""
+    """Start the actors in dependency order; ``started`` once the model is loaded.
+
+    ``monitor``: a task watching something outside the graph (the other ranks of a
+    distributed group, ``daemon/ranks.py``) that may fail every open request."""
     s, pipeline, mailboxes = settings, graph.pipeline, graph.pipeline.mailboxes
     options = engine_options(s, pipeline.publish)
     async with trio.open_nursery() as nursery:
+        if monitor is not None:
+            nursery.start_soon(monitor, pipeline)
         info = await nursery.start(engine.run, graph.engine[1], graph.steps[0], factory, options)
         pipeline.info = info
         state = StreamState(info.tokenizer, mailboxes)
@@ -267,7 +275,9 @@ def http_config(s: Settings) -> HttpConfig:
     return config
 
 
-async def serve(settings: Settings, factory: RunnerFactory | None = None) -> None:
+async def serve(
+    settings: Settings, factory: RunnerFactory | None = None, monitor: Monitor | None = None
+) -> None:
     """Serve HTTP until SIGTERM/SIGINT, then drain and return.
 
     Shutdown order: stop admitting (503), wait for in-flight generations (up to
@@ -286,7 +296,7 @@ async def serve(settings: Settings, factory: RunnerFactory | None = None) -> Non
             await nursery.start(_serve_http, app, config, stop_http, http_done)
             log.info("listening on http://%s (loading the model)", config.bind[0])
             actors = trio.CancelScope()
-            nursery.start_soon(_run_in_scope, actors, graph, settings, factory)
+            nursery.start_soon(_run_in_scope, actors, graph, settings, factory, monitor)
             async for signum in signals:
                 log.info("received %s", signal.Signals(signum).name)
                 break
@@ -308,6 +318,9 @@ def _exit_past_stuck_writes() -> NoReturn:
     os._exit(0)
 
 
-async def _run_in_scope(scope: trio.CancelScope, graph: Graph, settings: Settings, factory) -> None:
+async def _run_in_scope(
+    scope: trio.CancelScope, graph: Graph, settings: Settings, factory, monitor
+) -> None:
     with scope:
-        await run_actors(graph, settings, factory or mlx_runner_factory(settings))
+        factory = factory or mlx_runner_factory(settings)
+        await run_actors(graph, settings, factory, monitor=monitor)
