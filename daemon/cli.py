@@ -1,5 +1,10 @@
-"""``mlxd`` command line: ``serve`` (the daemon), ``bench`` (load generator),
-``launchd`` / ``systemd`` (run as a service, see ``daemon/service.py``)."""
+"""``mlxd`` command line: ``serve`` (the daemon), ``config`` (print the effective settings),
+``bench`` (load generator), ``launchd`` / ``systemd`` (run as a service, see
+``daemon/service.py``).
+
+Settings come from ``config/default.toml``, then ``--config FILE``, then ``MLXD_<SECTION>__<KEY>``
+environment variables, then the flags in ``FLAGS`` (one table: the name, the setting(s) it
+sets; vLLM's and mlx_lm.server's names where they have one)."""
 
 from __future__ import annotations
 
@@ -7,49 +12,138 @@ import argparse
 import logging
 import os
 import sys
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
+import msgspec
+from mlxd.actors.engine.sources import is_hub_id
 from mlxd.daemon import blas, service
 from mlxd.daemon.bench import main as bench_main
 from mlxd.daemon.security import ApiKeys
-from mlxd.daemon.settings import SettingsError, load_settings
+from mlxd.daemon.settings import Settings, SettingsError, load_settings
+
+
+@dataclass(frozen=True)
+class Flag:
+    """A ``serve`` / ``config`` flag: the settings it sets, and fixed values it sets too."""
+
+    name: str
+    sets: tuple[str, ...]
+    help: str
+    type: Callable[[str], Any] = str
+    repeat: bool = False
+    choices: tuple[str, ...] | None = None
+    also: tuple[tuple[str, Any], ...] = ()
+
+    @property
+    def dest(self) -> str:
+        return self.name.removeprefix("--").replace("-", "_")
+
+
+FLAGS = (
+    Flag("--host", ("server.host",), "address to listen on"),
+    Flag("--port", ("server.port",), "port to listen on", int),
+    Flag("--kind", ("model.kind",), "model kind (default: from its config.json)",
+         choices=("auto", "text", "vision")),
+    Flag("--served-model-name", ("model.served_id",), "the model id clients send (default: from the path)"),
+    Flag("--chat-template", ("model.chat_template",),
+         "the server's chat template (a Jinja string or a file) instead of the model's"),
+    Flag("--api-key", ("auth.api_keys",), "an accepted API key (repeatable); none: no auth", repeat=True),
+    Flag("--max-num-seqs", ("engine.max_batch", "admission.max_running"),
+         "sequences decoded together, and requests running at once", int),
+    Flag("--max-tokens", ("engine.default_max_tokens",), "max_tokens of a request that names none", int),
+    Flag("--draft-model", ("speculative.draft_model",),
+         "speculative decoding with this draft model (a dir, .gguf or ORG/NAME)",
+         also=(("speculative.enabled", True), ("speculative.drafter", "draft_model"))),
+    Flag("--num-draft-tokens", ("speculative.num_draft_tokens",), "tokens drafted per step", int),
+    Flag("--log-level", ("logging.level",), "DEBUG, INFO, WARNING, ERROR or CRITICAL"),
+    Flag("--parallel", ("distributed.parallel",), "one model over the ranks of `mlx.launch`",
+         choices=("off", "tensor", "pipeline", "auto")),
+)  # fmt: skip
+
+_NO_REMOTE_CODE = (
+    "--trust-remote-code is not supported: mlxd runs models with mlx-lm / mlx-vlm's own "
+    "code and never imports Python code from a model repository"
+)
+
+
+def _settings_options(parser: argparse.ArgumentParser) -> None:
+    """The model, ``--config`` and every flag of ``FLAGS``: what ``serve`` and ``config`` take."""
+    parser.add_argument(
+        "model", nargs="?", help="model dir, .gguf file or Hugging Face id ORG/NAME[@revision]"
+    )
+    parser.add_argument("--config", type=Path, help="TOML file overriding config/default.toml")
+    for flag in FLAGS:
+        kw: dict[str, Any] = {"action": "append"} if flag.repeat else {"type": flag.type}
+        setting = " + ".join(flag.sets)
+        parser.add_argument(
+            flag.name, choices=flag.choices, help=f"{flag.help} ({setting})", dest=flag.dest, **kw
+        )
+    parser.add_argument("--trust-remote-code", action="store_true", help="not supported")
 
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="mlxd", description="MLX serving daemon")
     sub = parser.add_subparsers(dest="command", required=True)
     serve = sub.add_parser("serve", help="serve a model over HTTP (OpenAI API)")
-    serve.add_argument("model", nargs="?", help="mlx-lm model dir or .gguf file (default: SmolLM2)")
-    serve.add_argument("--host")
-    serve.add_argument("--port", type=int)
-    serve.add_argument("--config", type=Path, help="TOML file overriding config/default.toml")
-    serve.add_argument(
-        "--kind",
-        choices=("auto", "text", "vision"),
-        help="model kind (default: from the model's config.json; model.kind)",
-    )
-    serve.add_argument(
-        "--parallel",
-        choices=("off", "tensor", "pipeline", "auto"),
-        help="one model over the ranks of `mlx.launch` (distributed.parallel)",
-    )
+    _settings_options(serve)
+    config = sub.add_parser("config", help="print the effective settings as TOML and exit")
+    _settings_options(config)
     sub.add_parser("bench", help="benchmark a server or the in-process engine (see --help)")
     service.add_parsers(sub)
     return parser
 
 
+def _put(tree: dict[str, Any], dotted: str, value: Any) -> None:
+    section, key = dotted.split(".")
+    tree.setdefault(section, {})[key] = value
+
+
 def _overrides(args: argparse.Namespace) -> dict:
-    server = {k: v for k, v in (("host", args.host), ("port", args.port)) if v is not None}
-    model = {"path": args.model} if args.model else {}
-    if args.kind:
-        model["kind"] = args.kind
-    distributed = {"parallel": args.parallel} if args.parallel else {}
-    return {"server": server, "model": model, "distributed": distributed}
+    """The settings the model argument and the flags given set (a nested dict)."""
+    tree: dict[str, Any] = {}
+    if args.model:
+        _put(tree, "model.path", args.model)
+    for flag in FLAGS:
+        value = getattr(args, flag.dest, None)
+        if value is not None:
+            for dotted in flag.sets:
+                _put(tree, dotted, value)
+            for dotted, fixed in flag.also:
+                _put(tree, dotted, fixed)
+    return tree
+
+
+def effective_settings(args: argparse.Namespace) -> Settings:
+    """Defaults < ``--config`` file < ``MLXD_*`` environment < flags; ``SettingsError``."""
+    if args.trust_remote_code:
+        raise SettingsError(_NO_REMOTE_CODE)
+    return load_settings(args.config, _overrides(args), os.environ)
+
+
+def _model_paths(s: Settings) -> list[str]:
+    """Every model the settings may load: served, draft and scorer models."""
+    paths = [s.speculative.draft_model, s.spec_prefill.scorer_model]
+    for entry in s.model_entries():
+        paths.append(entry.path)
+        paths += [entry.speculative.draft_model] if entry.speculative else []
+        paths += [entry.spec_prefill.scorer_model] if entry.spec_prefill else []
+    return paths
+
+
+def hub_access(s: Settings) -> None:
+    """Only a Hugging Face id may reach the hub: with none configured, nothing may (mlx-vlm's
+    processors would otherwise look for optional files online). huggingface_hub reads
+    ``HF_HUB_OFFLINE`` once, at import: call this before anything imports it."""
+    if not any(is_hub_id(path) for path in _model_paths(s)):
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
 def serve(args: argparse.Namespace) -> int:
     try:
-        settings = load_settings(args.config, _overrides(args))
+        settings = effective_settings(args)
     except SettingsError as exc:
         print(f"mlxd: bad config: {exc}", file=sys.stderr)
         return 2
@@ -57,11 +151,13 @@ def serve(args: argparse.Namespace) -> int:
         level=settings.logging.level,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
-    try:
-        ApiKeys.from_settings(settings.auth)  # reads auth.api_key_file: fail before the model loads
+    try:  # files the settings name: fail before the model loads
+        ApiKeys.from_settings(settings.auth)
+        settings.model.chat_template_text()
     except ValueError as exc:
         logging.getLogger("mlxd").error("start-up failed: %s", exc)
         return 1
+    hub_access(settings)
     logging.getLogger("mlxd").info(blas.status())
     import trio
     from mlxd.daemon.supervisor import serve as serve_forever
@@ -75,6 +171,25 @@ def serve(args: argparse.Namespace) -> int:
         logging.getLogger("mlxd").error("start-up failed: %s", cause)
         return 1
     return 0
+
+
+def config(args: argparse.Namespace) -> int:
+    """Print the settings ``serve`` would run with (API keys masked) as TOML."""
+    try:
+        settings = effective_settings(args)
+    except SettingsError as exc:
+        print(f"mlxd: bad config: {exc}", file=sys.stderr)
+        return 2
+    tree = _without_none(msgspec.to_builtins(settings))  # TOML has no null: unset is absent
+    tree["auth"]["api_keys"] = ["***"] * len(settings.auth.api_keys)
+    sys.stdout.write(msgspec.toml.encode(tree).decode())
+    return 0
+
+
+def _without_none(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _without_none(v) for k, v in value.items() if v is not None}
+    return [_without_none(v) for v in value] if isinstance(value, list) else value
 
 
 def _startup_cause(exc: BaseException) -> BaseException | None:
@@ -95,6 +210,7 @@ def bench(argv: list[str]) -> int:
 
 COMMANDS = {
     "serve": serve,
+    "config": config,
     "launchd": service.launchd_command,
     "systemd": service.systemd_command,
 }
@@ -103,12 +219,10 @@ _RUNS_MLX = ("serve", "bench")
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    # mlxd serves local model directories only: no library may reach for a model hub
-    # (mlx-vlm's processors otherwise try a download for a missing optional file).
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
     if argv[:1] and argv[0] in _RUNS_MLX:
         blas.reexec_with_openblas()
-    if argv[:1] == ["bench"]:  # bench owns its flags
+    if argv[:1] == ["bench"]:  # bench owns its flags; it loads local models only
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")
         return bench(argv[1:])
     args = _parser().parse_args(argv)
     return COMMANDS[args.command](args)
