@@ -14,6 +14,7 @@ import dataclasses
 import json
 import logging
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -53,9 +54,22 @@ def backend() -> str:
     return "cpu"
 
 
-def load_model(model_dir: Path, *, dequantize_on_cpu: bool) -> tuple[nn.Module, Any, dict]:
-    """Load an mlx-lm model directory; on the CPU backend optionally as float32."""
-    model, tokenizer, config = mlx_lm_load(str(model_dir), return_config=True)
+Shard = Callable[[nn.Module, dict], None]
+
+
+def load_model(
+    model_dir: Path, *, dequantize_on_cpu: bool, shard: Shard | None = None
+) -> tuple[nn.Module, Any, dict]:
+    """Load an mlx-lm model directory; on the CPU backend optionally as float32.
+
+    ``shard`` splits the model over a distributed group (``replica.py``) while its
+    weights are still lazy, so each rank reads only its own part of them."""
+    model, tokenizer, config = mlx_lm_load(
+        str(model_dir), return_config=True, lazy=shard is not None
+    )
+    if shard is not None:
+        shard(model, config)
+        mx.eval(model.parameters())
     return dequantize_for_cpu(model, config, dequantize_on_cpu), tokenizer, config
 
 
@@ -318,21 +332,27 @@ def load_runner(
     memory: MemoryOptions | None = None,
     speculative: SpeculativeOptions | None = None,
     spec_prefill: SpecPrefillOptions | None = None,
+    shard: Shard | None = None,
 ) -> tuple[MlxRunner, ModelInfo]:
     """Load the model for serving; call on the generation thread.
 
     The kind (text or vision) comes from the model's config unless ``kind`` names it.
     Each feature is off where its options are None; without ``memory`` (the memory
-    estimate and budget) the engine has no memory gate.
+    estimate and budget) the engine has no memory gate. ``shard``: this rank's part
+    of a model served over a distributed group (text models only).
     """
     model_id, model_dir = resolve_model_dir(path, cache_dir, log.info)
     config = json.loads((model_dir / "config.json").read_text())
     kind = model_kind(config, kind)
     log.info("loading %s model %s from %s (MLX backend: %s)", kind, model_id, model_dir, backend())
+    if kind == "vision" and shard is not None:
+        raise ValueError(f"{model_id}: vision models cannot be served over several ranks yet")
     if kind == "vision":
         extras = {"memory": memory, "speculative": speculative, "spec_prefill": spec_prefill}
         return _load_vision(model_id, model_dir, max_batch, dequantize_on_cpu, extras)
-    model, tokenizer, config = load_model(model_dir, dequantize_on_cpu=dequantize_on_cpu)
+    model, tokenizer, config = load_model(
+        model_dir, dequantize_on_cpu=dequantize_on_cpu, shard=shard
+    )
     info = ModelInfo(
         model_id=model_id,
         model_dir=model_dir,
