@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 import jinja2
 import msgspec
@@ -393,24 +393,59 @@ def request_failure(request_id: str, exc: Exception) -> Failed:
     )
 
 
+class ModelUnavailable(Exception):
+    """The request's model cannot serve it now (it failed to load, or the request may not
+    wait longer for the load): carries the request's ``Failed``."""
+
+    def __init__(self, failed: Failed):
+        super().__init__(failed.message)
+        self.failed = failed
+
+
+class Builders(Protocol):
+    """Each served model's ``PromptBuilder`` (``actors/models.py``, the model registry)."""
+
+    default: str  # the model of requests that name none
+
+    async def prepare(self, model: str, request_id: str | None) -> PromptBuilder:
+        """The model's builder once it is loaded; raises ``ModelUnavailable``."""
+        ...
+
+
+class OneModel:
+    """``Builders`` for a single, loaded model (tests and tools that build one graph)."""
+
+    def __init__(self, builder: PromptBuilder, model: str = ""):
+        self.builder, self.default = builder, model
+
+    async def prepare(self, model: str, request_id: str | None) -> PromptBuilder:
+        return self.builder
+
+
 async def _tokenize_one(
     request: AdmittedRequest,
-    builder: PromptBuilder,
+    builders: Builders,
     limiter: trio.CapacityLimiter,
     outbox: trio.MemorySendChannel[Submit],
     mailboxes: Mailboxes,
 ) -> None:
+    rid, model = request.request_id, request.model or builders.default
+    try:
+        builder = await builders.prepare(model, rid)  # waits while the model loads
+    except ModelUnavailable as exc:
+        mailboxes.deliver(msgspec.structs.replace(exc.failed, request_id=rid))
+        return
     async with limiter:
-        if _gone(mailboxes, request.request_id):
+        if _gone(mailboxes, rid):
             return  # the client left while this waited for a worker: skip its work
         try:
             tokenized = await trio.to_thread.run_sync(builder.build, request)
         except Exception as exc:  # the request's failure, never the actor's
-            mailboxes.deliver(request_failure(request.request_id, exc))
+            mailboxes.deliver(request_failure(rid, exc))
             return
-    if _gone(mailboxes, request.request_id):
+    if _gone(mailboxes, rid):
         return  # the client left (or the drain ended it) while we tokenized: no orphan work
-    await outbox.send(Submit(request=tokenized))
+    await outbox.send(Submit(request=msgspec.structs.replace(tokenized, model=model)))
 
 
 def _gone(mailboxes: Mailboxes, request_id: str) -> bool:
@@ -422,15 +457,15 @@ async def run(
     inbox: trio.MemoryReceiveChannel[AdmittedRequest],
     outbox: trio.MemorySendChannel[Submit],
     mailboxes: Mailboxes,
-    builder: PromptBuilder,
+    builders: Builders,
     options: TokenizerOptions,
     *,
     task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Tokenize each admitted request in a worker thread (``options.workers`` at once)
-    and submit it to the engine."""
+    """Tokenize each admitted request with its model's builder, in a worker thread
+    (``options.workers`` at once), and submit it to the engine."""
     limiter = trio.CapacityLimiter(options.workers)
     task_status.started()
     async with inbox, outbox, trio.open_nursery() as nursery:
         async for request in inbox:
-            nursery.start_soon(_tokenize_one, request, builder, limiter, outbox, mailboxes)
+            nursery.start_soon(_tokenize_one, request, builders, limiter, outbox, mailboxes)

@@ -40,12 +40,24 @@ def create_app(pipeline: Pipeline, settings: Settings) -> QuartTrio:
     app.config.update(
         MAX_CONTENT_LENGTH=settings.server.max_body_bytes, RESPONSE_TIMEOUT=None, BODY_TIMEOUT=60
     )
-    validator = Validator(settings, lambda: pipeline.info.vocab_size if pipeline.info else None)
+    validator = Validator(settings)
 
-    def ready() -> str:
-        if pipeline.state is not ServerState.READY or pipeline.info is None:
+    def select(requested: str | None) -> tuple[str, Validator]:
+        """The served model a request's ``model`` names (none: the default), and the
+        validator for it; unknown: a 404 in the calling API's format."""
+        models = pipeline.models
+        if pipeline.state is not ServerState.READY or models is None:
             raise ApiError("not_ready", f"server is {pipeline.state.value}", retry_after=1)
-        return pipeline.info.model_id
+        model = models.find(requested)
+        if model is None:
+            served = ", ".join(repr(m) for m in models.entries)
+            raise ApiError(
+                "model_not_found",
+                f"model {requested!r} not found; this server serves {served}",
+                param="model",
+            )
+        info = models.info(model)
+        return model, validator.for_model(info.vocab_size if info else None)
 
     def on_error(error: ApiError, path: str) -> None:
         """An error before the request reached the pipeline: counted and logged here."""
@@ -55,7 +67,7 @@ def create_app(pipeline: Pipeline, settings: Settings) -> QuartTrio:
     max_body = settings.server.max_body_bytes
     install_errors(app, openai.ERRORS, on_error, max_body)  # unrouted: OpenAI's format
     for api in (openai, anthropic, responses):
-        api.install(app, pipeline, validator, ready, on_error)
+        api.install(app, pipeline, validator, select, on_error)
 
     @app.get("/health")
     async def health() -> Response:
@@ -66,7 +78,7 @@ def create_app(pipeline: Pipeline, settings: Settings) -> QuartTrio:
             content_type="application/json",
         )
 
-    _install_engine_routes(app, pipeline, ready)
+    _install_engine_routes(app, pipeline, select)
     _install_observability(app, pipeline, settings)
     _install_guards(app, settings)
     hosts = AllowedHosts(settings.server.allowed_hosts, settings.server.host)
@@ -115,26 +127,29 @@ def _header(scope, name: bytes) -> str | None:
     return None
 
 
-def _install_engine_routes(app: QuartTrio, pipeline: Pipeline, ready) -> None:
-    """Prefix-cache and speculative-decoding stats; clearing the prefix cache."""
+def _install_engine_routes(app: QuartTrio, pipeline: Pipeline, select) -> None:
+    """Prefix-cache and speculative-decoding stats of one model (``?model=``; the
+    default one unless named); clearing the prefix cache (of every loaded model unless
+    one is named)."""
 
     @app.get("/v1/cache")
     async def cache_stats() -> Response:
-        ready()
-        stats = pipeline.engine_stats.counters.prefix_cache
+        model, _ = select(request.args.get("model"))
+        stats = pipeline.stats_of(model).counters.prefix_cache
         body = {"enabled": stats is not None, **(msgspec.structs.asdict(stats) if stats else {})}
         return json_response(body)
 
     @app.delete("/v1/cache")
     async def cache_clear() -> Response:
-        ready()
-        await pipeline.engine.send(ClearCache())
+        named = request.args.get("model")
+        model, _ = select(named)
+        await pipeline.engine.send(ClearCache(model=model if named else ""))
         return json_response({"cleared": True})
 
     @app.get("/v1/speculative")
     async def speculative_stats() -> Response:
-        ready()
-        stats = pipeline.engine_stats.counters.speculative
+        model, _ = select(request.args.get("model"))
+        stats = pipeline.stats_of(model).counters.speculative
         body = msgspec.to_builtins(stats) if stats is not None else {"enabled": False}
         return json_response(body)
 

@@ -30,8 +30,10 @@ from dataclasses import dataclass, field
 
 import trio
 from mlxd.actors.admission import AdmissionPolicy
+from mlxd.actors.engine.actor import EngineNews
 from mlxd.actors.engine.types import ModelInfo
 from mlxd.actors.mailbox import Bell, Mailbox, Mailboxes
+from mlxd.actors.models import ModelRegistry
 from mlxd.actors.tokenizer import PromptBuilder, bad_input
 from mlxd.daemon.telemetry import Live, RequestTrace, Telemetry
 from mlxd.protocol import status as wire
@@ -58,11 +60,11 @@ class ServerState(enum.Enum):
 class Session:
     """One admitted request: its mailbox, and the cleanup that must always run."""
 
-    def __init__(self, pipeline: Pipeline, mailbox: Mailbox):
+    def __init__(self, pipeline: Pipeline, mailbox: Mailbox, model: str = ""):
         self._pipeline = pipeline
         self.mailbox = mailbox
         self._closed = self._released = False
-        self.trace = RequestTrace(mailbox.request_id, trio.current_time())
+        self.trace = RequestTrace(mailbox.request_id, trio.current_time(), model=model)
 
     @property
     def request_id(self) -> str:
@@ -171,25 +173,47 @@ class Pipeline:
     retry_after_s: float = 1.0  # a queue timeout's Retry-After
     expired: int = 0  # requests failed by their queue timeout
     state: ServerState = ServerState.LOADING
-    info: ModelInfo | None = None
+    models: ModelRegistry | None = None  # the served models (set once the actors run)
     policy: AdmissionPolicy | None = None  # read only outside the admission actor
-    engine_stats: EngineStats = field(default_factory=EngineStats)
+    model_stats: dict[str, EngineStats] = field(default_factory=dict)  # per loaded model
+    speculative: dict[str, bool] = field(default_factory=dict)  # configured on, per model
     sessions: dict[str, Session] = field(default_factory=dict)
     telemetry: Telemetry = field(default_factory=Telemetry)
-
-    builder: PromptBuilder | None = None  # the tokenizer actor's, for count_tokens
     count_limiter: trio.CapacityLimiter | None = None  # its worker threads (tokenizer.workers)
+
+    @property
+    def info(self) -> ModelInfo | None:
+        """The default model's info (None until it has loaded once)."""
+        return self.models.info(self.models.default) if self.models else None
+
+    @property
+    def builder(self) -> PromptBuilder | None:
+        """The default model's prompt builder, the one the tokenizer actor uses."""
+        return self.models.entries[self.models.default].builder if self.models else None
+
+    def model_info(self, model: str) -> ModelInfo | None:
+        return self.models.info(model) if self.models else None
+
+    @property
+    def engine_stats(self) -> EngineStats:
+        """Every loaded model's snapshot added up (memory is the process's: the largest)."""
+        return _sum_stats(list(self.model_stats.values()))
+
+    def stats_of(self, model: str) -> EngineStats:
+        return self.model_stats.get(model, EngineStats())
 
     async def count_tokens(self, request: AdmittedRequest) -> int:
         """Prompt tokens of a request, rendered as it would be served (worker thread).
 
         Raises ``PromptError`` (a 400) for a prompt that bad input cannot build, as the
-        tokenizer actor fails such a request; any other exception is a bug (a 500).
+        tokenizer actor fails such a request, and ``ModelUnavailable`` when its model
+        cannot load; any other exception is a bug (a 500).
         """
-        assert self.builder is not None, "count_tokens before the model loaded"
+        assert self.models is not None, "count_tokens before the actors run"
+        builder = await self.models.prepare(request.model or self.models.default, None)
         try:
             tokens = await trio.to_thread.run_sync(
-                self.builder.tokens, request, limiter=self.count_limiter
+                builder.tokens, request, limiter=self.count_limiter
             )
         except Exception as exc:
             error = bad_input(exc)
@@ -219,15 +243,14 @@ class Pipeline:
         self.telemetry.watch(self.live)
 
     def live(self) -> Live:
-        """What the telemetry reads: the engine's snapshot, admission counts, open requests."""
+        """What the telemetry reads: the engine's snapshots, admission counts, open
+        requests, and every served model's state."""
         queued = self.policy.waiting if self.policy else {}
         requests = [(s.trace, rid in queued) for rid, s in self.sessions.items()]
         info, memory = self.info, self.info.memory if self.info else None
         model = None
-        if info is not None:
-            model = wire.ModelStatus(
-                id=info.model_id, backend=info.backend, context_length=info.context_length
-            )
+        if info is not None and self.models is not None:
+            model = _model_status(self.models.default, info)
         return Live(
             state=self.state.value,
             engine=self.engine_stats,
@@ -236,7 +259,29 @@ class Pipeline:
             model=model,
             kv_bytes_per_token=memory.kv_bytes_per_token if memory else 0,
             state_bytes=memory.state_bytes if memory else 0,
+            models=self._models(),
         )
+
+    def _models(self) -> list[wire.ServedModel]:
+        if self.models is None:
+            return []
+        return [
+            wire.ServedModel(
+                id=e.id,
+                state=e.state,
+                error=e.error,
+                loads=e.loads,
+                unloads=e.unloads,
+                last_load_s=round(e.last_load_s, 3),
+                last_unload_s=round(e.last_unload_s, 3),
+                last_unload_reason=e.last_unload_reason,
+                weights_bytes=e.weights_bytes,
+                waiting_for_load=e.waiting,
+                model=_model_status(e.id, e.info) if e.info is not None else None,
+                engine=self.model_stats.get(e.id) if e.state == "loaded" else None,
+            )
+            for e in self.models.entries.values()
+        ]
 
     def _admission(self) -> wire.AdmissionStatus:
         p = self.policy
@@ -253,9 +298,14 @@ class Pipeline:
             expired=self.expired,
         )
 
-    def publish(self, stats: EngineStats) -> None:
-        """The engine's snapshot after each step (called on the trio thread)."""
-        self.engine_stats = stats
+    def publish(self, news: EngineNews) -> None:
+        """The engine's snapshots and model events after each step (on the trio thread)."""
+        self.model_stats.update(news.stats)
+        for event in news.events:
+            if event.state in ("unloaded", "failed"):
+                self.model_stats.pop(event.model, None)
+            if self.models is not None:
+                self.models.on_event(event)
 
     async def expire(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         """The timer: fail each request at its queue timeout (if it has not started) and
@@ -299,7 +349,8 @@ class Pipeline:
         """Register the request's mailbox (sharing ``bell`` with its siblings), start its
         timeouts and admit it."""
         mailbox = self.mailboxes.register(request.request_id, bell)
-        session = self.sessions[request.request_id] = Session(self, mailbox)
+        model = request.model or (self.models.default if self.models else "")
+        session = self.sessions[request.request_id] = Session(self, mailbox, model)
         self.timeouts.add(request.request_id, session.trace.start)
         self._timer.ring()
         try:
@@ -308,3 +359,28 @@ class Pipeline:
             await session.close()
             raise
         return session
+
+
+def _model_status(model: str, info: ModelInfo) -> wire.ModelStatus:
+    return wire.ModelStatus(
+        id=model, backend=info.backend, context_length=info.context_length, kind=info.kind
+    )
+
+
+def _sum_stats(stats: list[EngineStats]) -> EngineStats:
+    """Counts added up; memory figures are the process's (each model reports the same)."""
+    if len(stats) == 1:
+        return stats[0]
+    if not stats:
+        return EngineStats()
+    added = (
+        "steps", "decode_steps", "waiting", "prefilling", "decoding", "batch_size",
+        "batch_tokens_total", "kv_reserved", "kv_budget", "failed_steps",
+    )  # fmt: skip
+    totals = {name: sum(getattr(s, name) for s in stats) for name in added}
+    return EngineStats(
+        **totals,
+        memory_active=max(s.memory_active for s in stats),
+        memory_peak=max(s.memory_peak for s in stats),
+        counters=stats[0].counters,
+    )

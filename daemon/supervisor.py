@@ -4,13 +4,16 @@
       ▲         (max_waiting)         (1)           (max_running)    (engine_outbox)      │
       └──────────────────────────── mailboxes (merge, never block) ◀─────────────────────┘
     HTTP ──Abort (session close)──▶ engine ◀──Abort (stop string)── streamer
+    tokenizer ──Load (model not loaded)──▶ engine ──EngineNews (model events)──▶ registry
     pipeline.expire (queue timeout, deadline) ──Failed──▶ mailboxes
     mailbox final event ──▶ pipeline.release_ended ──Abort/Release──▶ engine, admission
-    engine ──EngineStats (each step)──▶ pipeline.engine_stats ◀── /metrics, /v1/status
+    engine ──EngineNews (stats per model, each step)──▶ pipeline ◀── /metrics, /v1/status
 
 The HTTP server starts first (``/health`` answers 503 while the model loads);
-the engine starts next, and ``nursery.start`` returns once the model is loaded;
-then the streamer, tokenizer and admission controller. SIGTERM/SIGINT switch to
+the engine starts next, and ``nursery.start`` returns once the preloaded models
+(``[model]``, or ``[[models]]`` entries with ``preload``) are loaded; the others
+load on first use. Then the model registry, the streamer, tokenizer and
+admission controller. SIGTERM/SIGINT switch to
 draining: new requests get 503, in-flight ones get ``drain_timeout_s`` to end,
 and those still open then end with a 503 error (an error event in a stream).
 """
@@ -35,21 +38,27 @@ from hypercorn.trio import serve as hypercorn_serve
 from mlxd.actors import admission, streamer, tokenizer
 from mlxd.actors.admission import AdmissionOptions, AdmissionPolicy
 from mlxd.actors.engine import actor as engine
-from mlxd.actors.engine.actor import EngineOptions, Publish, RunnerFactory
+from mlxd.actors.engine.actor import (
+    EngineOptions,
+    ModelSpec,
+    PoolLimits,
+    Publish,
+    RunnerFactory,
+)
 from mlxd.actors.engine.options import (
     MemoryOptions,
     PrefixCacheOptions,
     SpecPrefillOptions,
     SpeculativeOptions,
 )
-from mlxd.actors.grammar import GrammarCompiler
 from mlxd.actors.mailbox import Mailboxes
-from mlxd.actors.streamer import StreamState
-from mlxd.actors.tokenizer import PromptBuilder, TokenizerOptions
+from mlxd.actors.models import ModelRegistry, RegistryOptions, StreamStates
+from mlxd.actors.tokenizer import TokenizerOptions
 from mlxd.actors.vision import ImageLimits
 from mlxd.daemon.app import create_app
 from mlxd.daemon.pipeline import Pipeline, ServerState, Timeouts
 from mlxd.daemon.settings import (
+    ModelEntry,
     PrefixCacheSettings,
     Settings,
     SpecPrefillSettings,
@@ -74,29 +83,63 @@ def feature_options(section: Feature, kind: type[_Options]) -> _Options | None:
     return options_from(section, kind) if section.enabled else None
 
 
-def mlx_runner_factory(settings: Settings) -> RunnerFactory:
-    """Loads the real model; runs on the generation thread (imports MLX there)."""
+def mlx_runner_factory(settings: Settings, entry: ModelEntry | None = None) -> RunnerFactory:
+    """Loads one served model (the first entry unless named); runs on the generation
+    thread (imports MLX there)."""
     s, m = settings, settings.model
+    e = entry or settings.model_entries()[0]
     features = {
         "prefix_cache": feature_options(s.prefix_cache, PrefixCacheOptions),
         "memory": options_from(s.memory, MemoryOptions),
-        "speculative": feature_options(s.speculative, SpeculativeOptions),
-        "spec_prefill": feature_options(s.spec_prefill, SpecPrefillOptions),
+        "speculative": feature_options(e.speculative or s.speculative, SpeculativeOptions),
+        "spec_prefill": feature_options(e.spec_prefill or s.spec_prefill, SpecPrefillOptions),
     }
+    adapter = Path(e.adapter_path).expanduser() if e.adapter_path else None
 
     def factory():
         from mlxd.actors.engine.loading import load_runner
 
         return load_runner(
-            m.path,
+            e.path,
             Path(m.cache_dir).expanduser(),
             dequantize_on_cpu=m.dequantize_on_cpu,
-            max_batch=s.engine.max_batch,
-            kind=m.kind,
+            max_batch=e.max_batch or s.engine.max_batch,
+            kind=e.kind,
+            adapter_path=adapter,
             **features,
         )
 
     return factory
+
+
+def free_mlx_memory() -> None:
+    """After a model is unloaded (engine thread): collect its arrays and give MLX's cached
+    buffers back."""
+    import gc
+
+    import mlx.core as mx
+
+    gc.collect()
+    mx.clear_cache()
+
+
+Factories = RunnerFactory | dict[str, RunnerFactory]
+
+
+def model_specs(settings: Settings, factories: Factories | None) -> list[ModelSpec]:
+    """The engine's models: each entry with its factory (``factories`` by id, or one
+    factory for the one entry; None: the real ones)."""
+    specs = []
+    for i, entry in enumerate(settings.model_entries()):
+        if factories is None:
+            factory = mlx_runner_factory(settings, entry)
+        elif isinstance(factories, dict):
+            factory = factories[entry.id]
+        else:
+            assert i == 0, "one factory for several [[models]]: pass them by id"
+            factory = factories
+        specs.append(ModelSpec(entry.id, factory, entry.max_batch, entry.preload))
+    return specs
 
 
 @dataclass
@@ -150,43 +193,69 @@ def tokenizer_options(s: Settings) -> TokenizerOptions:
 
 
 def engine_options(s: Settings, publish: Publish) -> EngineOptions:
+    p = s.model_pool
     return EngineOptions(
         max_batch=s.engine.max_batch,
         prefill_chunk_tokens=s.engine.prefill_chunk_tokens,
         retry_after_s=s.admission.retry_after_s,
         release_after_idle_s=s.memory.release_after_idle_s,
         publish=publish,
+        limits=PoolLimits(p.max_loaded, p.max_loaded_mb << 20, p.idle_unload_s),
+        free_memory=free_mlx_memory,
+    )
+
+
+def registry_options(s: Settings) -> RegistryOptions:
+    p = s.model_pool
+    return RegistryOptions(
+        max_waiting=p.max_waiting,
+        load_timeout_s=p.load_timeout_s,
+        failed_retry_s=p.failed_retry_s,
+        retry_after_s=s.admission.retry_after_s,
     )
 
 
 async def run_actors(
     graph: Graph,
     settings: Settings,
-    factory: RunnerFactory,
+    factory: Factories | None = None,
     *,
     monitor: Monitor | None = None,
     task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Start the actors in dependency order; ``started`` once the model is loaded.
+    """Start the actors in dependency order; ``started`` once the preloaded models are
+    loaded. ``factory``: one per model id, or one for the one model; None: the real ones.
 
     ``monitor``: a task watching something outside the graph (the other ranks of a
     distributed group, ``daemon/ranks.py``) that may fail every open request."""
     s, pipeline, mailboxes = settings, graph.pipeline, graph.pipeline.mailboxes
-    options = engine_options(s, pipeline.publish)
+    options, specs = engine_options(s, pipeline.publish), model_specs(s, factory)
     async with trio.open_nursery() as nursery:
         if monitor is not None:
             nursery.start_soon(monitor, pipeline)
-        info = await nursery.start(engine.run, graph.engine[1], graph.steps[0], factory, options)
-        pipeline.info = info
-        state = StreamState(info.tokenizer, mailboxes)
-        await nursery.start(streamer.run, graph.steps[1], graph.engine[0].clone(), state)
-        # Reading the vocabulary into llguidance takes a moment: not on the trio thread.
-        grammars = await trio.to_thread.run_sync(GrammarCompiler, info.tokenizer)
+        infos = await nursery.start(engine.run, graph.engine[1], graph.steps[0], specs, options)
+        # A preloaded model with no id took its own name: the engine's ids are final.
+        ids = [spec.id or next(iter(infos)) for spec in specs]
         prompts = tokenizer_options(s)
-        builder = pipeline.builder = PromptBuilder.for_model(info, prompts, grammars)
+        models = pipeline.models = ModelRegistry(
+            ids,
+            graph.engine[0].clone(),
+            mailboxes,
+            prompts,
+            registry_options(s),
+            accept_other_ids=s.model.accept_other_ids,
+        )
+        pipeline.speculative = {
+            i: _speculates(s, e) for i, e in zip(ids, s.model_entries(), strict=True)
+        }
+        models.preloaded(infos)
+        for model in infos:  # their grammar compilers read the vocabulary (a worker thread)
+            await models.builder(models.entries[model])
+        steps = StreamStates(models)
+        await nursery.start(streamer.run, graph.steps[1], graph.engine[0].clone(), steps)
         pipeline.count_limiter = trio.CapacityLimiter(prompts.workers)
         tokenizer_channels = (graph.tokenize[1], graph.engine[0], mailboxes)
-        await nursery.start(tokenizer.run, *tokenizer_channels, builder, prompts)
+        await nursery.start(tokenizer.run, *tokenizer_channels, models, prompts)
         queue = options_from(s.admission, AdmissionOptions)
         policy = pipeline.policy = AdmissionPolicy.from_options(queue)
         admission_channels = (graph.admission_rx, graph.tokenize[0], mailboxes)
@@ -196,14 +265,23 @@ async def run_actors(
         # Queue timeouts and deadlines, for every request wherever it is.
         await nursery.start(pipeline.expire)
         pipeline.state = ServerState.READY
-        log.info(
-            "ready: serving %s (%s model, backend %s, context %d)",
-            info.model_id,
-            info.kind,
-            info.backend,
-            info.context_length,
-        )
+        for model, info in infos.items():
+            log.info(
+                "ready: serving %s (%s model, backend %s, context %d)",
+                model,
+                info.kind,
+                info.backend,
+                info.context_length,
+            )
+        lazy = [i for i in ids if i not in infos]
+        if lazy:
+            log.info("ready: %s load on first use", ", ".join(lazy))
         task_status.started()
+
+
+def _speculates(s: Settings, entry: ModelEntry) -> bool:
+    """Whether speculation is configured for the entry (its own section, or the global)."""
+    return (entry.speculative or s.speculative).enabled
 
 
 async def drain(pipeline: Pipeline, deadline_s: float) -> None:
@@ -276,7 +354,7 @@ def http_config(s: Settings) -> HttpConfig:
 
 
 async def serve(
-    settings: Settings, factory: RunnerFactory | None = None, monitor: Monitor | None = None
+    settings: Settings, factory: Factories | None = None, monitor: Monitor | None = None
 ) -> None:
     """Serve HTTP until SIGTERM/SIGINT, then drain and return.
 
@@ -322,5 +400,4 @@ async def _run_in_scope(
     scope: trio.CancelScope, graph: Graph, settings: Settings, factory, monitor
 ) -> None:
     with scope:
-        factory = factory or mlx_runner_factory(settings)
         await run_actors(graph, settings, factory, monitor=monitor)

@@ -20,6 +20,7 @@ gaps are not seen above the detokenizer.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Callable, Iterator
@@ -50,7 +51,7 @@ if TYPE_CHECKING:
 request_log = logging.getLogger("mlxd.requests")
 
 # Failures that are admission decisions (the request never ran), by their reason's code.
-REJECTIONS = frozenset({"queue_full", "queue_timeout", "request_too_large"})
+REJECTIONS = frozenset({"queue_full", "queue_timeout", "request_too_large", "model_loading"})
 CLIENT_GONE = 499  # nginx's "client closed request": the client left before the end
 
 _LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160)
@@ -74,6 +75,7 @@ class RequestTrace:
     finish_reason: str | None = None
     status: int | None = None
     code: str | None = None
+    model: str = ""  # the served model's id (the ``model`` label)
 
     def observe(self, batch: list[MailboxEvent], now: float) -> None:
         for event in batch:
@@ -133,6 +135,7 @@ class Live:
     model: wire.ModelStatus | None = None  # None while loading
     kv_bytes_per_token: int = 0  # the memory model's estimates (0: no memory gate)
     state_bytes: int = 0
+    models: list[wire.ServedModel] = dataclasses.field(default_factory=list)
 
 
 class Telemetry:
@@ -140,14 +143,24 @@ class Telemetry:
 
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry(auto_describe=True)
+        by_model = ["model"]
         self.requests = Counter(
-            "mlxd_requests", "Finished requests", ["status", "finish_reason"], registry=r
+            "mlxd_requests",
+            "Finished requests",
+            ["model", "status", "finish_reason"],
+            registry=r,
         )
         self.rejected = Counter(
-            "mlxd_requests_rejected", "Requests refused by admission", ["reason"], registry=r
+            "mlxd_requests_rejected",
+            "Requests refused by admission",
+            ["model", "reason"],
+            registry=r,
         )
         self.failed = Counter(
-            "mlxd_requests_failed", "Requests that failed after admission", ["reason"], registry=r
+            "mlxd_requests_failed",
+            "Requests that failed after admission",
+            ["model", "reason"],
+            registry=r,
         )
         self.http_errors = Counter(
             "mlxd_http_errors",
@@ -155,29 +168,41 @@ class Telemetry:
             ["status"],
             registry=r,
         )
-        self.prompt_tokens = Counter("mlxd_prompt_tokens", "Prompt tokens", registry=r)
+        self.prompt_tokens = Counter("mlxd_prompt_tokens", "Prompt tokens", by_model, registry=r)
         self.cached_tokens = Counter(
-            "mlxd_cached_prompt_tokens", "Prompt tokens served from a prompt cache", registry=r
+            "mlxd_cached_prompt_tokens",
+            "Prompt tokens served from a prompt cache",
+            by_model,
+            registry=r,
         )
-        self.generation_tokens = Counter("mlxd_generation_tokens", "Generated tokens", registry=r)
+        self.generation_tokens = Counter(
+            "mlxd_generation_tokens", "Generated tokens", by_model, registry=r
+        )
         self.ttft = Histogram(
             "mlxd_time_to_first_token_seconds",
             "Arrival to first text",
+            by_model,
             buckets=_LATENCY,
             registry=r,
         )
         self.itl = Histogram(
             "mlxd_inter_token_latency_seconds",
             "Mean gap between a request's tokens",
+            by_model,
             buckets=_ITL,
             registry=r,
         )
         self.e2e = Histogram(
-            "mlxd_e2e_request_latency_seconds", "Arrival to last event", buckets=_E2E, registry=r
+            "mlxd_e2e_request_latency_seconds",
+            "Arrival to last event",
+            by_model,
+            buckets=_E2E,
+            registry=r,
         )
         self.queue_time = Histogram(
             "mlxd_queue_time_seconds",
             "Arrival to the start of prefill",
+            by_model,
             buckets=_LATENCY,
             registry=r,
         )
@@ -189,28 +214,30 @@ class Telemetry:
         self.registry.register(_LiveCollector(live, self))
 
     def request_done(self, trace: RequestTrace) -> None:
-        self.requests.labels(str(trace.status), trace.finish_reason or "").inc()
+        model = trace.model
+        self.requests.labels(model, str(trace.status), trace.finish_reason or "").inc()
         if trace.code in REJECTIONS:
-            self.rejected.labels(trace.code).inc()
+            self.rejected.labels(model, trace.code).inc()
         elif trace.code:
-            self.failed.labels(trace.code).inc()
-        self.prompt_tokens.inc(trace.prompt_tokens)
-        self.cached_tokens.inc(trace.cached_tokens)
-        self.generation_tokens.inc(trace.completion_tokens)
+            self.failed.labels(model, trace.code).inc()
+        self.prompt_tokens.labels(model).inc(trace.prompt_tokens)
+        self.cached_tokens.labels(model).inc(trace.cached_tokens)
+        self.generation_tokens.labels(model).inc(trace.completion_tokens)
         self.prompt_total += trace.prompt_tokens
         self.cached_total += trace.cached_tokens
         self._observe_latencies(trace)
         request_log.info(trace.log_line())
 
     def _observe_latencies(self, trace: RequestTrace) -> None:
+        model = trace.model
         if trace.ttft is not None:
-            self.ttft.observe(trace.ttft)
+            self.ttft.labels(model).observe(trace.ttft)
         if trace.inter_token is not None:
-            self.itl.observe(trace.inter_token)
+            self.itl.labels(model).observe(trace.inter_token)
         if trace.started_at is not None:
-            self.queue_time.observe(trace.started_at - trace.start)
+            self.queue_time.labels(model).observe(trace.started_at - trace.start)
         if trace.end is not None and trace.status == 200:
-            self.e2e.observe(trace.end - trace.start)
+            self.e2e.labels(model).observe(trace.end - trace.start)
 
     def http_error(self, status: int) -> None:
         self.http_errors.labels(str(status)).inc()
@@ -240,48 +267,87 @@ class _LiveCollector(Collector):
         yield _gauge(
             "mlxd_requests_waiting", "Requests in the admission queue", live.admission.waiting
         )
-        engine = GaugeMetricFamily(
-            "mlxd_engine_requests", "Requests in the engine", labels=["state"]
-        )
-        for state, n in (
-            ("waiting", s.waiting),
-            ("prefilling", s.prefilling),
-            ("decoding", s.decoding),
-        ):
-            engine.add_metric([state], n)
-        yield engine
-        yield _gauge("mlxd_batch_size", "Sequences in the last decode step", s.batch_size)
-        yield CounterMetricFamily("mlxd_decode_steps", "Decode steps", value=s.decode_steps)
-        yield CounterMetricFamily(
-            "mlxd_batch_tokens",
-            "Sum of decode batch sizes (÷ decode steps = mean batch)",
-            value=s.batch_tokens_total,
-        )
-        yield CounterMetricFamily(
-            "mlxd_failed_steps",
-            "Decode steps that failed (their requests failed)",
-            value=s.failed_steps,
-        )
+        loaded = [(m.id, m.engine) for m in live.models if m.engine is not None]
+        yield from _engine_metrics(loaded)
+        yield from _model_metrics(live.models)
         yield _gauge("mlxd_memory_active_bytes", "Device memory in use (MLX)", s.memory_active)
         yield _gauge("mlxd_memory_peak_bytes", "Peak device memory (MLX)", s.memory_peak)
         yield _gauge(
-            "mlxd_kv_reserved_bytes", "Estimated KV/state of running sequences", s.kv_reserved
-        )
-        yield _gauge("mlxd_kv_budget_bytes", "Memory budget for KV/state (0: none)", s.kv_budget)
-        yield _gauge(
             "mlxd_cache_hit_rate", "Cached ÷ prompt tokens, since start", self.telemetry.hit_rate
         )
-        yield from _spec_metrics(s.counters.speculative)
+        for model, stats in loaded:
+            yield from _spec_metrics(model, stats.counters.speculative)
         yield _gauge(
             "mlxd_ready", "1 when serving, 0 when loading or draining", float(live.state == "ready")
         )
 
 
-def _spec_metrics(stats: SpeculativeCounters | None) -> Iterator[Metric]:
-    """Per-drafter speculation counters (nothing when speculation is not configured)."""
+_ENGINE_GAUGES = (
+    ("mlxd_batch_size", "Sequences in the last decode step", "batch_size"),
+    ("mlxd_kv_reserved_bytes", "Estimated KV/state of running sequences", "kv_reserved"),
+    ("mlxd_kv_budget_bytes", "Memory budget for KV/state (0: none)", "kv_budget"),
+)
+_ENGINE_COUNTERS = (
+    ("mlxd_decode_steps", "Decode steps (from the model's last load)", "decode_steps"),
+    (
+        "mlxd_batch_tokens",
+        "Sum of decode batch sizes (÷ decode steps = mean batch)",
+        "batch_tokens_total",
+    ),
+    ("mlxd_failed_steps", "Decode steps that failed (their requests failed)", "failed_steps"),
+)
+
+
+def _engine_metrics(loaded: list[tuple[str, EngineStats]]) -> Iterator[Metric]:
+    """Each loaded model's engine snapshot, labelled ``model``."""
+    engine = GaugeMetricFamily(
+        "mlxd_engine_requests", "Requests in the engine", labels=["model", "state"]
+    )
+    for model, s in loaded:
+        for state, n in (
+            ("waiting", s.waiting),
+            ("prefilling", s.prefilling),
+            ("decoding", s.decoding),
+        ):
+            engine.add_metric([model, state], n)
+    yield engine
+    for name, doc, attr in _ENGINE_GAUGES:
+        family = GaugeMetricFamily(name, doc, labels=["model"])
+        for model, s in loaded:
+            family.add_metric([model], getattr(s, attr))
+        yield family
+    for name, doc, attr in _ENGINE_COUNTERS:
+        counter = CounterMetricFamily(name, doc, labels=["model"])
+        for model, s in loaded:
+            counter.add_metric([model], getattr(s, attr))
+        yield counter
+
+
+def _model_metrics(models: list[wire.ServedModel]) -> Iterator[Metric]:
+    """Each served model's load state, loads, unloads, last load time and weights."""
+    loaded = GaugeMetricFamily("mlxd_model_loaded", "1 while the model is loaded", labels=["model"])
+    loads = CounterMetricFamily("mlxd_model_loads", "Times the model loaded", labels=["model"])
+    unloads = CounterMetricFamily("mlxd_model_unloads", "Times it unloaded", labels=["model"])
+    seconds = GaugeMetricFamily(
+        "mlxd_model_load_seconds", "How long its last load took", labels=["model"]
+    )
+    weights = GaugeMetricFamily(
+        "mlxd_model_weights_bytes", "Its weights, measured at its last load", labels=["model"]
+    )
+    for m in models:
+        loaded.add_metric([m.id], float(m.state == "loaded"))
+        loads.add_metric([m.id], m.loads)
+        unloads.add_metric([m.id], m.unloads)
+        seconds.add_metric([m.id], m.last_load_s)
+        weights.add_metric([m.id], m.weights_bytes)
+    yield from (loaded, loads, unloads, seconds, weights)
+
+
+def _spec_metrics(model: str, stats: SpeculativeCounters | None) -> Iterator[Metric]:
+    """A model's speculation counters (nothing when speculation is not configured)."""
     if stats is None:
         return
-    label = [stats.drafter or "none"]
+    label = [model, stats.drafter or "none"]
     for name, doc, value in (
         ("mlxd_spec_drafted_tokens", "Draft tokens proposed", stats.drafted),
         ("mlxd_spec_accepted_tokens", "Draft tokens the target accepted", stats.accepted),
@@ -292,11 +358,13 @@ def _spec_metrics(stats: SpeculativeCounters | None) -> Iterator[Metric]:
             stats.plain_steps,
         ),
     ):
-        family = CounterMetricFamily(name, doc, labels=["drafter"])
+        family = CounterMetricFamily(name, doc, labels=["model", "drafter"])
         family.add_metric(label, value)
         yield family
     rate = GaugeMetricFamily(
-        "mlxd_spec_acceptance_rate", "Accepted ÷ drafted tokens, since start", labels=["drafter"]
+        "mlxd_spec_acceptance_rate",
+        "Accepted ÷ drafted tokens, since start",
+        labels=["model", "drafter"],
     )
     rate.add_metric(label, stats.acceptance_rate)
     yield rate
@@ -350,6 +418,7 @@ def status_snapshot(live: Live, t: Telemetry, settings: Settings, now: float) ->
         state=live.state,
         uptime_s=round(time.monotonic() - t.started, 3),
         model=live.model,
+        models=live.models,
         requests=wire.RequestsStatus(running=running, waiting=waiting),
         admission=live.admission,
         engine=s,
@@ -381,6 +450,7 @@ def _cache(t: Telemetry, prefix: PrefixCacheCounters | None) -> wire.CacheStatus
 def _request_row(trace: RequestTrace, state: str | None, now: float) -> wire.RequestStatus:
     return wire.RequestStatus(
         id=trace.request_id,
+        model=trace.model,
         state=state or ("running" if trace.started_at is not None else "waiting"),
         age_s=round(now - trace.start, 3),
         prompt_tokens=trace.prompt_tokens,
@@ -403,5 +473,6 @@ def settings_summary(settings: Settings) -> dict:
         "tokenizer": msgspec.to_builtins(settings.tokenizer),
         "speculative": msgspec.to_builtins(settings.speculative),
         "spec_prefill": msgspec.to_builtins(settings.spec_prefill),
+        "model_pool": msgspec.to_builtins(settings.model_pool),
         "auth": {"enabled": bool(settings.auth.api_keys or settings.auth.api_key_file)},
     }

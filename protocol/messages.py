@@ -118,10 +118,12 @@ class ChatRequest(msgspec.Struct, frozen=True, kw_only=True):
     ``tools`` are offered to the model (through its template, or a system-prompt
     description when the template has no tool support); ``tool_choice`` is
     ``auto`` / ``none`` / ``required`` or a tool name. ``template_kwargs`` go to
-    the chat template as extra variables (e.g. ``enable_thinking``).
+    the chat template as extra variables (e.g. ``enable_thinking``). ``model``: the
+    served model's id ("" = the default, first, model).
     """
 
     request_id: str
+    model: str = ""
     messages: tuple[Message, ...]
     sampling: SamplingParams
     arrival: float = 0.0
@@ -138,6 +140,7 @@ class CompletionRequest(msgspec.Struct, frozen=True, kw_only=True):
     """A raw prompt (text, or token ids) for the completions endpoint."""
 
     request_id: str
+    model: str = ""
     prompt: str | tuple[int, ...]
     sampling: SamplingParams
     arrival: float = 0.0
@@ -183,9 +186,11 @@ class TokenizedRequest(msgspec.Struct, frozen=True, kw_only=True):
 
     ``vision`` is set when it has images; ``grammar`` is the compiled token-level
     constraint (an llguidance matcher, built off the engine thread), or None.
+    ``model`` names the served model that runs it (the tokenizer resolved "").
     """
 
     request_id: str
+    model: str = ""
     prompt_tokens: tuple[int, ...]
     sampling: SamplingParams
     # Prompt positions worth a prefix-cache snapshot (end of the system prompt,
@@ -231,10 +236,22 @@ class Abort(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class ClearCache(msgspec.Struct, frozen=True, kw_only=True):
-    """Drop every prefix-cache snapshot (runs on the engine thread, between steps)."""
+    """Drop every prefix-cache snapshot (runs on the engine thread, between steps) of
+    ``model``, or of every loaded model when it is ""."""
+
+    model: str = ""
 
 
-EngineInbox = Submit | Abort | ClearCache
+class Load(msgspec.Struct, frozen=True, kw_only=True):
+    """A request for ``model`` is on its way (the tokenizer needs the model's tokenizer
+    first): load the model unless it is loaded, and keep it loaded until ``request_id``
+    is submitted or aborted (None: keep nothing)."""
+
+    model: str
+    request_id: str | None = None
+
+
+EngineInbox = Submit | Abort | ClearCache | Load
 
 
 # ---- generation actor outbox --------------------------------------------------------
@@ -288,6 +305,8 @@ Reason = Literal[
     "out_of_memory",  # an allocation failed in its step
     "client_not_reading",  # its client left too much output unread
     "shutting_down",  # the server is draining and it did not finish in time
+    "model_loading",  # its model is still loading (too long, or too many wait for it)
+    "model_load_failed",  # its model could not be loaded
     "internal_error",  # a bug while building, running or streaming it
 ]
 
@@ -308,8 +327,9 @@ class Failed(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class EngineStep(msgspec.Struct, frozen=True, kw_only=True):
-    """Everything one engine step produced, for every running request."""
+    """Everything one engine step of one model produced, for every running request."""
 
+    model: str = ""
     started: tuple[Started, ...] = ()
     tokens: tuple[TokenStep, ...] = ()
     failed: tuple[Failed, ...] = ()

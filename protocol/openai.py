@@ -274,10 +274,13 @@ class TextCompletion(msgspec.Struct, kw_only=True):
 
 
 class ModelCard(msgspec.Struct, kw_only=True):
+    """A served model; ``status`` (an mlxd extension): unloaded, loading, loaded or failed."""
+
     id: str
     created: int
     owned_by: str = "mlxd"
     object: str = "model"
+    status: str | None = None
 
 
 class ModelList(msgspec.Struct, kw_only=True):

@@ -13,9 +13,11 @@ from mlxd.protocol.messages import EngineStats
 
 class RequestStatus(msgspec.Struct, kw_only=True):
     """One in-flight request. ``state``: ``queued`` (admission queue), ``waiting``
-    (tokenizing, or waiting for memory in the engine) or ``running``."""
+    (tokenizing, waiting for its model to load, or for memory in the engine) or
+    ``running``."""
 
     id: str
+    model: str
     state: str
     age_s: float
     prompt_tokens: int
@@ -96,12 +98,38 @@ class ModelStatus(msgspec.Struct, kw_only=True):
     id: str
     backend: str
     context_length: int
+    kind: str = "text"
+
+
+class ServedModel(msgspec.Struct, kw_only=True):
+    """One entry of the served models. ``state``: ``unloaded`` (not loaded yet, or
+    unloaded), ``loading``, ``loaded`` or ``failed`` (``error`` says why). Load and
+    unload times are the last ones, in seconds; ``last_unload_reason``: ``idle``
+    (``model_pool.idle_unload_s``), ``lru`` (``max_loaded``) or ``memory``
+    (``max_loaded_mb``). ``model`` is known once it has loaded; ``engine`` while loaded."""
+
+    id: str
+    state: str
+    error: str
+    loads: int
+    unloads: int
+    last_load_s: float
+    last_unload_s: float
+    last_unload_reason: str
+    weights_bytes: int
+    waiting_for_load: int
+    model: ModelStatus | None
+    engine: EngineStats | None
 
 
 class Status(msgspec.Struct, kw_only=True):
+    """The server; ``model`` is the default model, ``engine`` every loaded model's counts
+    added up, and ``models`` each served model on its own."""
+
     state: str
     uptime_s: float
     model: ModelStatus | None
+    models: list[ServedModel]
     requests: RequestsStatus
     admission: AdmissionStatus
     engine: EngineStats

@@ -164,10 +164,17 @@ def tiny_models(tmp_path_factory, smollm_tokenizer):
 
 
 def metric(text: str, name: str, labels: str = "") -> float:
-    """One sample's value from Prometheus text, e.g. ``metric(t, "x_total", 'a="b"')``."""
-    prefix = f"{name}{{{labels}}} " if labels else f"{name} "
-    (line,) = [ln for ln in text.splitlines() if ln.startswith(prefix)]
-    return float(line.split()[-1])
+    """A sample's value from Prometheus text, e.g. ``metric(t, "x_total", 'a="b"')``: the
+    sum over the samples whose labels include these (every ``model``, unless named)."""
+    wanted = set(labels.split(",")) - {""}
+    values = []
+    for line in text.splitlines():
+        sample, _, value = line.rpartition(" ")
+        found, _, rest = sample.partition("{")
+        if found == name and wanted <= set(rest.rstrip("}").split(",")) - {""}:
+            values.append(float(value))
+    assert values, f"no sample {name}{{{labels}}}"
+    return sum(values)
 
 
 # ---- process exit ---------------------------------------------------------------------------

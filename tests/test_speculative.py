@@ -265,10 +265,14 @@ def test_grammar_and_logprobs_are_a_400_while_speculating():
         SpeculativeCounters,
     )
 
-    def pipeline(enabled):
+    def pipeline(enabled, loaded=True):
+        """The model "m" loaded (its engine's counters say), or not yet (its settings say)."""
         spec = RunnerCounters(speculative=SpeculativeCounters(enabled=enabled))
+        info = SimpleNamespace(kind="text") if loaded else None
         return SimpleNamespace(
-            info=SimpleNamespace(kind="text"), engine_stats=EngineStats(counters=spec)
+            model_info=lambda model: info,
+            model_stats={"m": EngineStats(counters=spec)} if loaded else {},
+            speculative={"m": enabled},
         )
 
     plain = CompletionRequest(request_id="p", prompt="x", sampling=SamplingParams())
@@ -276,10 +280,12 @@ def test_grammar_and_logprobs_are_a_400_while_speculating():
         plain, constraint=Constraint(kind="json_object", param="response_format")
     )
     logprobs = msgspec.structs.replace(plain, sampling=SamplingParams(logprobs=True))
-    _check_speculation(pipeline(True), [plain])
-    _check_speculation(pipeline(False), [schema, logprobs])
+    _check_speculation(pipeline(True), [plain], "m")
+    _check_speculation(pipeline(False), [schema, logprobs], "m")
+    _check_speculation(pipeline(False, loaded=False), [schema, logprobs], "m")
     for refused, param in [(schema, "response_format"), (logprobs, "logprobs")]:
-        with pytest.raises(ApiError) as err:
-            _check_speculation(pipeline(True), [refused])
-        assert err.value.status == 400
-        assert err.value.param == param
+        for loaded in (True, False):
+            with pytest.raises(ApiError) as err:
+                _check_speculation(pipeline(True, loaded), [refused], "m")
+            assert err.value.status == 400
+            assert err.value.param == param

@@ -344,7 +344,10 @@ def test_structured_output_with_vision_mtp_speculation_on(tiny_models):
     assert isinstance(runner, VlmMtpRunner) and runner.spec_stats.enabled
     request = chat(max_tokens=30, constraint=Constraint(kind="json_schema", schema=SCHEMA))
     snapshot = EngineStats(counters=runner.counters())
-    _check_speculation(SimpleNamespace(info=info, engine_stats=snapshot), [request])  # no ApiError
+    pipeline = SimpleNamespace(
+        model_info=lambda model: info, model_stats={"m": snapshot}, speculative={"m": True}
+    )
+    _check_speculation(pipeline, [request], "m")  # no ApiError
     vlm = (runner, info, GrammarCompiler(info.tokenizer))
     tokens, failed = drive(runner, {0: [builder(vlm).build(request)]})
     assert not failed

@@ -58,19 +58,37 @@ Shard = Callable[[nn.Module, dict], None]
 
 
 def load_model(
-    model_dir: Path, *, dequantize_on_cpu: bool, shard: Shard | None = None
+    model_dir: Path,
+    *,
+    dequantize_on_cpu: bool,
+    shard: Shard | None = None,
+    adapter_path: Path | None = None,
 ) -> tuple[nn.Module, Any, dict]:
     """Load an mlx-lm model directory; on the CPU backend optionally as float32.
 
     ``shard`` splits the model over a distributed group (``replica.py``) while its
-    weights are still lazy, so each rank reads only its own part of them."""
+    weights are still lazy, so each rank reads only its own part of them.
+    ``adapter_path``: an mlx-lm adapter directory (``adapter_config.json`` +
+    ``adapters.safetensors``) whose LoRA / DoRA layers mlx-lm applies at load."""
+    if adapter_path is not None:
+        check_adapter(adapter_path)
     model, tokenizer, config = mlx_lm_load(
-        str(model_dir), return_config=True, lazy=shard is not None
+        str(model_dir),
+        return_config=True,
+        lazy=shard is not None,
+        adapter_path=str(adapter_path) if adapter_path is not None else None,
     )
     if shard is not None:
         shard(model, config)
         mx.eval(model.parameters())
     return dequantize_for_cpu(model, config, dequantize_on_cpu), tokenizer, config
+
+
+def check_adapter(adapter_path: Path) -> None:
+    """An adapter directory mlx-lm can read, else a ``FileNotFoundError`` naming the file."""
+    for name in ("adapter_config.json", "adapters.safetensors"):
+        if not (adapter_path / name).is_file():
+            raise FileNotFoundError(f"LoRA adapter {adapter_path}: {name} not found")
 
 
 def device_memory_bytes() -> int:
@@ -333,13 +351,15 @@ def load_runner(
     speculative: SpeculativeOptions | None = None,
     spec_prefill: SpecPrefillOptions | None = None,
     shard: Shard | None = None,
+    adapter_path: Path | None = None,
 ) -> tuple[MlxRunner, ModelInfo]:
     """Load the model for serving; call on the generation thread.
 
     The kind (text or vision) comes from the model's config unless ``kind`` names it.
     Each feature is off where its options are None; without ``memory`` (the memory
     estimate and budget) the engine has no memory gate. ``shard``: this rank's part
-    of a model served over a distributed group (text models only).
+    of a model served over a distributed group (text models only). ``adapter_path``:
+    a LoRA adapter applied at load (text models only).
     """
     model_id, model_dir = resolve_model_dir(path, cache_dir, log.info)
     config = json.loads((model_dir / "config.json").read_text())
@@ -347,12 +367,16 @@ def load_runner(
     log.info("loading %s model %s from %s (MLX backend: %s)", kind, model_id, model_dir, backend())
     if kind == "vision" and shard is not None:
         raise ValueError(f"{model_id}: vision models cannot be served over several ranks yet")
+    if kind == "vision" and adapter_path is not None:
+        raise ValueError(f"{model_id}: LoRA adapters are applied to text models only")
     if kind == "vision":
         extras = {"memory": memory, "speculative": speculative, "spec_prefill": spec_prefill}
         return _load_vision(model_id, model_dir, max_batch, dequantize_on_cpu, extras)
     model, tokenizer, config = load_model(
-        model_dir, dequantize_on_cpu=dequantize_on_cpu, shard=shard
+        model_dir, dequantize_on_cpu=dequantize_on_cpu, shard=shard, adapter_path=adapter_path
     )
+    if adapter_path is not None:
+        log.info("LoRA adapter applied: %s", adapter_path)
     info = ModelInfo(
         model_id=model_id,
         model_dir=model_dir,

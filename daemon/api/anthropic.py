@@ -17,13 +17,15 @@ import contextlib
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 
+import msgspec
 import trio
-from mlxd.actors.tokenizer import PromptError
+from mlxd.actors.tokenizer import ModelUnavailable, PromptError
 from mlxd.daemon.api import sse
 from mlxd.daemon.api.common import (
     Choice,
+    Select,
     Usage,
     Validator,
     check,
@@ -72,7 +74,8 @@ _TYPES: dict[ErrorReason, str] = {
     "body_too_large": "request_too_large",
     "queue_full": "rate_limit_error",
     **dict.fromkeys(
-        ("not_ready", "queue_timeout", "out_of_memory", "shutting_down"), "overloaded_error"
+        ("not_ready", "queue_timeout", "out_of_memory", "shutting_down", "model_loading"),
+        "overloaded_error",
     ),
 }
 
@@ -399,25 +402,24 @@ class CountGate:
 
 
 def install(
-    app: QuartTrio, pipeline: Pipeline, v: Validator, ready: Callable[[], str], on_error: OnError
+    app: QuartTrio, pipeline: Pipeline, v: Validator, select: Select, on_error: OnError
 ) -> None:
     """Register the Anthropic routes on the app, their errors in Anthropic's format."""
     api = Blueprint("anthropic", __name__)
-    _routes(api, pipeline, v, ready)
+    _routes(api, pipeline, v, select)
     install_errors(api, ERRORS, on_error, v.max_body_bytes)
     app.register_blueprint(api)
 
 
-def _routes(app: Blueprint, pipeline: Pipeline, v: Validator, ready: Callable[[], str]) -> None:
+def _routes(app: Blueprint, pipeline: Pipeline, v: Validator, select: Select) -> None:
     gate = CountGate(v)
 
     @app.post("/v1/messages")
     async def messages() -> Response:
         w = v.decode(wire.messages_decoder, await request.get_data(cache=False))
-        model = ready()
-        v.check_model(w.model, model)
+        model, mv = select(w.model)
         rid = f"msg_{uuid.uuid4().hex}"
-        first, rest = await start(pipeline, [chat_request(w, rid, v)])
+        first, rest = await start(pipeline, [chat_request(w, rid, mv)], model)
         if w.stream:
             return sse.stream(MessageStream(rid, model), first, rest)
         (choice,) = await collect(1, first, rest)
@@ -427,11 +429,13 @@ def _routes(app: Blueprint, pipeline: Pipeline, v: Validator, ready: Callable[[]
     async def count_tokens() -> Response:
         async with gate.enter():
             w = v.decode(wire.count_decoder, await request.get_data(cache=False))
-            model = ready()
-            v.check_model(w.model, model)
-            req = chat_request(w, f"count_{uuid.uuid4().hex}", v)
+            model, mv = select(w.model)
+            req = chat_request(w, f"count_{uuid.uuid4().hex}", mv)
             try:
-                n = await pipeline.count_tokens(req)
+                n = await pipeline.count_tokens(msgspec.structs.replace(req, model=model))
             except PromptError as exc:
                 raise ApiError(exc.reason, str(exc), param=exc.param) from exc
+            except ModelUnavailable as exc:
+                f = exc.failed
+                raise ApiError(f.reason, f.message, retry_after=f.retry_after) from exc
         return json_response({"input_tokens": n})

@@ -11,6 +11,7 @@ Errors and their formats are in ``errors.py``.
 
 from __future__ import annotations
 
+import copy
 import math
 from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass, field
@@ -39,6 +40,9 @@ from mlxd.protocol.messages import (
 from quart import Response
 
 ChoiceEvent = tuple[int, MailboxEvent]
+# The app's model selection: a request's ``model`` → (the served id, the validator for it);
+# raises the API's 404 (an unknown id) or 503 (not ready).
+Select = Callable[[str | None], "tuple[str, Validator]"]
 
 
 def check(ok: bool, param: str | None, message: str) -> None:
@@ -122,13 +126,12 @@ class Validator:
         )
         return (priority or 0) if self.priority_enabled else 0
 
-    def check_model(self, requested: str | None, served: str) -> None:
-        if requested and requested != served and not self.model.accept_other_ids:
-            raise ApiError(
-                "model_not_found",
-                f"model '{requested}' not found; this server serves '{served}'",
-                param="model",
-            )
+    def for_model(self, vocab_size: int | None) -> Validator:
+        """This validator for one model, whose vocabulary size is ``vocab_size`` (None:
+        not known before it loads; the tokenizer and the engine check token ids then)."""
+        bound = copy.copy(self)
+        bound.vocab_size = lambda: vocab_size
+        return bound
 
     def sampling(
         self,
@@ -346,13 +349,20 @@ async def _events(sessions: list[Session], bell: Bell) -> AsyncIterator[list[Cho
             await session.close()
 
 
-def _check_speculation(pipeline: Pipeline, requests: list[AdmittedRequest]) -> None:
+def _check_speculation(pipeline: Pipeline, requests: list[AdmittedRequest], model: str) -> None:
     """A grammar matcher advances once per token and cannot be rolled back per row.
 
     A vision model's MTP runner decodes such requests in its plain lane: no refusal there.
+    Before the model has loaded, its settings say whether it speculates.
     """
-    spec = pipeline.engine_stats.counters.speculative
-    if spec is None or not spec.enabled or getattr(pipeline.info, "kind", None) == "vision":
+    info = pipeline.model_info(model)
+    if info is not None and info.kind == "vision":
+        return
+    if model in pipeline.model_stats:
+        spec = pipeline.model_stats[model].counters.speculative
+        if spec is None or not spec.enabled:
+            return
+    elif not pipeline.speculative.get(model, False):
         return
     for r in requests:
         param = r.constraint.param if r.constraint else "logprobs"
@@ -365,14 +375,16 @@ def _check_speculation(pipeline: Pipeline, requests: list[AdmittedRequest]) -> N
 
 
 async def start(
-    pipeline: Pipeline, requests: list[AdmittedRequest]
+    pipeline: Pipeline, requests: list[AdmittedRequest], model: str
 ) -> tuple[list[ChoiceEvent], AsyncIterator[list[ChoiceEvent]]]:
-    """Submit the request's choices; wait until each has begun (or failed: then raise).
+    """Submit the request's choices to ``model``; wait until each has begun (or failed:
+    then raise).
 
     The returned iterator is started, so its cleanup (closing every session,
     which aborts unfinished sequences) runs even if the caller never reads it.
     """
-    _check_speculation(pipeline, requests)
+    _check_speculation(pipeline, requests, model)
+    requests = [msgspec.structs.replace(r, model=model) for r in requests]
     bell, sessions = Bell(), []
     try:
         for request in requests:

@@ -51,6 +51,8 @@ STATUS: Mapping[ErrorReason, int] = {
     "internal_error": 500,
     "not_ready": 503,
     "queue_timeout": 503,
+    "model_loading": 503,
+    "model_load_failed": 500,
     "out_of_memory": 503,
     "shutting_down": 503,
     "request_timeout": 504,

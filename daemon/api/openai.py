@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Callable
 
 import msgspec
 from mlxd.daemon.api import sse
 from mlxd.daemon.api.common import (
     SEED_MAX,
     Choice,
+    Select,
     Usage,
     Validator,
     both_constraints,
@@ -73,7 +73,8 @@ _TYPES: dict[ErrorReason, str] = {
     "queue_full": "rate_limit_exceeded",
     **dict.fromkeys(("client_not_reading", "request_timeout", "body_timeout"), "timeout_error"),
     **dict.fromkeys(
-        ("not_ready", "queue_timeout", "out_of_memory", "shutting_down"), "service_unavailable"
+        ("not_ready", "queue_timeout", "out_of_memory", "shutting_down", "model_loading"),
+        "service_unavailable",
     ),
 }
 
@@ -428,7 +429,7 @@ def text_choice(i: int, c: Choice, echo: str, logprobs: bool) -> wire.TextChoice
 async def chat(pipeline: Pipeline, v: Validator, model: str, w: wire.ChatCompletionRequest):
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     requests = chat_requests(w, rid, v)
-    first, rest = await start(pipeline, requests)  # type: ignore[arg-type]
+    first, rest = await start(pipeline, requests, model)  # type: ignore[arg-type]
     if w.stream:
         include = bool(w.stream_options and w.stream_options.include_usage)
         return sse.stream(ChatStream(rid, model, len(requests), include), first, rest)
@@ -446,9 +447,9 @@ async def chat(pipeline: Pipeline, v: Validator, model: str, w: wire.ChatComplet
 async def complete(pipeline: Pipeline, v: Validator, model: str, w: wire.CompletionRequest):
     rid = f"cmpl-{uuid.uuid4().hex}"
     requests = completion_requests(w, rid, v)
-    first, rest = await start(pipeline, requests)  # type: ignore[arg-type]
+    first, rest = await start(pipeline, requests, model)  # type: ignore[arg-type]
     # After start: token-id prompts have been checked against the vocabulary.
-    echo = _echo(requests[0].prompt, pipeline) if w.echo else ""
+    echo = _echo(requests[0].prompt, pipeline, model) if w.echo else ""
     if w.stream:
         include = bool(w.stream_options and w.stream_options.include_usage)
         return sse.stream(TextStream(rid, model, len(requests), include, echo), first, rest)
@@ -464,45 +465,49 @@ async def complete(pipeline: Pipeline, v: Validator, model: str, w: wire.Complet
 
 
 def install(
-    app: QuartTrio, pipeline: Pipeline, v: Validator, ready: Callable[[], str], on_error: OnError
+    app: QuartTrio, pipeline: Pipeline, v: Validator, select: Select, on_error: OnError
 ) -> None:
     """Register the OpenAI routes on the app, their errors in OpenAI's format."""
     api = Blueprint("openai", __name__)
-    _routes(api, pipeline, v, ready)
+    _routes(api, pipeline, v, select)
     install_errors(api, ERRORS, on_error, v.max_body_bytes)
     app.register_blueprint(api)
 
 
-def _routes(app: Blueprint, pipeline: Pipeline, v: Validator, ready: Callable[[], str]) -> None:
+def _routes(app: Blueprint, pipeline: Pipeline, v: Validator, select: Select) -> None:
     @app.post("/v1/chat/completions")
     async def chat_completions() -> Response:
         w = v.decode(wire.chat_decoder, await request.get_data(cache=False))
-        model = ready()
-        v.check_model(w.model, model)
-        return await chat(pipeline, v, model, w)
+        model, mv = select(w.model)
+        return await chat(pipeline, mv, model, w)
 
     @app.post("/v1/completions")
     async def completions() -> Response:
         w = v.decode(wire.completion_decoder, await request.get_data(cache=False))
-        model = ready()
-        v.check_model(w.model, model)
-        return await complete(pipeline, v, model, w)
+        model, mv = select(w.model)
+        return await complete(pipeline, mv, model, w)
 
     @app.get("/v1/models")
     async def models() -> Response:
-        model = ready()
-        return json_response(wire.ModelList(data=[wire.ModelCard(id=model, created=0)]))
+        select(None)
+        assert pipeline.models is not None
+        cards = [
+            wire.ModelCard(id=e.id, created=0, status=e.state)
+            for e in pipeline.models.entries.values()
+        ]
+        return json_response(wire.ModelList(data=cards))
 
     @app.get("/v1/models/<path:model_id>")
     async def model(model_id: str) -> Response:
-        served = ready()
-        if model_id != served and not v.model.accept_other_ids:
-            raise ApiError("model_not_found", f"model '{model_id}' not found", param="model")
-        return json_response(wire.ModelCard(id=model_id, created=0))
+        served, _ = select(model_id)
+        assert pipeline.models is not None
+        status = pipeline.models.entries[served].state
+        return json_response(wire.ModelCard(id=model_id, created=0, status=status))
 
 
-def _echo(prompt: str | tuple[int, ...], pipeline: Pipeline) -> str:
+def _echo(prompt: str | tuple[int, ...], pipeline: Pipeline, model: str) -> str:
     if isinstance(prompt, str):
         return prompt
-    assert pipeline.info is not None
-    return pipeline.info.tokenizer.decode(list(prompt))
+    info = pipeline.model_info(model)
+    assert info is not None  # after start: the model has loaded
+    return info.tokenizer.decode(list(prompt))

@@ -15,13 +15,13 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Callable
 from typing import Any
 
 import msgspec
 from mlxd.daemon.api import sse
 from mlxd.daemon.api.common import (
     Choice,
+    Select,
     Usage,
     Validator,
     check,
@@ -341,24 +341,23 @@ class ResponseStream:
 
 
 def install(
-    app: QuartTrio, pipeline: Pipeline, v: Validator, ready: Callable[[], str], on_error: OnError
+    app: QuartTrio, pipeline: Pipeline, v: Validator, select: Select, on_error: OnError
 ) -> None:
     """Register the Responses route on the app, its errors in OpenAI's format."""
     api = Blueprint("responses", __name__)
-    _routes(api, pipeline, v, ready)
+    _routes(api, pipeline, v, select)
     install_errors(api, ERRORS, on_error, v.max_body_bytes)
     app.register_blueprint(api)
 
 
-def _routes(app: Blueprint, pipeline: Pipeline, v: Validator, ready: Callable[[], str]) -> None:
+def _routes(app: Blueprint, pipeline: Pipeline, v: Validator, select: Select) -> None:
     @app.post("/v1/responses")
     async def responses() -> Response:
         w = v.decode(wire.decoder, await request.get_data(cache=False))
-        model = ready()
-        v.check_model(w.model, model)
+        model, mv = select(w.model)
         rid = _id("resp")
         env = Envelope(rid, model, w)
-        first, rest = await start(pipeline, [chat_request(w, rid, v)])
+        first, rest = await start(pipeline, [chat_request(w, rid, mv)], model)
         if w.stream:
             return sse.stream(ResponseStream(env), first, rest)
         (choice,) = await collect(1, first, rest)

@@ -1,0 +1,368 @@
+"""Several models in one daemon (``[[models]]``), over scripted fake runners: selection by
+id, load on first use, idle and LRU unloading, fair stepping, load failures and the
+bounded wait for a loading model."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import msgspec
+import pytest
+import trio
+from mlxd.actors.engine.core import EngineCore
+from mlxd.actors.engine.pool import ModelPool, ModelSpec, PoolLimits
+from mlxd.actors.engine.types import ModelInfo
+from mlxd.daemon.app import create_app
+from mlxd.daemon.settings import SettingsError, load_settings
+from mlxd.daemon.supervisor import open_graph, run_actors
+from mlxd.protocol.messages import SamplingParams, TokenizedRequest
+
+from tests.conftest import metric
+from tests.fakes import CharTokenizer, FakeRunner
+
+CHAT = "/v1/chat/completions"
+
+
+class BTokenizer(CharTokenizer):
+    """Model b's own chat template: its replies start with ``B:``."""
+
+    def apply_chat_template(self, messages, add_generation_prompt=True, tokenize=False, **extra):
+        return "".join(f"<user>b:{m['content']}" for m in messages) + "<assistant>"
+
+
+@dataclass
+class FakeModel:
+    """A fake model's factory: a runner, its tokenizer, and a scripted load."""
+
+    runner: FakeRunner = field(default_factory=FakeRunner)
+    tokenizer: CharTokenizer = field(default_factory=CharTokenizer)
+    gate: threading.Event | None = None  # the load waits for it (at most 10 s)
+    error: Exception | None = None
+    loads: int = 0
+
+    def __call__(self) -> tuple[FakeRunner, ModelInfo]:
+        self.loads += 1
+        if self.gate is not None:
+            self.gate.wait(10)
+        if self.error is not None:
+            raise self.error
+        info = ModelInfo(
+            model_id="fake",
+            model_dir=Path("."),
+            context_length=4096,
+            vocab_size=0x110000,
+            tokenizer=self.tokenizer,
+            backend="fake",
+        )
+        return self.runner, info
+
+
+def multi_settings(*ids: str, **pool):
+    raw = msgspec.to_builtins(load_settings())
+    raw["models"] = [{"id": i} for i in ids]
+    raw["model_pool"].update(pool)
+    return msgspec.convert(raw, type=type(load_settings()))
+
+
+@asynccontextmanager
+async def served(settings, models: dict[str, FakeModel]):
+    """The app over the actor graph with these fake models; on exit all is idle."""
+    graph = open_graph(settings)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(run_actors, graph, settings, dict(models))
+        try:
+            yield create_app(graph.pipeline, settings).test_client(), graph.pipeline
+            with trio.fail_after(5):
+                while graph.pipeline.sessions or len(graph.pipeline.mailboxes) or _busy(models):
+                    await trio.sleep(0.01)
+        finally:
+            nursery.cancel_scope.cancel()
+
+
+def _busy(models: dict[str, FakeModel]) -> bool:
+    return any(m.runner.running or m.runner.prefilling for m in models.values())
+
+
+def ask(model: str, text: str = "hi", **extra) -> dict:
+    return {"model": model, "messages": [{"role": "user", "content": text}], **extra}
+
+
+async def answer(c, model: str, text: str = "hi") -> str:
+    r = await c.post(CHAT, json=ask(model, text))
+    assert r.status_code == 200, await r.get_data()
+    body = json.loads(await r.get_data())
+    assert body["model"] == model
+    return body["choices"][0]["message"]["content"]
+
+
+async def states(c) -> dict[str, dict]:
+    body = json.loads(await (await c.get("/v1/status")).get_data())
+    return {m["id"]: m for m in body["models"]}
+
+
+async def test_two_models_answer_by_id_with_their_own_template_and_are_listed():
+    a, b = FakeModel(), FakeModel(tokenizer=BTokenizer())
+    async with served(multi_settings("a", "b"), {"a": a, "b": b}) as (c, _):
+        listed = json.loads(await (await c.get("/v1/models")).get_data())
+        assert [(m["id"], m["status"]) for m in listed["data"]] == [
+            ("a", "unloaded"),
+            ("b", "unloaded"),
+        ]
+        assert await answer(c, "a", "hello") == "HELLO"
+        assert await answer(c, "b", "hello") == "B:HELLO"  # b's tokenizer and template
+        # No model named: the first entry.
+        r = await c.post(CHAT, json={"messages": [{"role": "user", "content": "x"}]})
+        assert json.loads(await r.get_data())["model"] == "a"
+        listed = json.loads(await (await c.get("/v1/models")).get_data())
+        card = json.loads(await (await c.get("/v1/models/b")).get_data())
+        text = (await (await c.get("/metrics")).get_data()).decode()
+    assert [m["status"] for m in listed["data"]] == ["loaded", "loaded"]
+    assert card == {
+        "id": "b",
+        "created": 0,
+        "owned_by": "mlxd",
+        "object": "model",
+        "status": "loaded",
+    }
+    assert (a.loads, b.loads) == (1, 1)
+    assert [rid for rid, _ in b.runner.prefill_log] and not set(
+        r for r, _ in a.runner.prefill_log
+    ) & set(r for r, _ in b.runner.prefill_log)
+    assert metric(text, "mlxd_requests_total", 'model="a",status="200"') == 2
+    assert metric(text, "mlxd_requests_total", 'model="b",status="200"') == 1
+    assert metric(text, "mlxd_model_loaded", 'model="b"') == 1
+    assert metric(text, "mlxd_decode_steps_total", 'model="b"') > 0
+
+
+async def test_an_unknown_model_is_a_404_in_each_apis_format():
+    async with served(multi_settings("a", "b"), {"a": FakeModel(), "b": FakeModel()}) as (c, _):
+        openai = await c.post(CHAT, json=ask("nope"))
+        anthropic = await c.post(
+            "/v1/messages",
+            json={"model": "nope", "max_tokens": 5, "messages": [{"role": "user", "content": "x"}]},
+        )
+        responses = await c.post("/v1/responses", json={"model": "nope", "input": "x"})
+        card = await c.get("/v1/models/nope")
+    for r in (openai, anthropic, responses, card):
+        assert r.status_code == 404
+    o = json.loads(await openai.get_data())["error"]
+    assert (o["type"], o["code"], o["param"]) == ("not_found_error", "model_not_found", "model")
+    assert "'nope' not found" in o["message"] and "'a', 'b'" in o["message"]
+    an = json.loads(await anthropic.get_data())
+    assert an["type"] == "error" and an["error"]["type"] == "not_found_error"
+    assert json.loads(await responses.get_data())["error"]["code"] == "model_not_found"
+
+
+async def test_first_use_loads_and_the_status_shows_loading_then_loaded():
+    b = FakeModel(gate=threading.Event())
+    async with served(multi_settings("a", "b"), {"a": FakeModel(), "b": b}) as (c, _):
+        assert (await states(c))["b"]["state"] == "unloaded"
+        async with trio.open_nursery() as nursery:
+            result: list[str] = []
+
+            async def use_b():
+                result.append(await answer(c, "b", "late"))
+
+            nursery.start_soon(use_b)
+            with trio.fail_after(5):
+                while (await states(c))["b"]["state"] != "loading":
+                    await trio.sleep(0.01)
+            assert (await states(c))["b"]["waiting_for_load"] == 1
+            b.gate.set()
+        after = (await states(c))["b"]
+    assert result == ["LATE"]
+    assert (after["state"], after["loads"], after["error"]) == ("loaded", 1, "")
+    assert after["model"]["id"] == "b" and after["engine"]["decoding"] == 0
+
+
+async def test_a_model_idle_past_its_ttl_is_unloaded_and_reloads_on_use():
+    a = FakeModel()
+    settings = multi_settings("a", "b", idle_unload_s=0.2)
+    async with served(settings, {"a": a, "b": FakeModel()}) as (c, pipeline):
+        await answer(c, "a")
+        with trio.fail_after(5):
+            while (await states(c))["a"]["state"] != "unloaded":
+                await trio.sleep(0.02)
+        gone = (await states(c))["a"]
+        assert "a" not in pipeline.model_stats
+        assert await answer(c, "a", "again") == "AGAIN"
+        back = (await states(c))["a"]
+    assert (gone["unloads"], gone["last_unload_reason"], gone["engine"]) == (1, "idle", None)
+    assert (back["state"], back["loads"], a.loads) == ("loaded", 2, 2)
+
+
+async def test_the_least_recently_used_model_is_unloaded_at_max_loaded():
+    models = {i: FakeModel() for i in "abc"}
+    async with served(multi_settings("a", "b", "c", max_loaded=2), models) as (c, _):
+        await answer(c, "a")
+        await answer(c, "b")
+        await answer(c, "a")  # a is now the most recently used
+        await answer(c, "c")
+        now = await states(c)
+    assert {m: s["state"] for m, s in now.items()} == {
+        "a": "loaded",
+        "b": "unloaded",
+        "c": "loaded",
+    }
+    assert now["b"]["last_unload_reason"] == "lru"
+    assert [m.loads for m in models.values()] == [1, 1, 1]
+
+
+async def test_two_models_step_in_turn_while_both_have_work():
+    order: list[str] = []
+
+    class Logged(FakeRunner):
+        def __init__(self, name):
+            super().__init__(step_delay=0.001)
+            self.name = name
+
+        def decode(self):
+            order.append(self.name)
+            return super().decode()
+
+    a, b = FakeModel(runner=Logged("a")), FakeModel(runner=Logged("b"))
+    async with served(multi_settings("a", "b"), {"a": a, "b": b}) as (c, _):
+        await answer(c, "a")  # both loaded before the race
+        await answer(c, "b")
+        order.clear()
+        async with trio.open_nursery() as nursery:
+            for model in "ab":
+                nursery.start_soon(answer, c, model, model * 120)
+    both = order[: 2 * min(order.count("a"), order.count("b")) - 2]
+    assert order.count("a") > 100 and order.count("b") > 100
+    # While both decode, no model takes two steps in a row.
+    assert all(x != y for x, y in zip(both[5:], both[6:], strict=False))
+
+
+async def test_a_model_that_fails_to_load_fails_its_requests_only():
+    bad = FakeModel(error=OSError("no weights here"))
+    settings = multi_settings("a", "bad", failed_retry_s=60)
+    async with served(settings, {"a": FakeModel(), "bad": bad}) as (c, _):
+        results: dict[str, object] = {}
+
+        async def call(name, model):
+            results[name] = await c.post(CHAT, json=ask(model, "ok"))
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(call, "bad", "bad")
+            nursery.start_soon(call, "good", "a")
+        again = await c.post(CHAT, json=ask("bad"))  # within failed_retry_s: at once
+        status = (await states(c))["bad"]
+        assert await answer(c, "a", "still") == "STILL"
+    good, failed = results["good"], results["bad"]
+    assert good.status_code == 200
+    for r in (failed, again):
+        assert r.status_code == 500
+        error = json.loads(await r.get_data())["error"]
+        assert error["code"] == "model_load_failed"
+        assert "no weights here" in error["message"] and "'bad'" in error["message"]
+    assert bad.loads == 1
+    assert status["state"] == "failed" and "no weights here" in status["error"]
+
+
+async def test_requests_waiting_on_a_loading_model_are_bounded_503_retry_after():
+    b = FakeModel(gate=threading.Event())
+    settings = multi_settings("a", "b", max_waiting=1, load_timeout_s=0.3)
+    async with served(settings, {"a": FakeModel(), "b": b}) as (c, _):
+        results: list = []
+
+        async def call():
+            results.append(await c.post(CHAT, json=ask("b")))
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(call)
+            with trio.fail_after(5):
+                while (await states(c))["b"]["waiting_for_load"] != 1:
+                    await trio.sleep(0.01)
+            started = trio.current_time()
+            await call()  # one already waits: refused at once
+            refused_in = trio.current_time() - started
+        b.gate.set()
+        timed_out = results[1]
+        text = (await (await c.get("/metrics")).get_data()).decode()
+        assert await answer(c, "b", "now") == "NOW"
+    full = results[0]
+    assert refused_in < 0.25
+    for r in (full, timed_out):
+        assert r.status_code == 503 and r.headers["Retry-After"] == "1"
+        assert json.loads(await r.get_data())["error"]["code"] == "model_loading"
+    assert "model_pool.max_waiting" in json.loads(await full.get_data())["error"]["message"]
+    assert "model_pool.load_timeout_s" in json.loads(await timed_out.get_data())["error"]["message"]
+    assert metric(text, "mlxd_requests_rejected_total", 'model="b",reason="model_loading"') == 2
+
+
+def test_models_settings_are_checked():
+    raw = msgspec.to_builtins(load_settings())
+    for models, model, why in (
+        ([{"id": "a"}, {"id": "a"}], {}, "same id"),
+        ([{"id": ""}], {}, "empty"),
+        ([{"id": "a"}], {"path": "/x.gguf"}, "one or the other"),
+    ):
+        bad = {**raw, "models": models, "model": {**raw["model"], **model}}
+        with pytest.raises(msgspec.ValidationError, match=why):
+            msgspec.convert(bad, type=type(load_settings()))
+    one = load_settings()
+    assert [(e.id, e.preload) for e in one.model_entries()] == [("", True)]
+    assert SettingsError  # the CLI reports these as SettingsError (daemon/settings.py)
+
+
+# ---- the pool alone: the weights cap -----------------------------------------------------
+
+
+def _request(rid: str, model: str) -> TokenizedRequest:
+    return TokenizedRequest(
+        request_id=rid, prompt_tokens=(1, 2, 3), sampling=SamplingParams(max_tokens=2), model=model
+    )
+
+
+def test_the_weights_cap_unloads_the_least_recently_used_idle_models():
+    device = {"active": 0}
+    weights = {"a": 60, "b": 50, "c": 70}
+
+    class Weighted(FakeRunner):
+        def memory_stats(self):
+            return device["active"], device["active"]
+
+    def factory(model):
+        def load():
+            device["active"] += weights[model]
+            return Weighted(step_delay=0), FakeModel()()[1]
+
+        return load
+
+    def free():
+        device["active"] = sum(weights[m] for m in pool.loaded)
+
+    def core(runner, info, max_batch):
+        return EngineCore(runner, max_batch=4, prefill_chunk_tokens=64)
+
+    specs = [ModelSpec(m, factory(m), 0) for m in weights]
+    limits = PoolLimits(max_loaded=3, max_loaded_bytes=120)
+    pool = ModelPool.of(specs, limits, core, free_memory=free, clock=time.monotonic)
+    for model in ("a", "b"):
+        pool.submit(_request(f"r-{model}", model))
+        assert pool.next_load() == model
+        pool.loading(model)
+        assert pool.load(model) is None
+    assert list(pool.loaded) == ["a", "b"] and pool.weights_seen == {"a": 60, "b": 50}
+    while not pool.idle:  # both finish their requests
+        pool.step()
+    pool.want("c", None)  # 70 more: a (least recently used) must go; 50 + 70 fits
+    assert pool.next_load() == "c"
+    pool.loading("c")
+    pool.load("c")
+    assert list(pool.loaded) == ["b", "c"]
+    assert [(e.model, e.state, e.reason) for e in pool.events if e.state == "unloaded"] == [
+        ("a", "unloaded", "memory")
+    ]
+    pool.want("b", "keep-b")  # pinned (a request on its way): never unloaded for room
+    pool.want("c", "keep-c")
+    pool.want("a", None)
+    assert pool.next_load() is None and pool.idle  # a waits until b or c is free
+    pool.abort("keep-c")
+    assert pool.next_load() == "a"
