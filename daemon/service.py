@@ -4,7 +4,7 @@
 ``~/Library/LaunchAgents/<label>.plist``, rendered from
 ``config/launchd.plist.template``; ``mlxd launchd install --print`` renders it
 on any platform. ``mlxd systemd print`` renders ``config/systemd.service.template``.
-Both run this venv's interpreter with ``-m daemon.cli serve ...`` and give the
+Both run this venv's interpreter with ``-m mlxd.daemon.cli serve ...`` and give the
 service manager a stop timeout longer than mlxd's drain, so SIGTERM drains.
 """
 
