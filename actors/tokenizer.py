@@ -42,6 +42,7 @@ from mlxd.actors.tools import (
 )
 from mlxd.actors.vision import ImageLimits, VisionError, VisionProcessor, load_images, split_images
 from mlxd.protocol.messages import (
+    Abort,
     AdmittedRequest,
     ChatRequest,
     Failed,
@@ -426,25 +427,29 @@ async def _tokenize_one(
     request: AdmittedRequest,
     builders: Builders,
     limiter: trio.CapacityLimiter,
-    outbox: trio.MemorySendChannel[Submit],
+    outbox: trio.MemorySendChannel[Submit | Abort],
     mailboxes: Mailboxes,
 ) -> None:
     rid, model = request.request_id, request.model or builders.default
+    if _gone(mailboxes, rid):
+        return
     try:
         builder = await builders.prepare(model, rid)  # waits while the model loads
     except ModelUnavailable as exc:
         mailboxes.deliver(msgspec.structs.replace(exc.failed, request_id=rid))
         return
     async with limiter:
-        if _gone(mailboxes, rid):
-            return  # the client left while this waited for a worker: skip its work
+        if _gone(mailboxes, rid):  # the client left while this waited: skip its work
+            await outbox.send(Abort(request_id=rid))  # and unpin its model
+            return
         try:
             tokenized = await trio.to_thread.run_sync(builder.build, request)
         except Exception as exc:  # the request's failure, never the actor's
             mailboxes.deliver(request_failure(rid, exc))
             return
-    if _gone(mailboxes, rid):
-        return  # the client left (or the drain ended it) while we tokenized: no orphan work
+    if _gone(mailboxes, rid):  # the client left (or the drain ended it): no orphan work
+        await outbox.send(Abort(request_id=rid))
+        return
     await outbox.send(Submit(request=msgspec.structs.replace(tokenized, model=model)))
 
 
@@ -455,7 +460,7 @@ def _gone(mailboxes: Mailboxes, request_id: str) -> bool:
 
 async def run(
     inbox: trio.MemoryReceiveChannel[AdmittedRequest],
-    outbox: trio.MemorySendChannel[Submit],
+    outbox: trio.MemorySendChannel[Submit | Abort],
     mailboxes: Mailboxes,
     builders: Builders,
     options: TokenizerOptions,

@@ -210,8 +210,9 @@ class Pipeline:
         cannot load; any other exception is a bug (a 500).
         """
         assert self.models is not None, "count_tokens before the actors run"
-        builder = await self.models.prepare(request.model or self.models.default, None)
-        try:
+        model, rid = request.model or self.models.default, request.request_id
+        try:  # the model stays loaded (pinned by the request id) until the Abort
+            builder = await self.models.prepare(model, rid)
             tokens = await trio.to_thread.run_sync(
                 builder.tokens, request, limiter=self.count_limiter
             )
@@ -220,6 +221,9 @@ class Pipeline:
             if error is None:
                 raise
             raise error from exc
+        finally:
+            with trio.CancelScope(shield=True):
+                await self.engine.send(Abort(request_id=rid))
         return len(tokens)
 
     async def release_ended(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:

@@ -352,17 +352,20 @@ def test_the_weights_cap_unloads_the_least_recently_used_idle_models():
     assert list(pool.loaded) == ["a", "b"] and pool.weights_seen == {"a": 60, "b": 50}
     while not pool.idle:  # both finish their requests
         pool.step()
-    pool.want("c", None)  # 70 more: a (least recently used) must go; 50 + 70 fits
+    pool.want("c", "rc")  # 70 more: a (least recently used) must go; 50 + 70 fits
     assert pool.next_load() == "c"
     pool.loading("c")
     pool.load("c")
+    pool.abort("rc")
     assert list(pool.loaded) == ["b", "c"]
     assert [(e.model, e.state, e.reason) for e in pool.events if e.state == "unloaded"] == [
         ("a", "unloaded", "memory")
     ]
     pool.want("b", "keep-b")  # pinned (a request on its way): never unloaded for room
     pool.want("c", "keep-c")
-    pool.want("a", None)
+    pool.want("a", "ra")
     assert pool.next_load() is None and pool.idle  # a waits until b or c is free
     pool.abort("keep-c")
     assert pool.next_load() == "a"
+    pool.abort("ra")  # nobody waits for a any more: no longer wanted
+    assert pool.next_load() is None and not pool.wanted

@@ -121,7 +121,8 @@ class ModelPool:
             self.wanted.setdefault(model)
 
     def want(self, model: str, request_id: str | None) -> None:
-        """A ``Load``: the model is about to be used (``request_id`` pins it until then)."""
+        """A ``Load``: the model is about to be used (``request_id`` pins it until then;
+        a model is wanted only while a request pins it or waits for it)."""
         if model not in self.specs:
             return  # the HTTP layer answered 404 for unknown ids: nothing to load
         if request_id is not None:
@@ -157,7 +158,10 @@ class ModelPool:
         return not working and self.next_load() is None
 
     def next_load(self) -> str | None:
-        """The first wanted model there is (or can be made) room for, if any."""
+        """The first wanted model there is (or can be made) room for, if any. A model no
+        request waits for any more (they were aborted) is no longer wanted."""
+        for model in [m for m in self.wanted if not self.pins.get(m) and not self.queued.get(m)]:
+            del self.wanted[model]
         for model in self.wanted:
             if self._room_for(model):
                 return model
