@@ -76,7 +76,7 @@ def free_port() -> int:
 def serve_once(mlxd: Path, model: Path, cwd: Path, env: dict[str, str]) -> tuple[int, str]:
     """``mlxd serve MODEL`` until one chat completion answers: its status and the log."""
     port = free_port()
-    argv = [str(mlxd), "serve", str(model), "--port", str(port)]
+    argv = [str(mlxd), "serve", str(model), "--port", str(port), "--served-model-name", "wheel"]
     proc = subprocess.Popen(argv, cwd=cwd, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)  # fmt: skip
     base = f"http://127.0.0.1:{port}"
@@ -89,7 +89,7 @@ def serve_once(mlxd: Path, model: Path, cwd: Path, env: dict[str, str]) -> tuple
             except httpx.HTTPError:
                 pass
             time.sleep(0.2)
-        body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}
+        body = {"model": "wheel", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}
         status = httpx.post(f"{base}/v1/chat/completions", json=body, timeout=30).status_code
     finally:
         proc.terminate()
@@ -125,4 +125,4 @@ def test_the_wheel_installs_into_a_fresh_venv_and_serves(tmp_path, tiny_models):
 
     status, log = serve_once(mlxd, tiny_models("llama"), elsewhere, env)
     assert status == 200, log
-    assert "ready: serving llama" in log
+    assert "ready: serving wheel" in log  # --served-model-name
