@@ -62,6 +62,7 @@ class Entry:
     changed: trio.Event = field(default_factory=trio.Event)
     builder: PromptBuilder | None = None  # for ``info`` (rebuilt when it changes)
     builder_of: ModelInfo | None = None
+    grammars: GrammarCompiler | None = None  # kept across reloads of the same model
     stream: StreamState | None = None
 
 
@@ -184,10 +185,16 @@ class ModelRegistry:
         info = entry.info
         assert info is not None, "a builder before the model loaded"
         if entry.builder is None or entry.builder_of is not info:
-            grammars = await trio.to_thread.run_sync(GrammarCompiler, info.tokenizer)
+            grammars = entry.grammars
+            if (
+                grammars is None
+                or entry.builder_of is None
+                or (entry.builder_of.model_dir != info.model_dir)
+            ):  # the same files reloaded: the same vocabulary (its compiler takes ~1 s)
+                grammars = await trio.to_thread.run_sync(GrammarCompiler, info.tokenizer)
             if entry.builder_of is not info:  # another request may have built it meanwhile
                 entry.builder = PromptBuilder.for_model(info, self.prompts, grammars)
-                entry.builder_of = info
+                entry.builder_of, entry.grammars = info, grammars
         assert entry.builder is not None
         return entry.builder
 

@@ -1,0 +1,121 @@
+"""Model switch latency: two models in one daemon, loaded on first use, one at a time.
+
+Serves SmolLM2-135M-Instruct (the bundled GGUF) and a second model (``--second``:
+``hybrid``, a random-weight Qwen3.5 hybrid of about SmolLM2's compute, or ``tiny``, a
+4-layer llama, or a model directory) as two ``[[models]]`` entries with
+``model_pool.max_loaded = 1``, so each request to the other model unloads one and loads
+the other. Runs the actor graph in-process (no HTTP) and prints, per round, each
+model's load and unload time (as the engine measured them), the first request's
+latency after the switch and a warm request's. A number printer, not a test:
+``python -m mlxd.scripts.bench_models`` (OpenBLAS preloaded on Linux, e.g.
+``LD_PRELOAD``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import msgspec
+import trio
+from mlxd.daemon.settings import load_settings
+from mlxd.daemon.supervisor import open_graph, run_actors
+from mlxd.protocol.messages import ChatRequest, Failed, Message, SamplingParams
+
+
+def second_model(name: str, tmp: Path) -> tuple[str, str]:
+    """The second model's path and a line describing it."""
+    from mlxd.scripts.bench_agents import converted, prepare
+    from mlxd.scripts.tiny_models import LLAMA, build_text_model
+
+    if name == "hybrid":
+        path, label = prepare("hybrid", tmp)
+        return str(path), label
+    if name == "tiny":
+        return str(build_text_model(LLAMA, converted(), tmp / "tiny")), "tiny llama (4 layers)"
+    return name, name
+
+
+async def timed(pipeline, rid: str, model: str) -> float:
+    request = ChatRequest(
+        request_id=rid,
+        model=model,
+        messages=(Message(role="user", content="Say hello."),),
+        sampling=SamplingParams(max_tokens=8, temperature=0.0),
+    )
+    start = time.perf_counter()
+    async for batch in (await pipeline.submit(request)).events():
+        for event in batch:
+            if isinstance(event, Failed):
+                raise RuntimeError(f"{model}: {event.message}")
+    return time.perf_counter() - start
+
+
+async def run(second: str, rounds: int) -> list[dict]:
+    raw = msgspec.to_builtins(load_settings())
+    raw["models"] = [{"id": "smollm", "path": ""}, {"id": "second", "path": second}]
+    raw["model_pool"]["max_loaded"] = 1
+    settings = msgspec.convert(raw, type=type(load_settings()))
+    graph = open_graph(settings)
+    pipeline = graph.pipeline
+    rows = []
+    async with trio.open_nursery() as nursery:
+        await nursery.start(run_actors, graph, settings, None)
+        for i in range(rounds):
+            for model, other in (("smollm", "second"), ("second", "smollm")):
+                cold = await timed(pipeline, f"{model}-{i}-cold", model)
+                warm = await timed(pipeline, f"{model}-{i}-warm", model)
+                entries = pipeline.models.entries
+                rows.append(
+                    {
+                        "round": i,
+                        "model": model,
+                        "load_s": entries[model].last_load_s,
+                        "unloaded": other if entries[other].unloads else "-",
+                        "unload_s": entries[other].last_unload_s if entries[other].unloads else 0,
+                        "first_request_s": cold,
+                        "warm_request_s": warm,
+                        "weights_mib": entries[model].weights_bytes / 2**20,
+                    }
+                )
+        nursery.cancel_scope.cancel()
+    return rows
+
+
+def report(rows: list[dict], label: str) -> None:
+    print(f"second model: {label}; model_pool.max_loaded = 1 (every switch unloads the other)")
+    print(
+        f"{'round':>5} {'model':>7} {'load s':>7} {'unloaded':>9} {'unload s':>9} "
+        f"{'1st req s':>9} {'warm s':>7} {'weights MiB':>11}"
+    )
+    for r in rows:
+        print(
+            f"{r['round']:>5} {r['model']:>7} {r['load_s']:>7.2f} {r['unloaded']:>9} "
+            f"{r['unload_s']:>9.3f} {r['first_request_s']:>9.2f} {r['warm_request_s']:>7.2f} "
+            f"{r['weights_mib']:>11.0f}"
+        )
+    for model in ("smollm", "second"):
+        later = [r for r in rows if r["model"] == model and r["round"] > 0] or rows
+        loads = [r["load_s"] for r in later if r["model"] == model]
+        if loads:
+            print(f"{model}: median load {statistics.median(loads):.2f}s after the first round")
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--second", default="hybrid", help="hybrid, tiny or a model directory")
+    parser.add_argument("--rounds", type=int, default=3)
+    args = parser.parse_args(argv)
+    with tempfile.TemporaryDirectory() as tmp:
+        path, label = second_model(args.second, Path(tmp))
+        rows = trio.run(run, path, args.rounds)
+    report(rows, label)
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()
