@@ -8,6 +8,7 @@ huggingface_hub reads its environment once, at import: each check runs in a subp
 
 from __future__ import annotations
 
+import hashlib
 import http.server
 import json
 import os
@@ -16,6 +17,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.parse
 from pathlib import Path
 
 import httpx
@@ -50,32 +52,58 @@ def placeholder_model(tmp_path) -> Path:
     return model
 
 
-class Recorder(http.server.BaseHTTPRequestHandler):
-    """A stand-in Hub that knows no repository (404) and records what it was asked."""
+class FakeHub(http.server.BaseHTTPRequestHandler):
+    """The Hub's download API for the repositories in ``repos`` (name -> {file: bytes}), at
+    ``SHA``; 404 for anything else. Every request is recorded."""
 
     requests: list[str]
+    repos: dict[str, dict[str, bytes]]
 
     def do_GET(self):  # noqa: N802 - http.server's name
         self.requests.append(f"{self.command} {self.path}")
-        self.send_response(404)
-        self.send_header("Content-Length", "0")
-        self.end_headers()
+        path = urllib.parse.unquote(urllib.parse.urlparse(self.path).path)
+        for repo, files in self.repos.items():
+            if path.startswith(f"/api/models/{repo}/revision/"):
+                siblings = [{"rfilename": name} for name in files]
+                return self._send({"id": repo, "sha": SHA, "siblings": siblings})
+            if path == f"/api/models/{repo}/tree/{SHA}":
+                return self._send([_entry(name, data) for name, data in files.items()])
+            name = path.removeprefix(f"/{repo}/resolve/{SHA}/")
+            if name in files:
+                etag = hashlib.sha1(files[name]).hexdigest()
+                return self._send(files[name], {"X-Repo-Commit": SHA, "ETag": f'"{etag}"'})
+        return self._send(b"", status=404)
 
     do_HEAD = do_GET
+
+    def _send(self, body, headers=None, status=200):
+        data = body if isinstance(body, bytes) else json.dumps(body).encode()
+        self.send_response(status)
+        for key, value in (headers or {}).items():
+            self.send_header(key, value)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        if self.command == "GET":
+            self.wfile.write(data)
 
     def log_message(self, *args):
         pass
 
 
+def _entry(name: str, data: bytes) -> dict:
+    return {"type": "file", "path": name, "size": len(data), "oid": hashlib.sha1(data).hexdigest()}
+
+
 @pytest.fixture
 def hub():
-    """``(endpoint, requests)``: a loopback Hub stand-in and the requests it got."""
+    """``(endpoint, requests, repos)``: a loopback stand-in for the Hub (``HF_ENDPOINT``)."""
     requests: list[str] = []
-    handler = type("Handler", (Recorder,), {"requests": requests})
+    repos: dict[str, dict[str, bytes]] = {}
+    handler = type("Handler", (FakeHub,), {"requests": requests, "repos": repos})
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
-        yield f"http://127.0.0.1:{server.server_address[1]}", requests
+        yield f"http://127.0.0.1:{server.server_address[1]}", requests, repos
     finally:
         server.shutdown()
 
@@ -107,6 +135,11 @@ print(json.dumps(out))
 
 
 def resolve(env: dict[str, str], *paths: str) -> list[list[str]]:
+    return resolve_logged(env, *paths)[0]
+
+
+def resolve_logged(env: dict[str, str], *paths: str) -> tuple[list[list[str]], str]:
+    """``resolve_model_dir`` for each path in a fresh process: the results and its stderr."""
     proc = subprocess.run(
         [sys.executable, "-c", RESOLVE, *paths],
         env=env,
@@ -115,7 +148,7 @@ def resolve(env: dict[str, str], *paths: str) -> list[list[str]]:
         timeout=60,
     )
     assert proc.returncode == 0, proc.stderr
-    return json.loads(proc.stdout.splitlines()[-1])
+    return json.loads(proc.stdout.splitlines()[-1]), proc.stderr
 
 
 def test_hub_ids_resolve_from_the_hf_cache_offline(tmp_path, placeholder_model):
@@ -140,14 +173,33 @@ def test_hub_ids_resolve_from_the_hf_cache_offline(tmp_path, placeholder_model):
 def test_a_cached_id_never_touches_the_network_and_a_missing_one_asks_the_hub(
     tmp_path, placeholder_model, hub
 ):
-    endpoint, requests = hub
+    endpoint, requests, _ = hub  # a Hub that holds no repository
     home = fake_hf_home(tmp_path / "hf", placeholder_model)
-    (cached,) = resolve(hub_env(home, endpoint), "acme/tiny")
-    assert cached[0] == "acme/tiny" and requests == []  # online, yet nothing was asked
-    (missing,) = resolve(hub_env(home, endpoint), "acme/missing")
+    cached, missing = resolve(hub_env(home, endpoint), "acme/tiny", "acme/missing")
+    assert cached[0] == "acme/tiny"
     assert missing[0] == "error" and missing[1].startswith("model not found: acme/missing (")
     assert "404" in missing[1]
     assert any("/api/models/acme/missing" in r for r in requests)  # downloads are allowed
+    assert not any("tiny" in r for r in requests)  # online, yet the cached id asked nothing
+
+
+def test_an_uncached_id_downloads_once_with_progress_then_comes_from_the_cache(
+    tmp_path, placeholder_model, hub
+):
+    endpoint, requests, repos = hub
+    weights = {p.name: p.read_bytes() for p in placeholder_model.iterdir()}
+    others = {"pytorch_model.bin": b"torch", "tiny-q4.gguf": b"GGUF", "modeling_tiny.py": b"x"}
+    repos["acme/tiny"] = weights | others
+    env = hub_env(tmp_path / "hf", endpoint)
+    ((model_id, snapshot),), log = resolve_logged(env, "acme/tiny")
+    assert model_id == "acme/tiny"
+    assert snapshot == str(tmp_path / "hf" / "hub" / "models--acme--tiny" / "snapshots" / SHA)
+    assert sorted(p.name for p in Path(snapshot).iterdir()) == sorted(weights)  # MLX files only
+    assert "Fetching 2 files" in log  # huggingface_hub's progress bar, on the console
+    asked = len(requests)
+    assert asked > 0
+    assert resolve(env, "acme/tiny") == [["acme/tiny", snapshot]]
+    assert len(requests) == asked  # the second start took it from the cache
 
 
 @pytest.mark.parametrize(
@@ -241,7 +293,7 @@ def test_mlxd_serve_org_name_serves_from_the_hf_cache_without_the_network(
     the server's chat template (--chat-template) is the one that renders the prompt."""
     from transformers import AutoTokenizer
 
-    endpoint, requests = hub
+    endpoint, requests, _ = hub
     model = tiny_models("llama")
     home = fake_hf_home(tmp_path / "hf", model)
     port = _free_port()
