@@ -286,15 +286,17 @@ def wait_ready(base: str, proc: subprocess.Popen, timeout: float = 120) -> None:
 
 
 @pytest.mark.mlx
+@pytest.mark.parametrize("name", ["llama", "qwen2_vl"])
 def test_mlxd_serve_org_name_serves_from_the_hf_cache_without_the_network(
-    tmp_path, tiny_models, hub
+    tmp_path, tiny_models, hub, name
 ):
-    """Online (HF_HUB_OFFLINE unset), the cached id is served and the Hub is never asked;
-    the server's chat template (--chat-template) is the one that renders the prompt."""
+    """Online (HF_HUB_OFFLINE unset), the cached id is served and the Hub is never asked,
+    not by mlx-lm nor by mlx-vlm's processor; the server's chat template (--chat-template)
+    is the one that renders the prompt (the tokenizer's, or the vision processor's)."""
     from transformers import AutoTokenizer
 
     endpoint, requests, _ = hub
-    model = tiny_models("llama")
+    model = tiny_models(name)
     home = fake_hf_home(tmp_path / "hf", model)
     port = _free_port()
     template = "{{ messages[-1]['content'] }}"
