@@ -163,6 +163,10 @@ def serve(args: argparse.Namespace) -> int:
     from mlxd.daemon.supervisor import serve as serve_forever
 
     try:
+        if settings.distributed.parallel != "off":  # one of the ranks of `mlx.launch`
+            from mlxd.daemon.ranks import serve as serve_over_ranks
+
+            return serve_over_ranks(settings)
         trio.run(serve_forever, settings)
     except (FileNotFoundError, ValueError, OSError, RuntimeError, BaseExceptionGroup) as exc:
         cause = _startup_cause(exc)

@@ -86,6 +86,22 @@ LLAMA = {
 }
 LLAMA_DRAFT = {**LLAMA, "num_hidden_layers": 1}
 
+# Plain attention whose head counts divide by 2: tensor parallel over two ranks.
+QWEN3 = {
+    "model_type": "qwen3",
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 10000.0,
+    "vocab_size": VOCAB,
+    "max_position_embeddings": 4096,
+    "tie_word_embeddings": False,
+}
+
 
 def copy_tokenizer(tokenizer_dir: Path, out: Path) -> None:
     for name in _TOKENIZER_FILES:
@@ -117,6 +133,17 @@ def build_text_model(
     mx.save_safetensors(str(out / "model.safetensors"), dict(tree_flatten(model.parameters())))
     (out / "config.json").write_text(json.dumps(config, indent=2))
     copy_tokenizer(tokenizer_dir, out)
+    return out
+
+
+def write_weight_index(out: Path) -> Path:
+    """``model.safetensors.index.json`` for a one-file checkpoint: mlx-lm's ``sharded_load``
+    reads it to find each pipeline stage's files."""
+    import mlx.core as mx
+
+    names = sorted(mx.load(str(out / "model.safetensors")))
+    index = {"metadata": {}, "weight_map": dict.fromkeys(names, "model.safetensors")}
+    (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
     return out
 
 

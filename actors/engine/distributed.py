@@ -1,0 +1,78 @@
+"""Rank 0's watch on the other ranks of a distributed group (no mlx here).
+
+Serving one model over several machines (``replica.py``), every engine step is a
+collective: a follower that dies makes the next collective fail on rank 0 (the ring
+backend raises once the peer's socket closes), and one that hangs makes it block.
+The leader's runner proxy writes both into a ``Watch``: ``lost`` when a collective
+failed (its generation thread then parks: nothing it could do would be matched by
+the other ranks), and ``busy_since`` while a runner call runs. ``monitor`` polls the
+watch on the trio thread; a loss, or a call running past ``step_timeout_s``, fails
+every open request with a 503, gives those answers ``exit_grace_s`` to reach their
+clients, and ends the process with ``EXIT_PEER_LOST``: the generation thread may be
+stuck inside a collective that nothing can cancel, so no orderly shutdown could finish.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import trio
+
+log = logging.getLogger("mlxd.distributed")
+
+EXIT_PEER_LOST = 3  # the exit status of a rank whose group lost a member
+
+
+@dataclass
+class Watch:
+    """What the generation thread tells the monitor; written there, read on the trio thread."""
+
+    lost: str | None = None  # why the group is broken, once it is
+    busy_since: float | None = None  # monotonic start of the runner call in progress
+
+    def lose(self, reason: str) -> None:
+        if self.lost is None:
+            self.lost = reason
+
+    def trouble(self, step_timeout_s: float) -> str | None:
+        """Why the group must be given up, or None while all is well."""
+        if self.lost is not None:
+            return self.lost
+        since = self.busy_since
+        if since is not None and time.monotonic() - since > step_timeout_s:
+            return f"an engine call has run for over {step_timeout_s:g}s (distributed.step_timeout_s): a rank hangs"
+        return None
+
+
+def park() -> None:
+    """Stop the calling (generation) thread for good: the monitor ends the process."""
+    threading.Event().wait()
+
+
+FailAll = Callable[[str], int]  # fails every open request with a 503 saying why; how many
+
+
+async def monitor(
+    watch: Watch,
+    fail_all: FailAll,
+    *,
+    step_timeout_s: float,
+    exit_grace_s: float,
+    poll_s: float = 0.2,
+    exit: Callable[[int], object] = os._exit,
+) -> None:
+    """Poll ``watch``; on trouble fail every open request, wait ``exit_grace_s``, exit."""
+    # Polled: the watch is written on the generation thread, and a hang sets nothing.
+    while (reason := watch.trouble(step_timeout_s)) is None:  # noqa: ASYNC110
+        await trio.sleep(poll_s)
+    failed = fail_all(reason)
+    log.error("distributed group lost: %s; %d open requests failed with 503", reason, failed)
+    await trio.sleep(exit_grace_s)
+    log.error("exiting (status %d)", EXIT_PEER_LOST)
+    logging.shutdown()
+    exit(EXIT_PEER_LOST)

@@ -1,0 +1,148 @@
+"""``mlxd serve --parallel`` under ``mlx.launch``: one model over the ranks of a group.
+
+Rank 0 is the daemon (HTTP and every actor); its runner is a ``replica.Leader`` and
+a monitor task watches the other ranks (``actors/engine/distributed.py``). Every
+other rank only follows: it loads the same model the same way, sharded the same
+way, and replays rank 0's runner calls on its one thread (``replica.follow``).
+
+Start-up, on every rank alike: join the group, compare the model's and the
+settings' fingerprints (a mismatch is a start-up error on every rank), load and
+shard (``tensor``, ``pipeline``, or ``auto``: tensor when the model can and its
+heads divide, else pipeline; a model that can do neither is refused), seed MLX's
+random state with one shared draw. Speculative decoding and SpecPrefill stay off
+(every rank would have to draft and score in step); /v1/status says so.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import trio
+from mlxd.actors.engine.distributed import EXIT_PEER_LOST, Watch, monitor
+from mlxd.actors.engine.options import MemoryOptions, PrefixCacheOptions
+from mlxd.daemon.pipeline import Pipeline, ServerState
+from mlxd.daemon.settings import DistributedSettings, Settings
+from mlxd.daemon.supervisor import feature_options, options_from
+from mlxd.daemon.supervisor import serve as serve_forever
+from mlxd.protocol.messages import Failed
+
+log = logging.getLogger("mlxd.distributed")
+
+_SPEC_OFF = "off: not served over several ranks (every rank would have to draft in step)"
+
+
+def serve(settings: Settings) -> int:
+    """Serve (rank 0) or follow (the other ranks); the process's exit status."""
+    import mlx.core as mx
+
+    group = mx.distributed.init()
+    if group.size() == 1:
+        log.warning(
+            "distributed.parallel = %s, but this process is no rank of a group "
+            "(start it with mlx.launch): serving alone",
+            settings.distributed.parallel,
+        )
+        trio.run(serve_forever, settings)
+        return 0
+    if settings.models:
+        raise ValueError("serving over several ranks takes one model: [model], not [[models]]")
+    if group.rank() == 0:
+        return _lead(settings, group)
+    return _follow(settings, group)
+
+
+def _lead(settings: Settings, group: Any) -> int:
+    watch = Watch()
+
+    def factory():
+        from mlxd.actors.engine.replica import Channel, Leader, runner_stream
+
+        runner, info = _load(settings, group, leader=True)
+        return Leader(runner, Channel(group, runner_stream(runner)), watch), info
+
+    watching = functools.partial(_watch, watch, settings.distributed)
+    trio.run(serve_forever, settings, factory, watching)
+    return 0
+
+
+def _follow(settings: Settings, group: Any) -> int:
+    from mlxd.actors.engine.replica import Channel, follow, runner_stream
+
+    runner, _ = _load(settings, group, leader=False)
+    log.info("rank %d of %d: following rank 0", group.rank(), group.size())
+    try:
+        follow(runner, Channel(group, runner_stream(runner)))
+    except RuntimeError as exc:  # a collective failed: rank 0 (or a peer) is gone
+        log.error("rank %d: the group is gone (%s); exiting", group.rank(), exc)
+        return EXIT_PEER_LOST
+    return 0
+
+
+def _load(settings: Settings, group: Any, *, leader: bool):
+    """This rank's runner: fingerprints compared, the model loaded and sharded, seeded."""
+    from mlxd.actors.engine import replica
+    from mlxd.actors.engine.loading import load_runner, resolve_model_dir
+    from mlxd.actors.engine.speculative import SpecStats
+
+    s, m = settings, settings.model
+    cache_dir = Path(m.cache_dir).expanduser()
+    _, model_dir = resolve_model_dir(m.path, cache_dir, log.info)
+    fingerprints = {"model": replica.model_fingerprint(model_dir), "settings": _settings_of(s)}
+    replica.check_same(group, fingerprints)
+    runner, info = load_runner(
+        m.path,
+        cache_dir,
+        dequantize_on_cpu=m.dequantize_on_cpu,
+        max_batch=s.engine.max_batch,
+        kind=m.kind,
+        prefix_cache=feature_options(s.prefix_cache, PrefixCacheOptions),
+        memory=options_from(s.memory, MemoryOptions),
+        shard=replica.sharder(s.distributed.parallel, group, []),
+    )
+    replica.lockstep_cache(runner, leader)
+    seed = replica.shared_seed(group)
+    log.info("rank %d: model loaded and sharded; random seed %d", group.rank(), seed)
+    if s.speculative.enabled:
+        runner.spec_stats = SpecStats(notes=[_SPEC_OFF])
+    if s.spec_prefill.enabled:
+        log.info("SpecPrefill is off: not served over several ranks")
+    return runner, info
+
+
+def _settings_of(s: Settings) -> bytes:
+    """The settings every rank must share: those that shape the replayed runner calls."""
+    shared = {
+        "parallel": s.distributed.parallel,
+        "model": {"kind": s.model.kind, "dequantize_on_cpu": s.model.dequantize_on_cpu},
+        "max_batch": s.engine.max_batch,
+        "prefix_cache": msgspec.to_builtins(s.prefix_cache),
+    }
+    return json.dumps(shared, sort_keys=True).encode()
+
+
+async def _watch(watch: Watch, options: DistributedSettings, pipeline: Pipeline) -> None:
+    """The supervisor's monitor task: on a lost rank, 503 to every open request, then exit."""
+
+    def fail_all(reason: str) -> int:
+        pipeline.state = ServerState.DRAINING  # new requests get a 503 too
+        return pipeline.mailboxes.fail_all(functools.partial(_lost, reason))
+
+    await monitor(
+        watch,
+        fail_all,
+        step_timeout_s=options.step_timeout_s,
+        exit_grace_s=options.exit_grace_s,
+    )
+
+
+def _lost(reason: str, request_id: str) -> Failed:
+    return Failed(
+        request_id=request_id,
+        reason="shutting_down",
+        message=f"the group of machines serving this model broke ({reason}); the server is exiting",
+    )
