@@ -129,6 +129,7 @@ class TokenizerSettings(_Section):
 class EngineSettings(_Section):
     max_batch: Positive = 32
     prefill_chunk_tokens: Positive = 512
+    batch_prefill: bool = True
     default_max_tokens: Positive = 512
     max_tokens_cap: Positive = 4096
     max_prompt_tokens: NonNegative = 0

@@ -89,6 +89,8 @@ class FakeRunner:
     bytes_per_token: int = 1024  # the fake's "device memory" per token held
     peak: int = 0
     speculative: SpeculativeCounters | None = None  # what counters() reports for a drafter
+    batches_prefill: bool = False  # True: the engine hands it several requests' chunks at once
+    prefill_batches: list[dict[str, int]] = field(default_factory=list)  # the budgets of each
 
     @property
     def decoding(self) -> int:
@@ -121,6 +123,14 @@ class FakeRunner:
             self.running[request_id] = self.prefilling.pop(request_id)
             return 0
         return todo - seq.prefilled
+
+    def prefill_batch(self, budgets: dict[str, int]) -> dict[str, int]:
+        """Like the real runner: all or nothing (a failing pass leaves every request as it
+        was), so the engine can retry each alone."""
+        self.prefill_batches.append(dict(budgets))
+        if any("FAIL" in _text(self.prefilling[rid]) for rid in budgets):
+            raise RuntimeError("scripted batched prefill failure")
+        return {rid: self.prefill(rid, budget) for rid, budget in budgets.items()}
 
     def decode(self) -> list[Decoded]:
         time.sleep(self.step_delay)

@@ -290,3 +290,31 @@ def test_prefix_cache_snapshots_share_the_memory_budget_and_yield_to_requests():
     # the snapshots were evicted, just enough for both requests
     assert core.reserved_bytes + runner.cache_held <= 2 * 19 * 1024
     assert runner.cache_held == 0
+
+
+def test_requests_given_budget_in_a_step_are_prefilled_in_one_batched_call():
+    runner = FakeRunner(step_delay=0, batches_prefill=True)
+    core = EngineCore(runner, max_batch=8, prefill_chunk_tokens=100)
+    core.submit(req("a", "a" * 41))  # 40 to prefill
+    core.submit(req("b", "b" * 51))  # 50
+    core.submit(req("c", "c" * 31))  # 30: only 10 of the budget is left for it
+    core.step()
+    # one call, oldest first, each charged for what it runs: 40 + 50 + the last 10
+    assert runner.prefill_batches == [{"a": 100, "b": 60, "c": 10}]
+    assert set(core.decoding) == {"a", "b"}
+    assert core._left["c"] == 20
+    core.step()
+    assert runner.prefill_batches[1:] == []  # one request left: no batch to make
+    assert "c" in core.decoding
+
+
+def test_a_failing_batched_prefill_is_retried_one_by_one_and_fails_only_its_culprit():
+    runner = FakeRunner(step_delay=0, batches_prefill=True)
+    core = EngineCore(runner, max_batch=8, prefill_chunk_tokens=512)
+    prompts = {"a": "first one", "bad": "FAIL here", "c": "third request"}
+    for rid, prompt in prompts.items():
+        core.submit(req(rid, prompt))
+    steps = run_until_idle(core)
+    assert len(runner.prefill_batches) == 1
+    assert [f.request_id for step in steps for f in step.failed] == ["bad"]
+    assert tokens_by_request(steps) == alone({"a": "first one", "c": "third request"})

@@ -68,6 +68,7 @@ class EngineOptions:
 
     max_batch: int
     prefill_chunk_tokens: int
+    batch_prefill: bool = True  # several requests' prefill chunks in one forward pass
     retry_after_s: float = 1.0  # a 503's Retry-After (an allocation failed in a step)
     release_after_idle_s: float = 2.0  # idle this long: give freed buffers back (a burst ended)
     publish: Publish | None = None  # called on the trio thread after every step
@@ -177,6 +178,7 @@ def _make_core(runner: Runner, info: ModelInfo, max_batch: int, options: EngineO
         runner,
         max_batch=max_batch or options.max_batch,
         prefill_chunk_tokens=options.prefill_chunk_tokens,
+        batch_prefill=options.batch_prefill,
         memory=info.memory,
         retry_after_s=options.retry_after_s,
         vocab_size=info.vocab_size,

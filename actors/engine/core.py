@@ -72,8 +72,10 @@ class EngineCore:
         memory: MemoryModel | None = None,
         retry_after_s: float = 1.0,
         vocab_size: int | None = None,
+        batch_prefill: bool = True,
     ):
         self.runner = runner
+        self.batch_prefill = batch_prefill  # off: one forward pass per prefilling request
         self.vocab_size = vocab_size  # None: requests are not checked against a vocabulary
         self.max_batch = max_batch
         self.prefill_chunk_tokens = prefill_chunk_tokens
@@ -228,28 +230,56 @@ class EngineCore:
     # ---- prefill and decode ---------------------------------------------------------
 
     def _prefill(self, failed: list[Failed]) -> None:
-        budget = self.prefill_chunk_tokens
-        for rid in list(self.prefilling):
+        """Spend the step's prompt-token budget, oldest request first. Where the runner can,
+        the chunks of every request given budget go through the model in one forward pass
+        (``Runner.prefill_batch``); if that pass raises, each request is prefilled alone, so
+        only the one whose own prefill fails is failed."""
+        plan = self._prefill_plan()
+        if len(plan) > 1 and self.batch_prefill and self.runner.batches_prefill:
+            try:
+                left = self.runner.prefill_batch(dict(plan))
+            except Exception as exc:  # noqa: BLE001 - retried alone below, to find the culprit
+                log.warning(
+                    "batched prefill of %d requests failed (%r); one by one", len(plan), exc
+                )
+            else:
+                for rid, _ in plan:
+                    self._prefilled(rid, left[rid])
+                return
+        for rid, budget in plan:
+            self._prefill_one(rid, budget, failed)
+
+    def _prefill_plan(self) -> list[tuple[str, int]]:
+        """(request, token budget) for this step: oldest first, each charged for what it
+        will run (a request with nothing left still needs its turn to join the batch)."""
+        budget, plan = self.prefill_chunk_tokens, []
+        for rid in self.prefilling:
             if budget <= 0:
                 break
             if not self.recovery.may_prefill(rid):
                 continue  # a trial runs: its step must hold only rows it can blame
-            before = self._left.get(rid, 0)
-            try:
-                left = self.runner.prefill(rid, budget)
-            except Exception as exc:  # noqa: BLE001 - a prefill error fails this request only
-                self.prefilling.pop(rid)
-                self._left.pop(rid, None)
-                self._release(rid)
-                self.runner.remove(rid)
-                self.recovery.forget(rid)
-                failed.append(self._failure(rid, "prefill failed", exc))
-                continue
-            budget -= max(before - left, 1)  # charged for what it ran in this step
-            self._left[rid] = left
-            if left == 0:
-                self.decoding[rid] = self.prefilling.pop(rid)
-                self._left.pop(rid, None)
+            plan.append((rid, budget))
+            budget -= max(min(self._left.get(rid, 0), budget), 1)
+        return plan
+
+    def _prefill_one(self, rid: str, budget: int, failed: list[Failed]) -> None:
+        try:
+            left = self.runner.prefill(rid, budget)
+        except Exception as exc:  # noqa: BLE001 - a prefill error fails this request only
+            self.prefilling.pop(rid)
+            self._left.pop(rid, None)
+            self._release(rid)
+            self.runner.remove(rid)
+            self.recovery.forget(rid)
+            failed.append(self._failure(rid, "prefill failed", exc))
+            return
+        self._prefilled(rid, left)
+
+    def _prefilled(self, rid: str, left: int) -> None:
+        self._left[rid] = left
+        if left == 0:
+            self.decoding[rid] = self.prefilling.pop(rid)
+            self._left.pop(rid, None)
 
     def _decode(self, failed: list[Failed]) -> list[TokenStep]:
         """One decode step; a runner may emit several tokens per request (speculation)."""

@@ -289,13 +289,64 @@ class MlxRunner:
             with mx.stream(self._stream):
                 self._prefill_chunk(pending, n)
                 mx.eval([c.state for c in pending.cache])
-            pending.done += n
-            if pending.done in pending.checkpoints:
-                prefix = pending.request.prompt_tokens[: pending.done]
-                self._remember(prefix, pending.cache, live=True)
+        return self._prefilled(pending, n)
+
+    def _prefilled(self, pending: Pending, n: int) -> int:
+        """Account ``n`` tokens just run: snapshot at a checkpoint, join the batch when done."""
+        pending.done += n
+        if n > 0 and pending.done in pending.checkpoints:
+            prefix = pending.request.prompt_tokens[: pending.done]
+            self._remember(prefix, pending.cache, live=True)
         if pending.remaining == 0:
-            self._join_batch(self._pending.pop(request_id))
+            self._join_batch(self._pending.pop(pending.request.request_id))
         return pending.remaining
+
+    @property
+    def batches_prefill(self) -> bool:
+        """Whether ``prefill_batch`` runs several requests' chunks in one forward pass. Off
+        for variants that prefill their own way (a drafter's hidden states, a VLM's
+        embeddings) and with SpecPrefill (its sparse chunks keep their own positions)."""
+        return type(self)._prefill_chunk is MlxRunner._prefill_chunk and self.spec_prefill is None
+
+    def prefill_batch(self, budgets: dict[str, int]) -> dict[str, int]:
+        """Prefill several requests at once, up to each one's budget: their chunks go through
+        the model in one forward pass (right-padded to the longest, on their caches merged
+        into one batch cache with mlx-lm's ``merge`` / ``prepare`` / ``finalize`` /
+        ``extract``). Returns each request's prompt tokens left (0: it joined the decode
+        batch). A request's cache is replaced only after the pass succeeded, so on an
+        exception every request is as it was and can be prefilled alone."""
+        rows = [(self._pending[rid], self._pending[rid].next_stop(b)) for rid, b in budgets.items()]
+        running = [(p, n) for p, n in rows if n > 0]
+        if len(running) == 1 or not self.batches_prefill:
+            return {
+                p.request.request_id: self.prefill(p.request.request_id, b)
+                for (p, _), b in zip(rows, budgets.values(), strict=True)
+            }
+        if running:
+            with mx.stream(self._stream):
+                merged = self._prefill_rows(running)
+            for i, (pending, _) in enumerate(running):
+                pending.cache = [c.extract(i) for c in merged]
+        return {p.request.request_id: self._prefilled(p, n) for p, n in rows}
+
+    def _prefill_rows(self, rows: list[tuple[Pending, int]]) -> list[Any]:
+        """One forward pass over several requests' next chunks; returns the batch cache."""
+        chunks = [list(p.request.prompt_tokens[p.done : p.done + n]) for p, n in rows]
+        lengths = [len(c) for c in chunks]
+        width = max(lengths)
+        padding = [width - n for n in lengths]
+        merged = [
+            layer.merge([p.cache[i] for p, _ in rows]) for i, layer in enumerate(rows[0][0].cache)
+        ]
+        if any(padding):
+            for c in merged:
+                c.prepare(lengths=lengths, right_padding=padding)
+        self.model(mx.array([c + [0] * (width - len(c)) for c in chunks]), cache=merged)
+        if any(padding):
+            for c in merged:
+                c.finalize()
+        mx.eval([c.state for c in merged])
+        return merged
 
     def _prefill_chunk(self, pending: Pending, n: int) -> None:
         chunk = pending.request.prompt_tokens[pending.done : pending.done + n]

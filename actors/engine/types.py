@@ -43,6 +43,16 @@ class Runner(Protocol):
         ...
 
     def prefill(self, request_id: str, budget: int) -> int: ...
+    @property
+    def batches_prefill(self) -> bool:
+        """Whether ``prefill_batch`` runs several requests' chunks in one forward pass."""
+        ...
+
+    def prefill_batch(self, budgets: dict[str, int]) -> dict[str, int]:
+        """``prefill`` for several requests at once (request → budget; returns request →
+        tokens left). All or nothing: if it raises, every request is as it was."""
+        ...
+
     def decode(self) -> list[Decoded]: ...
     def faults(self) -> dict[str, Exception]:
         """Rows whose own code (sampler, logits processors) failed in the last decode step;
