@@ -320,14 +320,15 @@ def env_overrides(environ: Mapping[str, str]) -> dict[str, Any]:
     """``MLXD_<SECTION>__<KEY>`` variables (e.g. ``MLXD_SERVER__PORT=9000``) as overrides.
 
     A variable that names no setting is an error, and so is ``MLXD_SERVER_PORT`` (one
-    underscore) for a real section; other ``MLXD_*`` names are not settings."""
+    underscore) or ``MLXD_MODELS`` (a section, no key); other ``MLXD_*`` names are not
+    settings (``MLXD_BLAS_CHECKED``)."""
     sections = [f.name for f in msgspec.structs.fields(Settings)]
     out: dict[str, dict[str, Any]] = {}
     for name, text in sorted(environ.items()):
         if not name.startswith(ENV_PREFIX):
             continue
         section, sep, key = name[len(ENV_PREFIX) :].lower().partition("__")
-        if not sep and not any(section.startswith(f"{s}_") for s in sections):
+        if not sep and not any(section == s or section.startswith(f"{s}_") for s in sections):
             continue
         kind = _field_type(section, key) if sep else None
         if kind is None:

@@ -87,6 +87,8 @@ def test_precedence_defaults_file_environment_flags(tmp_path):
         ({"MLXD_SERVRE__PORT": "1"}, "MLXD_SERVRE__PORT: no such setting"),
         ({"MLXD_SERVER_PORT": "1"}, "MLXD_SERVER_PORT: no such setting"),
         ({"MLXD_MODELS__PATH": "x"}, "MLXD_MODELS__PATH: no such setting"),
+        ({"MLXD_MODELS": "[]"}, "MLXD_MODELS: no such setting"),
+        ({"MLXD_SERVER": "x"}, "MLXD_SERVER: no such setting"),
     ],
 )
 def test_a_bad_environment_variable_is_an_error_naming_it(env, message):
