@@ -553,3 +553,21 @@ def test_a_tensor_type_that_cannot_be_read_is_a_one_line_error(
         convert_gguf(path, tmp_path / "c", lambda _: None)
     assert "\n" not in str(exc.value)
     assert not any((tmp_path / "c").iterdir())  # nothing half-written is left
+
+
+def test_gemma3_batch_with_wrapping_windows_equals_alone(tmp_path: Path) -> None:
+    """Through the engine: prompts longer than the 4-token window, joining at different steps,
+    so rotating caches that have wrapped sit in one batch with full ones."""
+    from tests.engine_driver import alone, drive, load, request
+
+    gemma3_file(tmp_path / "gemma3.gguf")
+    model_dir = convert_gguf(tmp_path / "gemma3.gguf", tmp_path / "c", lambda _: None)
+    runner, _ = load(model_dir, max_batch=4)
+    prompts = [TOKENS, TOKENS[:3], TOKENS[::-1] * 2, [7, 7, 9, 11, 13, 4]]
+    requests = [request(f"r{i}", p, 6 + i) for i, p in enumerate(prompts)]
+    expected = alone(runner, requests, prefill_chunk_tokens=4)
+    batched, failed = drive(runner, {0: requests[:2], 2: requests[2:]}, prefill_chunk_tokens=4)
+    assert not failed
+    assert batched == expected
+    assert [len(t) for t in expected.values()] == [6, 7, 8, 9]  # no early EOS
+    assert (runner.decoding, runner.prefilling_count, runner.cache_bytes) == (0, 0, 0)

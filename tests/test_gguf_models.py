@@ -1,0 +1,130 @@
+"""A GGUF as people have it: Gemma 3 270M Q4_K_M (PyPI chunks, ``scripts/install --test``).
+
+Its tensors are F32, Q8_0, Q5_0, Q4_K and Q6_K; its architecture has sliding-window layers
+(RotatingKVCache) between full-attention ones (KVCache), so a batch mixes both cache kinds.
+It is a base model with no chat template.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from gguf import quants
+from mlxd.actors.engine.gguf_arch import ARCHITECTURES
+from mlxd.actors.engine.gguf_header import read_gguf
+from mlxd.actors.engine.gguf_sample import gemma3_270m
+from mlxd.actors.engine.gguf_tensors import dequantize
+from mlxd.actors.engine.gguf_tokenizer import FALLBACK_CHAT_TEMPLATE
+
+from tests.engine_driver import alone, drive, request
+
+pytestmark = pytest.mark.mlx
+
+
+@pytest.fixture(scope="module")
+def gemma(tmp_path_factory):
+    """(gguf path, runner, info), converted and loaded the way `mlxd serve FILE.gguf` does."""
+    from mlxd.actors.engine.loading import load_runner
+
+    cache = tmp_path_factory.mktemp("gemma-cache")
+    path = gemma3_270m(cache)
+    runner, info = load_runner(str(path), cache, dequantize_on_cpu=True, max_batch=8)
+    return path, runner, info
+
+
+def greedy(runner, tokens, max_tokens=8) -> list[int]:
+    return alone(runner, [request("r", tokens, max_tokens)])["r"]
+
+
+def test_the_assembled_file_is_found_again_without_rewriting(gemma) -> None:
+    path, _, _ = gemma
+    before = path.stat().st_mtime_ns
+    assert gemma3_270m(path.parent) == path
+    assert path.stat().st_mtime_ns == before
+    assert not [p for p in path.parent.iterdir() if p.name.endswith(".tmp")]
+
+
+def test_it_knows_the_capital_of_france(gemma) -> None:
+    _, runner, info = gemma
+    tok = info.tokenizer
+    # This base model continues "The capital of France is" with " the capital of the country
+    # of France ..."; " Paris" is among its first three choices there, and its greedy choice
+    # one clause later.
+    prompt = tok.encode("The capital of France is")
+    logits = runner.model(mx.array([prompt]))[0, -1]
+    top3 = mx.argsort(-logits)[:3].tolist()
+    assert tok.encode(" Paris", add_special_tokens=False)[0] in top3
+    text = tok.decode(greedy(runner, tok.encode("The capital of France is the city of")))
+    assert "Paris" in text
+
+
+def test_base_model_gets_the_fallback_chat_template(gemma) -> None:
+    _, _, info = gemma
+    tok = info.tokenizer
+    assert tok.chat_template == FALLBACK_CHAT_TEMPLATE.replace("add_bos", "true")
+    chat = [{"role": "user", "content": "Hello"}, {"role": "user", "content": "there"}]
+    assert tok.apply_chat_template(chat, tokenize=False) == "<bos>Hello\n\nthere"
+
+
+def test_batch_mixing_rotating_and_full_caches_equals_alone(gemma) -> None:
+    """Prompts of different lengths, joining at different steps, decode as they do alone.
+    (A window that wraps mid-batch: test_gguf_synthetic, on a 4-token window.)"""
+    from mlx_lm.models.cache import KVCache, RotatingKVCache
+
+    _, runner, info = gemma
+    kinds = {type(c) for c in runner.model.make_cache()}
+    assert kinds == {KVCache, RotatingKVCache}
+    encode = info.tokenizer.encode
+    prompts = [
+        "The capital of France is the city of",
+        "Once upon a time, in a land far away, there lived a",
+        "1, 2, 3, 4, 5, 6, 7,",
+        "def fibonacci(n):",
+        "My favourite recipe for a quick weeknight dinner with friends and family starts with",
+    ]
+    requests = [
+        request(f"r{i}", encode(p), m)
+        for i, (p, m) in enumerate(zip(prompts, (8, 6, 8, 5, 6), strict=True))
+    ]
+    expected = alone(runner, requests)
+    schedule = {0: requests[:2], 1: requests[2:4], 3: requests[4:]}
+    batched, failed = drive(runner, schedule)
+    assert not failed
+    assert batched == expected
+    assert (runner.decoding, runner.prefilling_count, runner.cache_bytes) == (0, 0, 0)
+
+
+def test_every_tensor_type_matches_the_gguf_reference(gemma) -> None:
+    """One tensor of each type in the file: the served float32 weight is what
+    ``gguf.quants.dequantize`` makes of the file's bytes (Gemma's norms less their +1)."""
+    path, runner, info = gemma
+    header = read_gguf(path)
+    arch = ARCHITECTURES["gemma3"]
+    params = dict(_flat(runner.model.parameters()))
+    seen = {}  # the smallest tensor of each type
+    for name, tensor in sorted(header.tensors.items(), key=lambda item: item[1].nbytes):
+        seen.setdefault(tensor.type_name, (name, tensor))
+    assert set(seen) == {"F32", "Q8_0", "Q5_0", "Q4_K", "Q6_K"}
+    data = np.memmap(path, dtype=np.uint8, mode="r")
+    for type_name, (name, tensor) in seen.items():
+        raw = data[tensor.offset : tensor.offset + tensor.nbytes].reshape(*tensor.shape[:-1], -1)
+        reference = quants.dequantize(raw, tensor.ggml_type).reshape(tensor.shape)
+        if name.endswith("norm.weight"):
+            reference = reference - 1.0
+        served = np.array(params[arch.mlx_name(name)])
+        np.testing.assert_array_equal(served, reference.astype(np.float32), err_msg=type_name)
+        np.testing.assert_array_equal(
+            dequantize(path, tensor), quants.dequantize(raw, tensor.ggml_type).reshape(tensor.shape)
+        )
+
+
+def _flat(tree, prefix=""):
+    if isinstance(tree, dict):
+        for key, value in tree.items():
+            yield from _flat(value, f"{prefix}{key}.")
+    elif isinstance(tree, list):
+        for i, value in enumerate(tree):
+            yield from _flat(value, f"{prefix}{i}.")
+    else:
+        yield prefix[:-1], tree
