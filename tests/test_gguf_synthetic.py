@@ -412,21 +412,28 @@ def test_every_common_type_is_read(tmp_path: Path) -> None:
     assert types == set(ALL_TYPES)
 
 
-def test_converted_weights_equal_the_dequantized_tensors(tmp_path: Path) -> None:
-    """Tensor by tensor, before any forward pass: names, values, and llama's Q/K rows."""
+def test_converted_weights_equal_the_dequantized_tensors(tmp_path: Path, monkeypatch) -> None:
+    """Tensor by tensor, before any forward pass: names, values, and llama's Q/K rows; in
+    several safetensors files (shards of 1 MiB here) with Hugging Face's index."""
+    import mlxd.actors.engine.gguf as converter
     from mlxd.actors.engine.gguf_arch import unpermute_rows
 
+    monkeypatch.setattr(converter, "_SHARD_BYTES", 1 << 20)
     w = llama_file(tmp_path / "llama.gguf")
     model_dir = convert_gguf(tmp_path / "llama.gguf", tmp_path / "c", lambda _: None)
-    weights = mx.load(str(next(model_dir.glob("model*.safetensors"))))
+    index = json.loads((model_dir / "model.safetensors.index.json").read_text())
+    files = sorted(model_dir.glob("model-*.safetensors"))
+    assert len(files) > 2 and sorted(set(index["weight_map"].values())) == [f.name for f in files]
+    weights = {k: v for f in files for k, v in mx.load(str(f)).items()}
+    assert sorted(weights) == sorted(index["weight_map"])
     assert "rope_freqs.weight" not in weights and len(weights) == len(w.truth) - 1
     for i, heads in ((0, HEADS), (1, KV_HEADS)):
         kind = "qk"[i]
         stored = np.array(weights[f"model.layers.1.self_attn.{kind}_proj.weight"])
         truth = w.truth[f"blk.1.attn_{kind}.weight"]
         np.testing.assert_array_equal(stored, unpermute_rows(truth, heads).astype(np.float32))
-    for name, mlx_name in (("blk.0.ffn_down.weight", "model.layers.0.mlp.down_proj.weight"),):
-        np.testing.assert_array_equal(np.array(weights[mlx_name]), w.truth[name].astype(np.float32))
+    down = np.array(weights["model.layers.0.mlp.down_proj.weight"])
+    np.testing.assert_array_equal(down, w.truth["blk.0.ffn_down.weight"].astype(np.float32))
 
 
 def test_llama3_rope_freqs_become_rope_scaling(tmp_path: Path) -> None:

@@ -158,8 +158,8 @@ def _write_weights(
     """Dequantize, fix and store every tensor, in safetensors files of about _SHARD_BYTES;
     returns the stored weights' shapes by mlx-lm name."""
     shapes: dict[str, tuple[int, ...]] = {}
+    shards: list[list[str]] = []
     shard: dict[str, mx.array] = {}
-    files = 0
     for name, info in gguf.tensors.items():
         if name in ROPE_TENSORS:
             continue
@@ -169,16 +169,32 @@ def _write_weights(
         shard.update(stored)
         shapes.update({k: tuple(v.shape) for k, v in stored.items()})
         if sum(v.nbytes for v in shard.values()) >= _SHARD_BYTES:
-            files += 1
-            _save_shard(out / f"model-{files:05d}.safetensors", shard)
+            shards.append(_save_shard(out, len(shards), shard))
             shard = {}
-    if shard:
-        _save_shard(out / f"model-{files + 1:05d}.safetensors", shard)
+    if shard or not shards:
+        shards.append(_save_shard(out, len(shards), shard))
+    _name_shards(out, shards)
     return shapes
 
 
-def _save_shard(path: Path, weights: dict[str, mx.array]) -> None:
-    mx.save_safetensors(str(path), weights, metadata={"format": "mlx"})
+def _save_shard(out: Path, index: int, weights: dict[str, mx.array]) -> list[str]:
+    mx.save_safetensors(
+        str(out / f"shard-{index}.safetensors"), weights, metadata={"format": "mlx"}
+    )
+    return sorted(weights)
+
+
+def _name_shards(out: Path, shards: list[list[str]]) -> None:
+    """Hugging Face's names: model.safetensors, or model-0000i-of-0000n plus an index."""
+    if len(shards) == 1:
+        os.rename(out / "shard-0.safetensors", out / "model.safetensors")
+        return
+    weight_map = {}
+    for i, names in enumerate(shards):
+        name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        os.rename(out / f"shard-{i}.safetensors", out / name)
+        weight_map.update(dict.fromkeys(names, name))
+    _write_json(out / "model.safetensors.index.json", {"metadata": {}, "weight_map": weight_map})
 
 
 def _write_json(path: Path, obj: dict[str, Any]) -> None:
