@@ -578,3 +578,60 @@ def test_gemma3_batch_with_wrapping_windows_equals_alone(tmp_path: Path) -> None
     assert batched == expected
     assert [len(t) for t in expected.values()] == [6, 7, 8, 9]  # no early EOS
     assert (runner.decoding, runner.prefilling_count, runner.cache_bytes) == (0, 0, 0)
+
+
+def test_phi3_long_rope_factors_become_longrope_scaling(tmp_path: Path) -> None:
+    w = Writer("phi3", seed=5)
+    base_keys(w, 1)
+    w.key("rope.dimension_count", HEAD_DIM)
+    w.key("rope.scaling.original_context_length", 512)
+    vocab = sentencepiece_vocab(w)
+    w.matrix("token_embd.weight", vocab, HIDDEN, std=1.0)
+    w.vector("blk.0.attn_norm.weight", HIDDEN)
+    w.matrix("blk.0.attn_qkv.weight", (HEADS + 2 * KV_HEADS) * HEAD_DIM, HIDDEN)
+    w.matrix("blk.0.attn_output.weight", HIDDEN, HEADS * HEAD_DIM)
+    w.vector("blk.0.ffn_norm.weight", HIDDEN)
+    w.matrix("blk.0.ffn_up.weight", 2 * FFN, HIDDEN)
+    w.matrix("blk.0.ffn_down.weight", HIDDEN, FFN)
+    w.vector("output_norm.weight", HIDDEN)
+    w.add("rope_factors_long.weight", np.linspace(1.0, 4.0, HEAD_DIM // 2), T.F32)
+    w.add("rope_factors_short.weight", np.linspace(1.0, 1.5, HEAD_DIM // 2), T.F32)
+    model_dir, model, _ = convert_and_load(w.write(tmp_path / "long.gguf"), Storage("float32"))
+    config = json.loads((model_dir / "config.json").read_text())
+    assert config["original_max_position_embeddings"] == 512
+    scaling = config["rope_scaling"]
+    assert scaling["type"] == "longrope"
+    np.testing.assert_allclose(scaling["long_factor"], np.linspace(1.0, 4.0, HEAD_DIM // 2))
+    np.testing.assert_allclose(scaling["short_factor"], np.linspace(1.0, 1.5, HEAD_DIM // 2))
+    assert np.isfinite(logits_of(model, TOKENS)).all()
+
+
+def test_storage_quantizes_by_source_bits_and_keeps_the_rest_float() -> None:
+    """The Metal/CUDA storage on small arrays: dtypes, shapes, and the config block."""
+    from mlxd.actors.engine.gguf_tensors import quantization_config
+
+    rng = np.random.default_rng(0)
+    x = rng.normal(0, 1, (8, 128)).astype(np.float32)
+    storage = Storage("affine", mx.bfloat16)
+    four = storage.store("a.weight", x, T.Q4_K)
+    eight = storage.store("b.weight", x, T.Q6_K)
+    odd = storage.store("c.weight", x[:, :96], T.Q8_0)
+    norm = storage.store("d.weight", x[0], T.F32)
+    dense = storage.store("e.weight", x, T.F16)
+    assert (four["a.weight"].shape, four["a.scales"].shape) == ((8, 16), (8, 4))  # 4 bit, g32
+    assert (eight["b.weight"].shape, eight["b.scales"].shape) == ((8, 32), (8, 2))  # 8 bit, g64
+    assert four["a.scales"].dtype == mx.bfloat16
+    assert list(odd) == ["c.weight"] and odd["c.weight"].dtype == mx.bfloat16  # 96 % 64 != 0
+    assert norm["d.weight"].dtype == dense["e.weight"].dtype == mx.bfloat16
+    shapes = {
+        k: tuple(v.shape) for part in (four, eight, odd, norm, dense) for k, v in part.items()
+    }
+    assert quantization_config(shapes) in (
+        {"quantization": {"group_size": 32, "bits": 4, "b": {"group_size": 64, "bits": 8}}},
+        {"quantization": {"group_size": 64, "bits": 8, "a": {"group_size": 32, "bits": 4}}},
+    )
+    assert quantization_config({"x.weight": (4, 4)}) == {}
+    for part, prefix, bits, tol in ((four, "a", 4, 0.25), (eight, "b", 8, 0.02)):
+        triple = (part[f"{prefix}.{k}"] for k in ("weight", "scales", "biases"))
+        restored = mx.dequantize(*triple, group_size=32 if bits == 4 else 64, bits=bits)
+        assert np.abs(np.array(restored.astype(mx.float32)) - x).max() < tol * np.abs(x).max()
