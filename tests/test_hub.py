@@ -178,7 +178,7 @@ def test_a_cached_id_never_touches_the_network_and_a_missing_one_asks_the_hub(
     cached, missing = resolve(hub_env(home, endpoint), "acme/tiny", "acme/missing")
     assert cached[0] == "acme/tiny"
     assert missing[0] == "error" and missing[1].startswith("model not found: acme/missing (")
-    assert "404" in missing[1]
+    assert f"not a local path; from {endpoint}: " in missing[1] and "404" in missing[1]
     assert any("/api/models/acme/missing" in r for r in requests)  # downloads are allowed
     assert not any("tiny" in r for r in requests)  # online, yet the cached id asked nothing
 

@@ -82,7 +82,8 @@ def hub_snapshot(source: ModelSource, progress: Callable[[str], None]) -> Path:
         except (HfHubHTTPError, LocalEntryNotFoundError) as exc:
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
             raise FileNotFoundError(
-                f"model not found: {source.text} ({type(exc).__name__}: {first})"
+                f"model not found: {source.text} (not a local path; from "
+                f"{constants.ENDPOINT}: {type(exc).__name__}: {first})"
             ) from None
         progress(f"downloaded {source.text} to {snapshot}")
     else:
