@@ -89,3 +89,10 @@ def test_other_architecture_is_rejected(tmp_path: Path) -> None:
     with pytest.raises(UnsupportedModel, match="'mamba' is not supported"):
         convert_gguf(path, tmp_path / "cache", lambda _line: None)
     assert not any((tmp_path / "cache").iterdir())
+
+
+def test_a_file_without_vocabulary_is_rejected(tmp_path: Path) -> None:
+    path = tmp_path / "novocab.gguf"
+    mx.save_gguf(str(path), {"x": mx.zeros((2,))}, {"general.architecture": "llama"})
+    with pytest.raises(UnsupportedModel, match="holds no vocabulary"):
+        convert_gguf(path, tmp_path / "cache", lambda _line: None)

@@ -138,6 +138,8 @@ def _convert_into(gguf_path: Path, out: Path, log: Callable[[str], None], storag
     except GGUFError as exc:
         raise UnsupportedModel(f"{gguf_path} is not a readable GGUF file: {exc}") from exc
     arch = architecture(gguf.metadata)
+    if "tokenizer.ggml.tokens" not in gguf.metadata:
+        raise UnsupportedModel(f"{gguf_path} holds no vocabulary (tokenizer.ggml.tokens)")
     shapes = {name: info.shape for name, info in gguf.tensors.items()}
     config = arch.config(gguf.metadata, shapes)
     config["eos_token_id"] = end_of_generation_ids(gguf.metadata)
