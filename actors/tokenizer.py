@@ -7,7 +7,10 @@ memory budget (the first stage that knows the token count: a request that could
 never fit is refused here with the numbers, and a defaulted ``max_tokens``
 shrinks to what fits), mark prefix-cache checkpoints, compile the request's
 output constraint (JSON schema, forced tool call) and decide how the streamer
-parses the output. For a vision model it also decodes and preprocesses the
+parses the output. There is one per served model (``Builders``, the model
+registry in ``actors/models.py``): each request is built with its model's
+tokenizer and chat template, once that model has loaded (the wait is bounded
+there). For a vision model it also decodes and preprocesses the
 request's images with the model's processor (``actors/vision.py``). It runs in
 worker threads (templates, BPE, grammars and images are CPU work) and hands only
 numpy arrays to the engine. Any failure here is that request's alone, delivered

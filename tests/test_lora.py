@@ -104,13 +104,15 @@ def test_a_missing_adapter_file_is_a_clear_error(adapted, tmp_path):
 
 
 async def test_base_and_adapted_model_served_side_by_side(adapted, tmp_path):
-    """Two real models in one daemon, loaded on first use: each answers as it should."""
+    """Two real models in one daemon, loaded on first use, one at a time: each answers as
+    it should, and the one unloaded for the other gives its memory back."""
     from mlxd.actors.engine.loading import load_model
 
     model_dir, adapter = adapted
     raw = msgspec.to_builtins(load_settings())
     raw["model"]["cache_dir"] = str(tmp_path)
     raw["prefix_cache"]["enabled"] = False
+    raw["model_pool"]["max_loaded"] = 1  # each switch unloads the other model
     raw["models"] = [
         {"id": "base", "path": str(model_dir)},
         {"id": "tuned", "path": str(model_dir), "adapter_path": str(adapter)},
@@ -127,6 +129,8 @@ async def test_base_and_adapted_model_served_side_by_side(adapted, tmp_path):
             assert r.status_code == 200, await r.get_data()
             texts[model] = json.loads(await r.get_data())["choices"][0]["text"]
         status = json.loads(await (await c.get("/v1/status")).get_data())
+        again = await c.post("/v1/completions", json={**body, "model": "base"})
+        assert json.loads(await again.get_data())["choices"][0]["text"] == texts["base"]
         nursery.cancel_scope.cancel()
     tokenizer = graph.pipeline.model_info("tuned").tokenizer
     fused = fused_by_hand(model_dir, adapter)
@@ -134,7 +138,9 @@ async def test_base_and_adapted_model_served_side_by_side(adapted, tmp_path):
     assert texts["tuned"] == tokenizer.decode(greedy(fused, PROMPT, 6))
     assert texts["base"] == tokenizer.decode(greedy(base, PROMPT, 6))
     assert texts["tuned"] != texts["base"]
-    assert [(m["id"], m["state"], m["loads"]) for m in status["models"]] == [
-        ("base", "loaded", 1),
-        ("tuned", "loaded", 1),
-    ]
+    base_row, tuned_row = status["models"]
+    assert (base_row["state"], base_row["last_unload_reason"]) == ("unloaded", "lru")
+    assert (tuned_row["state"], tuned_row["loads"]) == ("loaded", 1)
+    # The unloaded model's weights were given back: only the loaded one's remain.
+    assert status["memory"]["active_bytes"] < 1.5 * tuned_row["weights_bytes"]
+    assert graph.pipeline.models.entries["base"].loads == 2  # reloaded for the last request
