@@ -164,7 +164,8 @@ def test_hub_ids_resolve_from_the_hf_cache_offline(tmp_path, placeholder_model):
         assert kind == "error"
         assert message.startswith(f"model not found: {name} (not a local path, not in the")
         assert "HF_HUB_OFFLINE is set" in message
-    assert got[5][0] == "error" and "lacks weights (no .safetensors file)" in got[5][1]
+    assert got[5][0] == "error"
+    assert "lacks weights (no .safetensors file); an interrupted download?" in got[5][1]
     assert got[6] == ["placeholder", str(placeholder_model)]  # a local directory as before
     assert got[7] == ["error", "model not found: not-a-model (not a local directory, .gguf "
                       "file or Hugging Face id ORG/NAME)"]  # fmt: skip
@@ -190,9 +191,12 @@ def test_an_uncached_id_downloads_once_with_progress_then_comes_from_the_cache(
     weights = {p.name: p.read_bytes() for p in placeholder_model.iterdir()}
     others = {"pytorch_model.bin": b"torch", "tiny-q4.gguf": b"GGUF", "modeling_tiny.py": b"x"}
     repos["acme/tiny"] = weights | others
+    repos["acme/torch"] = {"config.json": b"{}"} | others  # no MLX weights
     env = hub_env(tmp_path / "hf", endpoint)
-    ((model_id, snapshot),), log = resolve_logged(env, "acme/tiny")
+    ((model_id, snapshot), torch), log = resolve_logged(env, "acme/tiny", "acme/torch")
     assert model_id == "acme/tiny"
+    assert torch[0] == "error"
+    assert "lacks weights (no .safetensors file); not an MLX model repository?" in torch[1]
     assert snapshot == str(tmp_path / "hf" / "hub" / "models--acme--tiny" / "snapshots" / SHA)
     assert sorted(p.name for p in Path(snapshot).iterdir()) == sorted(weights)  # MLX files only
     assert "Fetching 2 files" in log  # huggingface_hub's progress bar, on the console

@@ -63,35 +63,45 @@ def is_hub_id(text: str) -> bool:
 def hub_snapshot(source: ModelSource, progress: Callable[[str], None]) -> Path:
     """The snapshot directory of a hub id: from the cache, else downloaded (unless offline)."""
     from huggingface_hub import constants, snapshot_download
-    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
+    from huggingface_hub.errors import LocalEntryNotFoundError
 
-    where = {"repo_id": source.repo, "revision": source.revision}
     try:
-        snapshot = snapshot_download(**where, allow_patterns=ALLOW_PATTERNS, local_files_only=True)
+        snapshot = snapshot_download(
+            source.repo, revision=source.revision, allow_patterns=ALLOW_PATTERNS,
+            local_files_only=True,
+        )  # fmt: skip
     except LocalEntryNotFoundError:
         if constants.is_offline_mode():
             raise FileNotFoundError(
                 f"model not found: {source.text} (not a local path, not in the Hugging Face "
                 f"cache {constants.HF_HUB_CACHE}, and HF_HUB_OFFLINE is set)"
             ) from None
-        progress(
-            f"downloading {source.text} from {constants.ENDPOINT} into {constants.HF_HUB_CACHE}"
+        return check_snapshot(download(source, progress), source.text, downloaded=True)
+    progress(f"{source.text}: using the cached snapshot {snapshot}")
+    return check_snapshot(Path(snapshot), source.text, downloaded=False)
+
+
+def download(source: ModelSource, progress: Callable[[str], None]) -> Path:
+    """Fetch a hub id's MLX files into the cache (huggingface_hub draws the progress bars)."""
+    from huggingface_hub import constants, snapshot_download
+    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
+
+    progress(f"downloading {source.text} from {constants.ENDPOINT} into {constants.HF_HUB_CACHE}")
+    try:
+        snapshot = snapshot_download(
+            source.repo, revision=source.revision, allow_patterns=ALLOW_PATTERNS
         )
-        try:
-            snapshot = snapshot_download(**where, allow_patterns=ALLOW_PATTERNS)
-        except (HfHubHTTPError, LocalEntryNotFoundError) as exc:
-            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-            raise FileNotFoundError(
-                f"model not found: {source.text} (not a local path; from "
-                f"{constants.ENDPOINT}: {type(exc).__name__}: {first})"
-            ) from None
-        progress(f"downloaded {source.text} to {snapshot}")
-    else:
-        progress(f"{source.text}: using the cached snapshot {snapshot}")
-    return check_snapshot(Path(snapshot), source.text)
+    except (HfHubHTTPError, LocalEntryNotFoundError) as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise FileNotFoundError(
+            f"model not found: {source.text} (not a local path; from "
+            f"{constants.ENDPOINT}: {type(exc).__name__}: {first})"
+        ) from None
+    progress(f"downloaded {source.text} to {snapshot}")
+    return Path(snapshot)
 
 
-def check_snapshot(snapshot: Path, name: str) -> Path:
+def check_snapshot(snapshot: Path, name: str, *, downloaded: bool) -> Path:
     """A snapshot that can load: a ``config.json`` and every weight file its index names."""
     if not (snapshot / "config.json").is_file():
         raise FileNotFoundError(
@@ -101,9 +111,13 @@ def check_snapshot(snapshot: Path, name: str) -> Path:
     shards = set(json.loads(index.read_text())["weight_map"].values()) if index.is_file() else ()
     missing = sorted(s for s in shards if not (snapshot / s).is_file())
     if missing or not any(snapshot.glob("*.safetensors")):
+        why = (
+            "not an MLX model repository?"
+            if downloaded
+            else "an interrupted download? Run again online to complete it"
+        )
         raise FileNotFoundError(
-            f"{name}: the cached snapshot {snapshot} lacks weights "
-            f"({', '.join(missing) or 'no .safetensors file'}); an interrupted download? "
-            "Run again online to complete it"
+            f"{name}: the snapshot {snapshot} lacks weights "
+            f"({', '.join(missing) or 'no .safetensors file'}); {why}"
         )
     return snapshot
