@@ -168,7 +168,12 @@ def _message(m: wire.WireMessage) -> Message:
 
 def chat_requests(w: wire.ChatCompletionRequest, rid: str, v: Validator) -> list[ChatRequest]:
     n = v.n(w.n)
-    check(w.chat_template is None, "chat_template", "the chat template is the model's own")
+    check(
+        w.chat_template is None,
+        "chat_template",
+        "requests cannot set the chat template; the server's (model.chat_template) or the "
+        "model's own is used",
+    )
     tools = v.tools(
         tuple(
             Tool(
