@@ -258,6 +258,10 @@ class Settings(_Section):
             not (self.models and (self.model.path or self.model.served_id)),
             "models: [[models]] replaces [model] path / served_id; set one or the other",
         )
+        _require(
+            sum(m.preload for m in self.models) <= self.model_pool.max_loaded,
+            "models: more entries with preload = true than model_pool.max_loaded",
+        )
 
     def model_entries(self) -> list[ModelEntry]:
         """The served models: ``[[models]]``, or ``[model]`` as one preloaded entry (its id

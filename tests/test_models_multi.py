@@ -62,9 +62,10 @@ class FakeModel:
         return self.runner, info
 
 
-def multi_settings(*ids: str, **pool):
+def multi_settings(*ids: str | dict, **pool):
+    """Settings with these ``[[models]]`` entries (an id, or an entry's fields)."""
     raw = msgspec.to_builtins(load_settings())
-    raw["models"] = [{"id": i} for i in ids]
+    raw["models"] = [{"id": i} if isinstance(i, str) else i for i in ids]
     raw["model_pool"].update(pool)
     return msgspec.convert(raw, type=type(load_settings()))
 
@@ -137,6 +138,18 @@ async def test_two_models_answer_by_id_with_their_own_template_and_are_listed():
     assert metric(text, "mlxd_requests_total", 'model="b",status="200"') == 1
     assert metric(text, "mlxd_model_loaded", 'model="b"') == 1
     assert metric(text, "mlxd_decode_steps_total", 'model="b"') > 0
+
+
+async def test_a_preloaded_entry_is_loaded_before_the_server_is_ready():
+    a, b = FakeModel(), FakeModel()
+    settings = multi_settings("a", {"id": "b", "preload": True})
+    async with served(settings, {"a": a, "b": b}) as (c, pipeline):
+        assert (a.loads, b.loads) == (0, 1)
+        assert pipeline.state.value == "ready"
+        assert {m: s["state"] for m, s in (await states(c)).items()} == {
+            "a": "unloaded",
+            "b": "loaded",
+        }
 
 
 async def test_an_unknown_model_is_a_404_in_each_apis_format():
@@ -302,6 +315,7 @@ def test_models_settings_are_checked():
         ([{"id": "a"}, {"id": "a"}], {}, "same id"),
         ([{"id": ""}], {}, "empty"),
         ([{"id": "a"}], {"path": "/x.gguf"}, "one or the other"),
+        ([{"id": i, "preload": True} for i in "abc"], {}, "max_loaded"),
     ):
         bad = {**raw, "models": models, "model": {**raw["model"], **model}}
         with pytest.raises(msgspec.ValidationError, match=why):

@@ -241,6 +241,7 @@ class ModelPool:
 
     def _failed(self, model: str, exc: Exception) -> EngineStep:
         log.error("model %s failed to load", model, exc_info=exc)
+        self.free_memory()  # whatever the failed load had allocated
         message = f"model {model!r} could not be loaded: {type(exc).__name__}: {exc}"
         self.events.append(ModelEvent(model=model, state="failed", message=message))
         for rid in self.pins.pop(model, set()):
