@@ -104,7 +104,7 @@ def _load(settings: Settings, group: Any, *, leader: bool):
         memory=options_from(s.memory, MemoryOptions),
         shard=replica.sharder(s.distributed.parallel, group, []),
     )
-    replica.lockstep_cache(runner, leader)
+    replica.lockstep_cache(runner, group, leader=leader)
     seed = replica.shared_seed(group)
     log.info("rank %d: model loaded and sharded; random seed %d", group.rank(), seed)
     if s.speculative.enabled:

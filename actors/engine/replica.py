@@ -43,6 +43,8 @@ import mlx.core as mx
 import mlx.nn as nn
 import msgspec
 import numpy as np
+from mlx_lm.models.cache import make_prompt_cache
+from mlxd.actors.engine.caches import can_trim
 from mlxd.actors.engine.distributed import Watch, park
 from mlxd.actors.engine.prefix_cache import PrefixCache
 from mlxd.actors.engine.types import InvalidRequest
@@ -117,7 +119,20 @@ def runner_stream(runner: Any) -> Any:
 
 
 @dataclass
-class LeaderPrefixCache(PrefixCache):
+class GroupPrefixCache(PrefixCache):
+    """A prefix cache whose decisions are the same on every rank. ``trimmable_ok``: every
+    rank's layers are plain KV caches (agreed at start-up): else no snapshot is taken as
+    trimmable anywhere, since a pipeline stage's own layers (SSM state, a sliding window)
+    would make it trimmable on one rank and not on another, and their lookups differ."""
+
+    trimmable_ok: bool = False
+
+    def insert(self, tokens: Sequence[int], snapshot: Any, nbytes: int, trimmable: bool) -> None:
+        super().insert(tokens, snapshot, nbytes, trimmable and self.trimmable_ok)
+
+
+@dataclass
+class LeaderPrefixCache(GroupPrefixCache):
     """Rank 0's prefix cache: records every key it drops (evicted, replaced, cleared, or
     refused as too large) for the followers' caches to drop too."""
 
@@ -144,8 +159,11 @@ class Leader:
     ends serving: the proxy marks the watch lost and parks this thread, and the
     monitor (``distributed.monitor``) fails the open requests and exits."""
 
-    def __init__(self, runner: Any, channel: Channel, watch: Watch):
+    def __init__(
+        self, runner: Any, channel: Channel, watch: Watch, on_lost: Callable[[], None] = park
+    ):
         self._runner, self._channel, self._watch = runner, channel, watch
+        self._on_lost = on_lost
         cache = getattr(runner, "prefix_cache", None)
         self._cache = cache if isinstance(cache, LeaderPrefixCache) else None
 
@@ -186,18 +204,21 @@ class Leader:
 
     def _lost(self, exc: BaseException) -> None:
         self._watch.lose(f"a rank of the group is gone ({exc})")
-        park()
+        self._on_lost()
 
 
 # ---- the other ranks ----------------------------------------------------------------
 
 
 @dataclass
-class FollowerPrefixCache(PrefixCache):
+class FollowerPrefixCache(GroupPrefixCache):
     """A follower's prefix cache: never evicts on its own; drops what rank 0 dropped."""
 
     def evict(self, nbytes: int) -> int:
         return 0  # rank 0's evictions arrive as ``Call.dropped``
+
+    def _drop_trimmable_prefixes_of(self, key: tuple[int, ...]) -> None:
+        pass  # rank 0 may have refused ``key`` and kept its prefixes: its drops decide
 
     def drop(self, keys: list[tuple[int, ...]]) -> None:
         for key in keys:
@@ -329,12 +350,19 @@ def shared_seed(group: Any) -> int:
     return seed
 
 
-def lockstep_cache(runner: Any, leader: bool) -> None:
-    """Swap the runner's (still empty) prefix cache for the leader's or a follower's kind."""
+def lockstep_cache(runner: Any, group: Any, *, leader: bool) -> None:
+    """Swap the runner's (still empty) prefix cache for the leader's or a follower's kind,
+    with ``trimmable_ok`` agreed by every rank (a collective: every rank calls this)."""
     cache = getattr(runner, "prefix_cache", None)
+    layers = make_prompt_cache(runner.model)
+    plain = can_trim(layers) and not any(hasattr(c, "max_size") for c in layers)
+    agreed = mx.distributed.all_sum(mx.array(int(plain)), group=group, stream=mx.cpu)
+    trimmable_ok = int(agreed.item()) == group.size()
     if cache is None:
         return
-    if leader:
-        runner.prefix_cache = LeaderPrefixCache(cache.block_size, cache.max_bytes)
-    else:
-        runner.prefix_cache = FollowerPrefixCache(cache.block_size, sys.maxsize)
+    kind, budget = (
+        (LeaderPrefixCache, cache.max_bytes) if leader else (FollowerPrefixCache, sys.maxsize)
+    )
+    runner.prefix_cache = kind(
+        block_size=cache.block_size, max_bytes=budget, trimmable_ok=trimmable_ok
+    )
