@@ -50,32 +50,50 @@ def run(runner, prompts, *, batch_prefill, chunk=256):
     return tokens
 
 
-def counting(runner):
-    calls = []
-    batch = runner.prefill_batch
+def counting(runner, fail_first=False):
+    """Record the rows of each batched pass (and make the first one raise, if asked)."""
+    passes = []
+    rows = runner._prefill_rows
 
-    def prefill_batch(budgets):
-        calls.append(dict(budgets))
-        return batch(budgets)
+    def prefill_rows(group):
+        passes.append([p.request.request_id for p, _ in group])
+        if fail_first and len(passes) == 1:
+            raise RuntimeError("injected: a batched pass fails")
+        return rows(group)
 
-    runner.prefill_batch = prefill_batch
-    return calls
+    runner._prefill_rows = prefill_rows
+    return passes
+
+
+def answers_alone(path):
+    runner = load(path)
+    run(runner, {"warm": BASE + (1, 2)}, batch_prefill=False)  # leaves a 64-token snapshot
+    alone = {}
+    for rid, prompt in PROMPTS.items():  # one at a time (their prompts share no block)
+        alone |= run(runner, {rid: prompt}, batch_prefill=False)
+    return alone
 
 
 @pytest.mark.parametrize("model", ["smollm", "qwen3_5", "baichuan_m1"])
 def test_batched_prefill_equals_each_request_alone(model, smollm_tokenizer, tiny_models):
     path = smollm_tokenizer if model == "smollm" else tiny_models(model)
+    alone = answers_alone(path)
     runner = load(path)
     run(runner, {"warm": BASE + (1, 2)}, batch_prefill=False)
-    alone = {}
-    for rid, prompt in PROMPTS.items():  # one at a time (their prompts share no block)
-        alone |= run(runner, {rid: prompt}, batch_prefill=False)
-
-    runner = load(path)
-    run(runner, {"warm": BASE + (1, 2)}, batch_prefill=False)  # leaves a 64-token snapshot
-    calls = counting(runner)
-    # a budget of 96 per step: several requests share each step's pass, in unequal chunks
+    passes = counting(runner)
+    # a budget of 96 per step: several requests share each step, in unequal chunks
     together = run(runner, PROMPTS, batch_prefill=True, chunk=96)
     assert together == alone
-    assert any(len(c) >= 3 for c in calls), calls
+    assert any(len(p) >= 3 for p in passes), passes
+    assert any("c" in p for p in passes)  # the one resuming from the prefix cache
     assert runner.prefix_cache.stats.hits >= 1
+
+
+def test_a_failed_batched_pass_changes_nothing_and_each_request_goes_on_alone(tiny_models):
+    path = tiny_models("qwen3_5")
+    alone = answers_alone(path)
+    runner = load(path)
+    run(runner, {"warm": BASE + (1, 2)}, batch_prefill=False)
+    passes = counting(runner, fail_first=True)
+    assert run(runner, PROMPTS, batch_prefill=True, chunk=96) == alone
+    assert len(passes[0]) >= 3  # the pass that failed held most of the requests

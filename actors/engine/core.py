@@ -231,23 +231,25 @@ class EngineCore:
 
     def _prefill(self, failed: list[Failed]) -> None:
         """Spend the step's prompt-token budget, oldest request first. Where the runner can,
-        the chunks of every request given budget go through the model in one forward pass
-        (``Runner.prefill_batch``); if that pass raises, each request is prefilled alone, so
-        only the one whose own prefill fails is failed."""
+        the requests given budget are prefilled together (``Runner.prefill_batch``: their
+        chunks share forward passes); a request whose own prefill fails fails alone."""
         plan = self._prefill_plan()
         if len(plan) > 1 and self.batch_prefill and self.runner.batches_prefill:
-            try:
-                left = self.runner.prefill_batch(dict(plan))
-            except Exception as exc:  # noqa: BLE001 - retried alone below, to find the culprit
-                log.warning(
-                    "batched prefill of %d requests failed (%r); one by one", len(plan), exc
-                )
-            else:
-                for rid, _ in plan:
-                    self._prefilled(rid, left[rid])
-                return
+            results = self.runner.prefill_batch(dict(plan))
+            for rid, _ in plan:
+                result = results[rid]
+                if isinstance(result, Exception):
+                    self._prefill_failed(rid, result, failed)
+                else:
+                    self._prefilled(rid, result)
+            return
         for rid, budget in plan:
-            self._prefill_one(rid, budget, failed)
+            try:
+                left = self.runner.prefill(rid, budget)
+            except Exception as exc:  # noqa: BLE001 - a prefill error fails this request only
+                self._prefill_failed(rid, exc, failed)
+            else:
+                self._prefilled(rid, left)
 
     def _prefill_plan(self) -> list[tuple[str, int]]:
         """(request, token budget) for this step: oldest first, each charged for what it
@@ -262,18 +264,13 @@ class EngineCore:
             budget -= max(min(self._left.get(rid, 0), budget), 1)
         return plan
 
-    def _prefill_one(self, rid: str, budget: int, failed: list[Failed]) -> None:
-        try:
-            left = self.runner.prefill(rid, budget)
-        except Exception as exc:  # noqa: BLE001 - a prefill error fails this request only
-            self.prefilling.pop(rid)
-            self._left.pop(rid, None)
-            self._release(rid)
-            self.runner.remove(rid)
-            self.recovery.forget(rid)
-            failed.append(self._failure(rid, "prefill failed", exc))
-            return
-        self._prefilled(rid, left)
+    def _prefill_failed(self, rid: str, exc: Exception, failed: list[Failed]) -> None:
+        self.prefilling.pop(rid)
+        self._left.pop(rid, None)
+        self._release(rid)
+        self.runner.remove(rid)
+        self.recovery.forget(rid)
+        failed.append(self._failure(rid, "prefill failed", exc))
 
     def _prefilled(self, rid: str, left: int) -> None:
         self._left[rid] = left

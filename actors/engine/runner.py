@@ -125,6 +125,26 @@ class Pending:
         return min([n, *ahead])
 
 
+# Requests prefilled in one pass attend over the longest cache among them (the shorter
+# ones are left-padded in the batch cache): batch only caches within this many tokens,
+# or this fraction of the longest, of each other.
+_OFFSET_SLACK_TOKENS = 128
+_OFFSET_SLACK_FRACTION = 0.25
+
+
+def _similar_offsets(rows: list[tuple[Pending, int]]) -> list[list[tuple[Pending, int]]]:
+    """``rows`` grouped so that the caches in a group hold about as many tokens."""
+    groups: list[list[tuple[Pending, int]]] = []
+    for row in sorted(rows, key=lambda r: r[0].done):
+        if groups:
+            low, high = groups[-1][0][0].done, row[0].done
+            if high - low <= max(_OFFSET_SLACK_TOKENS, _OFFSET_SLACK_FRACTION * high):
+                groups[-1].append(row)
+                continue
+        groups.append([row])
+    return groups
+
+
 def common_prefix_length(a: tuple[int, ...], b: tuple[int, ...], limit: int) -> int:
     """How many leading tokens ``a`` and ``b`` share, up to ``limit`` (a binary search over
     slice comparisons, which run in C)."""
@@ -308,45 +328,68 @@ class MlxRunner:
         embeddings) and with SpecPrefill (its sparse chunks keep their own positions)."""
         return type(self)._prefill_chunk is MlxRunner._prefill_chunk and self.spec_prefill is None
 
-    def prefill_batch(self, budgets: dict[str, int]) -> dict[str, int]:
-        """Prefill several requests at once, up to each one's budget: their chunks go through
-        the model in one forward pass (right-padded to the longest, on their caches merged
-        into one batch cache with mlx-lm's ``merge`` / ``prepare`` / ``finalize`` /
-        ``extract``). Returns each request's prompt tokens left (0: it joined the decode
-        batch). A request's cache is replaced only after the pass succeeded, so on an
-        exception every request is as it was and can be prefilled alone."""
-        rows = [(self._pending[rid], self._pending[rid].next_stop(b)) for rid, b in budgets.items()]
-        running = [(p, n) for p, n in rows if n > 0]
-        if len(running) == 1 or not self.batches_prefill:
-            return {
-                p.request.request_id: self.prefill(p.request.request_id, b)
-                for (p, _), b in zip(rows, budgets.values(), strict=True)
-            }
-        if running:
-            with mx.stream(self._stream):
-                merged = self._prefill_rows(running)
-            for i, (pending, _) in enumerate(running):
-                pending.cache = [c.extract(i) for c in merged]
-        return {p.request.request_id: self._prefilled(p, n) for p, n in rows}
+    def prefill_batch(self, budgets: dict[str, int]) -> dict[str, int | Exception]:
+        """Prefill several requests, up to each one's budget; requests whose caches hold
+        about as many tokens are prefilled together, in forward passes over all their
+        chunks at once (``_prefill_rows``). Returns each request's prompt tokens left (0:
+        it joined the decode batch), or the exception its own prefill raised: a failed
+        batched pass changes no request, and each of its requests is then prefilled
+        alone, so only the one whose own prefill fails gets an exception."""
+        rows = [(self._pending[rid], budget) for rid, budget in budgets.items()]
+        out: dict[str, int | Exception] = {}
+        running = [(p, p.next_stop(b)) for p, b in rows if self.batches_prefill]
+        for group in _similar_offsets([(p, n) for p, n in running if n > 0]):
+            if len(group) < 2:
+                continue
+            try:
+                with mx.stream(self._stream):
+                    caches = self._prefill_rows(group)
+            except Exception as exc:  # noqa: BLE001 - each request is retried alone below
+                log.warning("batched prefill of %d requests failed: %r", len(group), exc)
+                continue
+            for (pending, n), cache in zip(group, caches, strict=True):
+                pending.cache = cache
+                out[pending.request.request_id] = self._prefilled(pending, n)
+        for pending, budget in rows:
+            rid = pending.request.request_id
+            if rid not in out:
+                try:
+                    out[rid] = self.prefill(rid, budget)
+                except Exception as exc:  # noqa: BLE001 - fails this request only
+                    out[rid] = exc
+        return out
 
-    def _prefill_rows(self, rows: list[tuple[Pending, int]]) -> list[Any]:
-        """One forward pass over several requests' next chunks; returns the batch cache."""
-        chunks = [list(p.request.prompt_tokens[p.done : p.done + n]) for p, n in rows]
-        lengths = [len(c) for c in chunks]
-        width = max(lengths)
-        padding = [width - n for n in lengths]
-        merged = [
-            layer.merge([p.cache[i] for p, _ in rows]) for i, layer in enumerate(rows[0][0].cache)
-        ]
-        if any(padding):
-            for c in merged:
-                c.prepare(lengths=lengths, right_padding=padding)
-        self.model(mx.array([c + [0] * (width - len(c)) for c in chunks]), cache=merged)
-        if any(padding):
-            for c in merged:
-                c.finalize()
-        mx.eval([c.state for c in merged])
-        return merged
+    def _prefill_rows(self, rows: list[tuple[Pending, int]]) -> list[list[Any]]:
+        """Run ``n`` more prompt tokens of each row, several rows per forward pass, and
+        return each row's new cache (the requests' own caches are not touched).
+
+        No padding: every row runs the shortest chunk together, then the rows with more
+        run the next shortest, and so on. (Right padding would make mlx-lm roll every
+        row's whole cache once per pass, which on the CPU backend costs more than the pass
+        saves.) The caches are merged into a batch cache with the cache classes' ``merge``
+        and taken apart again with ``extract``."""
+        caches = [p.cache for p, _ in rows]
+        done = [p.done for p, _ in rows]
+        left = [n for _, n in rows]
+        while live := [i for i, n in enumerate(left) if n > 0]:
+            m = min(left[i] for i in live)
+            chunks = [rows[i][0].request.prompt_tokens[done[i] : done[i] + m] for i in live]
+            if len(live) == 1 and caches[live[0]] is not rows[live[0]][0].cache:
+                batch = caches[live[0]]  # a copy already: run it as it is
+            else:
+                batch = [
+                    layer.merge([caches[i][j] for i in live])
+                    for j, layer in enumerate(caches[live[0]])
+                ]
+            self.model(mx.array(chunks), cache=batch)
+            mx.eval([c.state for c in batch])
+            if batch is not caches[live[0]]:
+                for k, i in enumerate(live):
+                    caches[i] = [c.extract(k) for c in batch]
+            for i in live:
+                done[i] += m
+                left[i] -= m
+        return caches
 
     def _prefill_chunk(self, pending: Pending, n: int) -> None:
         chunk = pending.request.prompt_tokens[pending.done : pending.done + n]

@@ -48,9 +48,9 @@ class Runner(Protocol):
         """Whether ``prefill_batch`` runs several requests' chunks in one forward pass."""
         ...
 
-    def prefill_batch(self, budgets: dict[str, int]) -> dict[str, int]:
-        """``prefill`` for several requests at once (request → budget; returns request →
-        tokens left). All or nothing: if it raises, every request is as it was."""
+    def prefill_batch(self, budgets: dict[str, int]) -> dict[str, int | Exception]:
+        """``prefill`` for several requests at once (request → budget). Returns request →
+        tokens left, or the exception that request's own prefill raised (it alone fails)."""
         ...
 
     def decode(self) -> list[Decoded]: ...
