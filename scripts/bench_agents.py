@@ -266,10 +266,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def command(server: str, model_dir: Path, port: int) -> tuple[list[str], dict[str, str]]:
+def command(
+    server: str, model_dir: Path, port: int, mlxd_config: Path | None = None
+) -> tuple[list[str], dict[str, str]]:
     env = dict(os.environ, HF_HUB_OFFLINE="1")
     if server == "mlxd":  # its launcher preloads OpenBLAS itself
         args = ["mlxd.daemon.cli", "serve", str(model_dir), "--port", str(port)]
+        if mlxd_config is not None:
+            args += ["--config", str(mlxd_config)]
         return [sys.executable, "-m", *args], env
     lib = blas.find_openblas()
     if sys.platform == "linux" and lib:
@@ -302,12 +306,12 @@ def wait_ready(url: str, proc: subprocess.Popen, log: Path, timeout_s: float) ->
 
 @contextmanager
 def serving(
-    server: str, model_dir: Path, log: Path, timeout_s: float
+    server: str, model_dir: Path, log: Path, timeout_s: float, mlxd_config: Path | None = None
 ) -> Iterator[tuple[str, float]]:
     """Start ``server`` on a free port, yield its URL and the seconds it took to answer
     (load and warm-up) once it does, stop it after."""
     port = free_port()
-    cmd, env = command(server, model_dir, port)
+    cmd, env = command(server, model_dir, port, mlxd_config)
     with log.open("wb") as f:
         proc = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT)
     try:
@@ -486,7 +490,7 @@ def bench_model(name: str, args: argparse.Namespace, tmp: Path) -> dict:
     runs = []
     for server in args.servers:
         log = tmp / f"{name.replace('/', '_')}-{server}.log"
-        with serving(server, model_dir, log, args.ready_timeout) as (url, load_s):
+        with serving(server, model_dir, log, args.ready_timeout, args.mlxd_config) as (url, load_s):
             wall, turns = trio.run(workload, url, args.agents, args.turns, args.max_tokens)
             runs.append(ServerRun(server, wall, load_s, turns))
         if args.keep_logs:
@@ -518,6 +522,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--max-tokens", type=int, default=32, help="tokens per reply")
     p.add_argument("--servers", type=_servers, default=list(SERVERS), help="e.g. mlxd,mlx_lm")
     p.add_argument("--ready-timeout", type=float, default=600.0, help="seconds to load a model")
+    p.add_argument("--mlxd-config", type=Path, help="a TOML settings file for mlxd")
     p.add_argument("--keep-logs", action="store_true", help="keep the servers' logs and say where")
     p.add_argument("--json", action="store_true", help="print machine-readable results")
     return p
