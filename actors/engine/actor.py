@@ -110,9 +110,7 @@ class _Loop:
         self.publish = options.publish or _publish_nothing
 
     def news(self, models: list[str] | None = None) -> EngineNews:
-        stats = self.pool.stats()
-        if models is not None:
-            stats = {m: stats[m] for m in models if m in stats}
+        stats = self.pool.stats(models)
         events, self.pool.events = tuple(self.pool.events), []
         return EngineNews(stats=stats, events=events)
 

@@ -270,8 +270,10 @@ class ModelPool:
         for slot in self.loaded.values():
             slot.core.runner.release_buffers()
 
-    def stats(self) -> dict[str, EngineStats]:
-        return {m: s.core.stats() for m, s in self.loaded.items()}
+    def stats(self, models: list[str] | None = None) -> dict[str, EngineStats]:
+        """The snapshots of ``models`` (of every loaded model when None) that are loaded."""
+        names = self.loaded if models is None else [m for m in models if m in self.loaded]
+        return {m: self.loaded[m].core.stats() for m in names}
 
     # ---- policy --------------------------------------------------------------------
 
