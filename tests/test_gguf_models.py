@@ -79,16 +79,16 @@ def test_batch_mixing_rotating_and_full_caches_equals_alone(gemma) -> None:
     prompts = [
         "The capital of France is the city of",
         "Once upon a time, in a land far away, there lived a",
-        "1, 2, 3, 4, 5, 6, 7,",
+        "1, 2, 3,",
         "def fibonacci(n):",
-        "My favourite recipe for a quick weeknight dinner with friends and family starts with",
     ]
+    lengths = (5, 3, 6, 4)
     requests = [
-        request(f"r{i}", encode(p), m)
-        for i, (p, m) in enumerate(zip(prompts, (8, 6, 8, 5, 6), strict=True))
+        request(f"r{i}", encode(p), n)
+        for i, (p, n) in enumerate(zip(prompts, lengths, strict=True))
     ]
     expected = alone(runner, requests)
-    schedule = {0: requests[:2], 1: requests[2:4], 3: requests[4:]}
+    schedule = {0: requests[:2], 1: requests[2:3], 2: requests[3:]}
     batched, failed = drive(runner, schedule)
     assert not failed
     assert batched == expected
