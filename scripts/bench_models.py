@@ -24,7 +24,7 @@ import msgspec
 import trio
 from mlxd.daemon.settings import load_settings
 from mlxd.daemon.supervisor import open_graph, run_actors
-from mlxd.protocol.messages import ChatRequest, Failed, Message, SamplingParams
+from mlxd.protocol.messages import ChatRequest, Failed, Message, SamplingParams, TextDelta
 
 
 def second_model(name: str, tmp: Path) -> tuple[str, str]:
@@ -40,19 +40,23 @@ def second_model(name: str, tmp: Path) -> tuple[str, str]:
     return name, name
 
 
-async def timed(pipeline, rid: str, model: str) -> float:
+async def timed(pipeline, rid: str, model: str) -> tuple[float, float]:
+    """(seconds to the first token, seconds to the end) of an 8-token greedy request."""
     request = ChatRequest(
         request_id=rid,
         model=model,
         messages=(Message(role="user", content="Say hello."),),
         sampling=SamplingParams(max_tokens=8, temperature=0.0),
     )
-    start = time.perf_counter()
+    start, first = time.perf_counter(), None
     async for batch in (await pipeline.submit(request)).events():
         for event in batch:
             if isinstance(event, Failed):
                 raise RuntimeError(f"{model}: {event.message}")
-    return time.perf_counter() - start
+            if isinstance(event, TextDelta) and first is None:
+                first = time.perf_counter() - start
+    end = time.perf_counter() - start
+    return first if first is not None else end, end
 
 
 async def run(second: str, rounds: int) -> list[dict]:
@@ -77,8 +81,10 @@ async def run(second: str, rounds: int) -> list[dict]:
                         "load_s": entries[model].last_load_s,
                         "unloaded": other if entries[other].unloads else "-",
                         "unload_s": entries[other].last_unload_s if entries[other].unloads else 0,
-                        "first_request_s": cold,
-                        "warm_request_s": warm,
+                        "first_ttft_s": cold[0],
+                        "first_request_s": cold[1],
+                        "warm_ttft_s": warm[0],
+                        "warm_request_s": warm[1],
                         "weights_mib": entries[model].weights_bytes / 2**20,
                     }
                 )
@@ -90,12 +96,13 @@ def report(rows: list[dict], label: str) -> None:
     print(f"second model: {label}; model_pool.max_loaded = 1 (every switch unloads the other)")
     print(
         f"{'round':>5} {'model':>7} {'load s':>7} {'unloaded':>9} {'unload s':>9} "
-        f"{'1st req s':>9} {'warm s':>7} {'weights MiB':>11}"
+        f"{'1st TTFT':>8} {'1st req s':>9} {'warm TTFT':>9} {'warm s':>7} {'weights MiB':>11}"
     )
     for r in rows:
         print(
             f"{r['round']:>5} {r['model']:>7} {r['load_s']:>7.2f} {r['unloaded']:>9} "
-            f"{r['unload_s']:>9.3f} {r['first_request_s']:>9.2f} {r['warm_request_s']:>7.2f} "
+            f"{r['unload_s']:>9.3f} {r['first_ttft_s']:>8.2f} {r['first_request_s']:>9.2f} "
+            f"{r['warm_ttft_s']:>9.2f} {r['warm_request_s']:>7.2f} "
             f"{r['weights_mib']:>11.0f}"
         )
     for model in ("smollm", "second"):
