@@ -60,10 +60,13 @@ def _lead(settings: Settings, group: Any) -> int:
     watch = Watch()
 
     def factory():
-        from mlxd.actors.engine.replica import Channel, Leader, runner_stream
+        from mlxd.actors.engine.replica import Channel, Leader, Timeouts, runner_stream
 
         runner, info = _load(settings, group, leader=True)
-        return Leader(runner, Channel(group, runner_stream(runner)), watch), info
+        d = settings.distributed
+        timeouts = Timeouts(step_s=d.step_timeout_s, prefill_s=d.prefill_timeout_s)
+        channel = Channel(group, runner_stream(runner))
+        return Leader(runner, channel, watch, timeouts), info
 
     watching = functools.partial(_watch, watch, settings.distributed)
     trio.run(serve_forever, settings, factory, watching)
@@ -132,12 +135,7 @@ async def _watch(watch: Watch, options: DistributedSettings, pipeline: Pipeline)
         pipeline.state = ServerState.DRAINING  # new requests get a 503 too
         return pipeline.mailboxes.fail_all(functools.partial(_lost, reason))
 
-    await monitor(
-        watch,
-        fail_all,
-        step_timeout_s=options.step_timeout_s,
-        exit_grace_s=options.exit_grace_s,
-    )
+    await monitor(watch, fail_all, exit_grace_s=options.exit_grace_s)
 
 
 def _lost(reason: str, request_id: str) -> Failed:

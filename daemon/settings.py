@@ -228,7 +228,8 @@ class DistributedSettings(_Section):
     """One model over several machines (``mlx.launch ... -- mlxd serve MODEL --parallel``)."""
 
     parallel: Literal["off", "tensor", "pipeline", "auto"] = "off"
-    step_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 60.0
+    step_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 10.0
+    prefill_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 60.0
     exit_grace_s: Seconds = 1.0
 
 

@@ -230,14 +230,24 @@ def _check_serving(d: Daemon, want: list[str]) -> None:
         got = [f.result() for f in futures]
         aborted.result()
     assert got == want
+    # sampled, unseeded: every rank draws the same tokens (a follower that decodes
+    # other tokens than rank 0 stops, and rank 0 with it)
+    for prompt in PROMPTS[:2]:
+        d.complete(prompt, temperature=0.9, max_tokens=20)
+    assert all(p.poll() is None for p in d.procs)
 
 
 @pytest.fixture(scope="module")
 def qwen3_ranks(models, tmp_path_factory):
     """The tiny Qwen3 on two ranks (``auto``: tensor parallel), speculation configured."""
-    speculation = {"MLXD_SPECULATIVE__ENABLED": "true", "MLXD_SPECULATIVE__DRAFTER": "lookup"}
+    env = {
+        "MLXD_SPECULATIVE__ENABLED": "true",
+        "MLXD_SPECULATIVE__DRAFTER": "lookup",
+        # a peer that dies mid-step can leave rank 0's next collective blocked: this long
+        "MLXD_DISTRIBUTED__STEP_TIMEOUT_S": "4",
+    }
     tmp_path = tmp_path_factory.mktemp("qwen3-ranks")
-    with ranks(tmp_path, models["qwen3"], (speculation, speculation)) as d:
+    with ranks(tmp_path, models["qwen3"], (env, env)) as d:
         d.wait_ready()
         yield d
 

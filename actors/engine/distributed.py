@@ -5,8 +5,8 @@ collective: a follower that dies makes the next collective fail on rank 0 (the r
 backend raises once the peer's socket closes), and one that hangs makes it block.
 The leader's runner proxy writes both into a ``Watch``: ``lost`` when a collective
 failed (its generation thread then parks: nothing it could do would be matched by
-the other ranks), and ``busy_since`` while a runner call runs. ``monitor`` polls the
-watch on the trio thread; a loss, or a call running past ``step_timeout_s``, fails
+the other ranks), and a deadline while a broadcast or a runner call runs. ``monitor``
+polls the watch on the trio thread; a loss, or a deadline passed, fails
 every open request with a 503, gives those answers ``exit_grace_s`` to reach their
 clients, and ends the process with ``EXIT_PEER_LOST``: the generation thread may be
 stuck inside a collective that nothing can cancel, so no orderly shutdown could finish.
@@ -30,22 +30,35 @@ EXIT_PEER_LOST = 3  # the exit status of a rank whose group lost a member
 
 @dataclass
 class Watch:
-    """What the generation thread tells the monitor; written there, read on the trio thread."""
+    """What the generation thread tells the monitor; written there, read on the trio thread.
+
+    ``deadline``: while a broadcast or a runner call is under way, the monotonic time by
+    which it must be over, and what to call it if it is not. A peer that dies while a
+    decode step is in flight can leave the next collective blocked for good (the ring
+    backend fails its pending tasks, then waits): the broadcast's own short timeout
+    catches that within seconds.
+    """
 
     lost: str | None = None  # why the group is broken, once it is
-    busy_since: float | None = None  # monotonic start of the runner call in progress
+    deadline: tuple[float, str] | None = None
 
     def lose(self, reason: str) -> None:
         if self.lost is None:
             self.lost = reason
 
-    def trouble(self, step_timeout_s: float) -> str | None:
+    def expect(self, within_s: float, what: str) -> None:
+        self.deadline = (time.monotonic() + within_s, what)
+
+    def done(self) -> None:
+        self.deadline = None
+
+    def trouble(self) -> str | None:
         """Why the group must be given up, or None while all is well."""
         if self.lost is not None:
             return self.lost
-        since = self.busy_since
-        if since is not None and time.monotonic() - since > step_timeout_s:
-            return f"an engine call has run for over {step_timeout_s:g}s (distributed.step_timeout_s): a rank hangs"
+        deadline = self.deadline
+        if deadline is not None and time.monotonic() > deadline[0]:
+            return f"{deadline[1]} did not finish in time: a rank is gone or hangs"
         return None
 
 
@@ -61,14 +74,13 @@ async def monitor(
     watch: Watch,
     fail_all: FailAll,
     *,
-    step_timeout_s: float,
     exit_grace_s: float,
     poll_s: float = 0.2,
     exit: Callable[[int], object] = os._exit,
 ) -> None:
     """Poll ``watch``; on trouble fail every open request, wait ``exit_grace_s``, exit."""
     # Polled: the watch is written on the generation thread, and a hang sets nothing.
-    while (reason := watch.trouble(step_timeout_s)) is None:  # noqa: ASYNC110
+    while (reason := watch.trouble()) is None:  # noqa: ASYNC110
         await trio.sleep(poll_s)
     failed = fail_all(reason)
     log.error("distributed group lost: %s; %d open requests failed with 503", reason, failed)

@@ -32,8 +32,8 @@ import json
 import logging
 import os
 import sys
-import time
 import typing
+import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -61,12 +61,26 @@ _COLLECTIVE_ERRORS = ("[ring]", "[jaccl]", "[mpi]", "[nccl]", "[distributed]")
 
 class Call(msgspec.Struct, tag=True, array_like=True):
     """A runner call rank 0 is about to make; ``dropped``: prefix-cache keys it evicted
-    during its previous call (a follower drops them before making this one)."""
+    during its previous call (a follower drops them before making this one); ``tokens``:
+    a digest of the tokens its last decode produced (a follower's must be the same)."""
 
     method: str
     args: list[Any]
     kwargs: dict[str, Any]
     dropped: list[tuple[int, ...]] = []
+    tokens: int = 0
+
+
+class Desync(RuntimeError):
+    """A follower decoded other tokens than rank 0: the ranks no longer run in step."""
+
+
+def tokens_digest(result: Any) -> int | None:
+    """A digest of a decode's (request, token) pairs; None for results that are not that."""
+    if not isinstance(result, list) or not all(hasattr(d, "token") for d in result):
+        return None
+    pairs = ";".join(f"{getattr(d, 'request_id', '')}:{d.token}" for d in result)
+    return zlib.crc32(pairs.encode())
 
 
 _encoder = msgspec.msgpack.Encoder()
@@ -152,6 +166,19 @@ class LeaderPrefixCache(GroupPrefixCache):
         return out
 
 
+@dataclass(frozen=True)
+class Timeouts:
+    """How long a broadcast or a runner call may take before the group counts as broken:
+    ``prefill_s`` for a prefill (a chunk of a prompt), ``step_s`` for anything else (a
+    broadcast waits at most for one decode step in flight)."""
+
+    step_s: float = 10.0
+    prefill_s: float = 60.0
+
+    def of(self, method: str) -> float:
+        return self.prefill_s if "prefill" in method else self.step_s
+
+
 class Leader:
     """Rank 0's runner: each call that is not read-only goes to the other ranks first.
 
@@ -160,10 +187,17 @@ class Leader:
     monitor (``distributed.monitor``) fails the open requests and exits."""
 
     def __init__(
-        self, runner: Any, channel: Channel, watch: Watch, on_lost: Callable[[], None] = park
+        self,
+        runner: Any,
+        channel: Channel,
+        watch: Watch,
+        timeouts: Timeouts | None = None,
+        on_lost: Callable[[], None] = park,
     ):
         self._runner, self._channel, self._watch = runner, channel, watch
+        self._timeouts = timeouts or Timeouts()
         self._on_lost = on_lost
+        self._tokens = 0  # ``tokens_digest`` of the last decode
         cache = getattr(runner, "prefix_cache", None)
         self._cache = cache if isinstance(cache, LeaderPrefixCache) else None
 
@@ -186,21 +220,25 @@ class Leader:
 
     def _call(self, name: str, *args: Any, **kwargs: Any) -> Any:
         dropped = self._cache.take_dropped() if self._cache is not None else []
-        payload = _encoder.encode(Call(name, list(args), kwargs, dropped))
-        self._watch.busy_since = time.monotonic()
+        payload = _encoder.encode(Call(name, list(args), kwargs, dropped, self._tokens))
+        watch, timeouts = self._watch, self._timeouts
         try:
+            watch.expect(timeouts.step_s, f"the broadcast of {name}() to the other ranks")
             try:
                 self._channel.send(payload)
             except RuntimeError as exc:  # the broadcast is a collective and nothing else
                 self._lost(exc)
+            watch.expect(timeouts.of(name), f"the engine call {name}()")
             try:
-                return getattr(self._runner, name)(*args, **kwargs)
+                result = getattr(self._runner, name)(*args, **kwargs)
             except RuntimeError as exc:
                 if _collective_failed(exc):
                     self._lost(exc)
                 raise
         finally:
-            self._watch.busy_since = None
+            watch.done()
+        self._tokens = tokens_digest(result) or self._tokens
+        return result
 
     def _lost(self, exc: BaseException) -> None:
         self._watch.lose(f"a rank of the group is gone ({exc})")
@@ -250,20 +288,26 @@ class _Arguments:
 
 
 def follow(runner: Any, channel: Channel) -> None:
-    """Make rank 0's runner calls on this rank's runner until the group breaks (raises)."""
+    """Make rank 0's runner calls on this rank's runner until the group breaks (raises;
+    ``Desync`` when this rank decoded other tokens than rank 0)."""
     cache = getattr(runner, "prefix_cache", None)
     arguments = _Arguments(runner)
+    tokens = 0
     while True:
         call = _decoder.decode(channel.receive())
+        if call.tokens != tokens:
+            raise Desync(f"decoded other tokens than rank 0 before its {call.method}()")
         if isinstance(cache, FollowerPrefixCache):
             cache.drop(call.dropped)
         args, kwargs = arguments.convert(call)
         try:
-            getattr(runner, call.method)(*args, **kwargs)
+            result = getattr(runner, call.method)(*args, **kwargs)
         except Exception as exc:  # noqa: BLE001 - rank 0 met the same error and handled it
             if _collective_failed(exc):
                 raise
             log.debug("%s failed here as on rank 0: %r", call.method, exc)
+            continue
+        tokens = tokens_digest(result) or tokens
 
 
 # ---- start-up: the same model, the same settings, sharded the same way ---------------
