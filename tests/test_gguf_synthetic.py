@@ -277,8 +277,8 @@ def gemma3_file(path: Path) -> Writer:
 # ---- the reference forward pass (llama.cpp semantics, float64) ---------------------------
 
 
-def rms_norm(x: np.ndarray, weight: np.ndarray) -> np.ndarray:
-    return x / np.sqrt((x * x).mean(-1, keepdims=True) + EPS) * weight
+def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float = EPS) -> np.ndarray:
+    return x / np.sqrt((x * x).mean(-1, keepdims=True) + eps) * weight
 
 
 def rope(x: np.ndarray, n_rot: int, base: float, neox: bool, factors=None) -> np.ndarray:
@@ -301,7 +301,7 @@ def rope(x: np.ndarray, n_rot: int, base: float, neox: bool, factors=None) -> np
 
 def attention(q, k, v, scale: float, window: int | None = None) -> np.ndarray:
     n = q.shape[0]
-    k, v = (np.repeat(t, HEADS // KV_HEADS, axis=1) for t in (k, v))
+    k, v = (np.repeat(t, q.shape[1] // k.shape[1], axis=1) for t in (k, v))
     scores = np.einsum("qhd,khd->hqk", q, k) * scale
     i, j = np.arange(n)[:, None], np.arange(n)[None, :]
     hidden = (j > i) | ((i - j >= window) if window else False)
@@ -319,19 +319,23 @@ def gelu_tanh(x):
     return 0.5 * x * (1 + np.tanh(np.sqrt(2 / np.pi) * (x + 0.044715 * x**3)))
 
 
-def reference_logits(w: Writer, tokens: list[int]) -> np.ndarray:
+def reference_logits(w: Writer, tokens: list[int], head: bool = True) -> np.ndarray:
+    """Logits for ``tokens`` from ``w.truth`` (GGUF names and values) and ``w.meta``; with
+    ``head`` False, the final norm's output instead."""
     t, arch = w.truth, w.arch
-    head_dim = w.meta[f"{arch}.attention.key_length"]
-    layers = w.meta[f"{arch}.block_count"]
+    key = lambda name: w.meta[f"{arch}.{name}"]  # noqa: E731
+    head_dim, heads = key("attention.key_length"), key("attention.head_count")
+    eps = key("attention.layer_norm_rms_epsilon")
     x = t["token_embd.weight"][tokens]
     if arch == "gemma3":
-        x = x * np.sqrt(HIDDEN)
-    for i in range(layers):
+        x = x * np.sqrt(key("embedding_length"))
+    for i in range(key("block_count")):
         g = lambda name, i=i: t[f"blk.{i}.{name}"]  # noqa: E731
-        h = rms_norm(x, g("attn_norm.weight"))
+        h = rms_norm(x, g("attn_norm.weight"), eps)
         if arch == "phi3":
+            kv_rows = w.meta["phi3.attention.head_count_kv"] * head_dim
             q, k, v = np.split(
-                h @ g("attn_qkv.weight").T, [HEADS * head_dim, (HEADS + KV_HEADS) * head_dim], -1
+                h @ g("attn_qkv.weight").T, [heads * head_dim, heads * head_dim + kv_rows], -1
             )
         else:
             q, k, v = (h @ g(f"attn_{p}.weight").T for p in "qkv")
@@ -339,30 +343,31 @@ def reference_logits(w: Writer, tokens: list[int]) -> np.ndarray:
             q, k, v = q + g("attn_q.bias"), k + g("attn_k.bias"), v + g("attn_v.bias")
         q, k, v = (a.reshape(len(tokens), -1, head_dim) for a in (q, k, v))
         if arch in ("qwen3", "gemma3"):
-            q, k = rms_norm(q, g("attn_q_norm.weight")), rms_norm(k, g("attn_k_norm.weight"))
-        n_rot, base, window = head_dim, w.meta[f"{arch}.rope.freq_base"], None
+            q = rms_norm(q, g("attn_q_norm.weight"), eps)
+            k = rms_norm(k, g("attn_k_norm.weight"), eps)
+        n_rot, base, window = head_dim, key("rope.freq_base"), None
         if arch == "phi3":
             n_rot = w.meta["phi3.rope.dimension_count"]
         if arch == "gemma3" and (i + 1) % 6:
-            base, window = 10000.0, GEMMA_WINDOW
+            base, window = 10000.0, key("attention.sliding_window")
         factors = t.get("rope_freqs.weight")
         q, k = (rope(a, n_rot, base, neox=arch != "llama", factors=factors) for a in (q, k))
         o = attention(q, k, v, head_dim**-0.5, window) @ g("attn_output.weight").T
         if arch == "gemma3":
-            x = x + rms_norm(o, g("post_attention_norm.weight"))
-            h = rms_norm(x, g("ffn_norm.weight"))
+            x = x + rms_norm(o, g("post_attention_norm.weight"), eps)
+            h = rms_norm(x, g("ffn_norm.weight"), eps)
             m = gelu_tanh(h @ g("ffn_gate.weight").T) * (h @ g("ffn_up.weight").T)
-            x = x + rms_norm(m @ g("ffn_down.weight").T, g("post_ffw_norm.weight"))
+            x = x + rms_norm(m @ g("ffn_down.weight").T, g("post_ffw_norm.weight"), eps)
             continue
         x = x + o
-        h = rms_norm(x, g("ffn_norm.weight"))
+        h = rms_norm(x, g("ffn_norm.weight"), eps)
         if arch == "phi3":
             gate, up = np.split(h @ g("ffn_up.weight").T, 2, -1)
         else:
             gate, up = h @ g("ffn_gate.weight").T, h @ g("ffn_up.weight").T
         x = x + (silu(gate) * up) @ g("ffn_down.weight").T
-    x = rms_norm(x, t["output_norm.weight"])
-    return x @ t.get("output.weight", t["token_embd.weight"]).T
+    x = rms_norm(x, t["output_norm.weight"], eps)
+    return x @ t.get("output.weight", t["token_embd.weight"]).T if head else x
 
 
 # ---- the tests ---------------------------------------------------------------------------
