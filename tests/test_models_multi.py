@@ -383,3 +383,33 @@ def test_the_weights_cap_unloads_the_least_recently_used_idle_models():
     assert pool.next_load() == "a"
     pool.abort("ra")  # nobody waits for a any more: no longer wanted
     assert pool.next_load() is None and not pool.wanted
+
+
+async def test_count_tokens_and_cache_routes_select_the_model():
+    a, b = FakeModel(), FakeModel(tokenizer=BTokenizer())
+    bad = FakeModel(error=OSError("gone"))
+    models = {"a": a, "b": b, "bad": bad}
+    async with served(multi_settings("a", "b", "bad"), models) as (c, pipeline):
+        counts = {}
+        for model in ("a", "b", "bad", "nope"):
+            r = await c.post(
+                "/v1/messages/count_tokens",
+                json={"model": model, "messages": [{"role": "user", "content": "hey"}]},
+            )
+            counts[model] = (r.status_code, json.loads(await r.get_data()))
+        await answer(c, "a")
+        cleared_b = await c.delete("/v1/cache?model=b")
+        await c.delete("/v1/cache")
+        stats = await c.get("/v1/cache?model=a")
+        missing = await c.get("/v1/speculative?model=nope")
+        with trio.fail_after(5):
+            while (a.runner.cleared, b.runner.cleared) != (1, 2):
+                await trio.sleep(0.01)
+        assert not pipeline.models.entries["b"].waiting
+    # a: "<user>hey<assistant>" (20 characters); b: "<user>b:hey<assistant>" (22)
+    assert counts["a"] == (200, {"input_tokens": 20})
+    assert counts["b"] == (200, {"input_tokens": 22})
+    assert counts["bad"][0] == 500 and "gone" in counts["bad"][1]["error"]["message"]
+    assert counts["nope"][0] == 404 and counts["nope"][1]["error"]["type"] == "not_found_error"
+    assert cleared_b.status_code == 200 and stats.status_code == 200
+    assert missing.status_code == 404
