@@ -74,7 +74,7 @@ class ModelRegistry:
         ids: list[str],
         engine: trio.MemorySendChannel[EngineInbox],
         mailboxes: Mailboxes,
-        prompts: TokenizerOptions,
+        prompts: dict[str, TokenizerOptions],
         options: RegistryOptions,
         *,
         accept_other_ids: bool = False,
@@ -193,7 +193,7 @@ class ModelRegistry:
             ):  # the same files reloaded: the same vocabulary (its compiler takes ~1 s)
                 grammars = await trio.to_thread.run_sync(GrammarCompiler, info.tokenizer)
             if entry.builder_of is not info:  # another request may have built it meanwhile
-                entry.builder = PromptBuilder.for_model(info, self.prompts, grammars)
+                entry.builder = PromptBuilder.for_model(info, self.prompts[entry.id], grammars)
                 entry.builder_of, entry.grammars = info, grammars
         assert entry.builder is not None
         return entry.builder

@@ -211,8 +211,25 @@ class ModelEntry(_Section):
     adapter_path: str = ""  # an mlx-lm LoRA adapter directory applied at load; "" = none
     max_batch: NonNegative = 0  # 0 = engine.max_batch
     preload: bool = False  # load at start-up instead of on first use
+    chat_template: str = ""  # a Jinja string or a file; "" = model.chat_template's rule
     speculative: SpeculativeSettings | None = None
     spec_prefill: SpecPrefillSettings | None = None
+
+    def chat_template_text(self, fallback: str) -> str:
+        """This entry's chat template (a Jinja string, or the file it names), else
+        ``fallback`` (``model.chat_template``'s); ``ValueError`` if it cannot be read."""
+        value = self.chat_template
+        if not value:
+            return fallback
+        if "{" in value:
+            return value
+        path = Path(value).expanduser()
+        try:
+            return path.read_text()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ValueError(
+                f"models {self.id!r}: chat_template: cannot read {path}: {exc}"
+            ) from None
 
 
 class ModelPoolSettings(_Section):

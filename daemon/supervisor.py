@@ -179,7 +179,9 @@ def open_graph(s: Settings) -> Graph:
     )
 
 
-def tokenizer_options(s: Settings) -> TokenizerOptions:
+def tokenizer_options(s: Settings, entry: ModelEntry | None = None) -> TokenizerOptions:
+    """The prompt builder's options for one served model (the first unless named)."""
+    entry = entry or s.model_entries()[0]
     return TokenizerOptions(
         workers=s.tokenizer.workers,
         default_max_tokens=s.engine.default_max_tokens,
@@ -188,7 +190,7 @@ def tokenizer_options(s: Settings) -> TokenizerOptions:
         tool_format=s.tokenizer.tool_format,
         reasoning_tags=s.tokenizer.reasoning_tags,
         image_limits=options_from(s.vision, ImageLimits),
-        chat_template=s.model.chat_template_text(),
+        chat_template=entry.chat_template_text(s.model.chat_template_text()),
     )
 
 
@@ -231,18 +233,18 @@ async def run_actors(
     distributed group, ``daemon/ranks.py``) that may fail every open request."""
     s, pipeline, mailboxes = settings, graph.pipeline, graph.pipeline.mailboxes
     options, specs = engine_options(s, pipeline.publish), model_specs(s, factory)
+    prompts = [tokenizer_options(s, entry) for entry in s.model_entries()]  # files read now
     async with trio.open_nursery() as nursery:
         if monitor is not None:
             nursery.start_soon(monitor, pipeline)
         infos = await nursery.start(engine.run, graph.engine[1], graph.steps[0], specs, options)
         # A preloaded model with no id took its own name: the engine's ids are final.
         ids = [spec.id or next(iter(infos)) for spec in specs]
-        prompts = tokenizer_options(s)
         models = pipeline.models = ModelRegistry(
             ids,
             graph.engine[0].clone(),
             mailboxes,
-            prompts,
+            dict(zip(ids, prompts, strict=True)),
             registry_options(s),
             accept_other_ids=s.model.accept_other_ids,
         )
@@ -254,9 +256,9 @@ async def run_actors(
             await models.builder(models.entries[model])
         steps = StreamStates(models)
         await nursery.start(streamer.run, graph.steps[1], graph.engine[0].clone(), steps)
-        pipeline.count_limiter = trio.CapacityLimiter(prompts.workers)
+        pipeline.count_limiter = trio.CapacityLimiter(prompts[0].workers)
         tokenizer_channels = (graph.tokenize[1], graph.engine[0], mailboxes)
-        await nursery.start(tokenizer.run, *tokenizer_channels, models, prompts)
+        await nursery.start(tokenizer.run, *tokenizer_channels, models, prompts[0])
         queue = options_from(s.admission, AdmissionOptions)
         policy = pipeline.policy = AdmissionPolicy.from_options(queue)
         admission_channels = (graph.admission_rx, graph.tokenize[0], mailboxes)

@@ -19,7 +19,7 @@ from mlxd.actors.engine.pool import ModelPool, ModelSpec, PoolLimits
 from mlxd.actors.engine.types import ModelInfo
 from mlxd.daemon.app import create_app
 from mlxd.daemon.settings import SettingsError, load_settings
-from mlxd.daemon.supervisor import open_graph, run_actors
+from mlxd.daemon.supervisor import open_graph, run_actors, tokenizer_options
 from mlxd.protocol.messages import SamplingParams, TokenizedRequest
 
 from tests.conftest import metric
@@ -413,3 +413,18 @@ async def test_count_tokens_and_cache_routes_select_the_model():
     assert counts["nope"][0] == 404 and counts["nope"][1]["error"]["type"] == "not_found_error"
     assert cleared_b.status_code == 200 and stats.status_code == 200
     assert missing.status_code == 404
+
+
+async def test_an_entry_may_have_its_own_chat_template(tmp_path):
+    template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    (tmp_path / "b.jinja").write_text(template)
+    a, b = FakeModel(), FakeModel()
+    settings = multi_settings("a", {"id": "b", "chat_template": str(tmp_path / "b.jinja")})
+    async with served(settings, {"a": a, "b": b}) as (c, _):
+        await answer(c, "a")
+        await answer(c, "b")
+    assert getattr(b.tokenizer, "chat_template", None) == template
+    assert getattr(a.tokenizer, "chat_template", None) is None  # the model's own
+    missing = multi_settings({"id": "b", "chat_template": str(tmp_path / "nope.jinja")})
+    with pytest.raises(ValueError, match="models 'b': chat_template: cannot read"):
+        tokenizer_options(missing, missing.models[0])  # run_actors reads them first
