@@ -52,6 +52,10 @@ class Recorder:
     def remove(self, request_id: str) -> None:
         self.calls.append(("remove", request_id))
 
+    def prefill_batch(self, request_ids: tuple[str, ...], budget: int) -> int:
+        self.calls.append(("prefill_batch", request_ids, budget))  # a method added later
+        return 0
+
     def memory_stats(self) -> tuple[int, int]:
         self.calls.append(("memory_stats",))
         return 1, 2
@@ -90,21 +94,28 @@ def test_every_state_changing_call_is_replayed_typed_and_in_order():
     request = _request()
     assert leader.start(request) == 0
     leader.prefill("r1", 16)
+    leader.prefill_batch(("r1", "r2"), 8)
     leader.decode()
     leader.remove("r1")
     assert leader.memory_stats() == (1, 2)  # read-only: rank 0 alone
     leader.counters()
     leader.skipped_tokens("r1")
     assert leader.decoding == 0
-    assert len(pipe.sent) == 4
+    assert len(pipe.sent) == 5
 
     follower = Recorder()
     with pytest.raises(RuntimeError, match="peer was lost"):
         follow(follower, pipe)
-    replayed = [("start", request), ("prefill", "r1", 16), ("decode",), ("remove", "r1")]
+    replayed = [
+        ("start", request),
+        ("prefill", "r1", 16),
+        ("prefill_batch", ("r1", "r2"), 8),
+        ("decode",),
+        ("remove", "r1"),
+    ]
     assert follower.calls == replayed
     assert isinstance(follower.calls[0][1], TokenizedRequest)
-    assert leader_runner.calls[:4] == replayed
+    assert leader_runner.calls[:5] == replayed
 
 
 class Decoding(Recorder):
