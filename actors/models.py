@@ -117,10 +117,6 @@ class ModelRegistry:
         entry.changed.set()
         entry.changed = trio.Event()
 
-    def preloaded(self, infos: dict[str, ModelInfo]) -> None:
-        for model, info in infos.items():
-            self.on_event(ModelEvent(model=model, state="loaded", info=info))
-
     # ---- the tokenizer stage -----------------------------------------------------------
 
     async def prepare(self, model: str, request_id: str | None) -> PromptBuilder:

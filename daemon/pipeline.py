@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 import trio
 from mlxd.actors.admission import AdmissionPolicy
 from mlxd.actors.engine.actor import EngineNews
+from mlxd.actors.engine.pool import ModelEvent
 from mlxd.actors.engine.types import ModelInfo
 from mlxd.actors.mailbox import Bell, Mailbox, Mailboxes
 from mlxd.actors.models import ModelRegistry
@@ -177,6 +178,7 @@ class Pipeline:
     policy: AdmissionPolicy | None = None  # read only outside the admission actor
     model_stats: dict[str, EngineStats] = field(default_factory=dict)  # per loaded model
     speculative: dict[str, bool] = field(default_factory=dict)  # configured on, per model
+    early_events: list[ModelEvent] = field(default_factory=list)  # before the registry exists
     sessions: dict[str, Session] = field(default_factory=dict)
     telemetry: Telemetry = field(default_factory=Telemetry)
     count_limiter: trio.CapacityLimiter | None = None  # its worker threads (tokenizer.workers)
@@ -310,6 +312,8 @@ class Pipeline:
                 self.model_stats.pop(event.model, None)
             if self.models is not None:
                 self.models.on_event(event)
+            else:  # the preloaded models' loads: replayed once the registry exists
+                self.early_events.append(event)
 
     async def expire(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         """The timer: fail each request at its queue timeout (if it has not started) and

@@ -251,7 +251,8 @@ async def run_actors(
         pipeline.speculative = {
             i: _speculates(s, e) for i, e in zip(ids, s.model_entries(), strict=True)
         }
-        models.preloaded(infos)
+        for event in pipeline.early_events:  # the preloaded models' loads
+            models.on_event(event)
         for model in infos:  # their grammar compilers read the vocabulary (a worker thread)
             await models.builder(models.entries[model])
         steps = StreamStates(models)

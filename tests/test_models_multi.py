@@ -43,10 +43,12 @@ class FakeModel:
     tokenizer: CharTokenizer = field(default_factory=CharTokenizer)
     gate: threading.Event | None = None  # the load waits for it (at most 10 s)
     error: Exception | None = None
+    delay: float = 0.0  # seconds the load takes
     loads: int = 0
 
     def __call__(self) -> tuple[FakeRunner, ModelInfo]:
         self.loads += 1
+        time.sleep(self.delay)
         if self.gate is not None:
             self.gate.wait(10)
         if self.error is not None:
@@ -141,15 +143,14 @@ async def test_two_models_answer_by_id_with_their_own_template_and_are_listed():
 
 
 async def test_a_preloaded_entry_is_loaded_before_the_server_is_ready():
-    a, b = FakeModel(), FakeModel()
+    a, b = FakeModel(), FakeModel(delay=0.05)
     settings = multi_settings("a", {"id": "b", "preload": True})
     async with served(settings, {"a": a, "b": b}) as (c, pipeline):
         assert (a.loads, b.loads) == (0, 1)
         assert pipeline.state.value == "ready"
-        assert {m: s["state"] for m, s in (await states(c)).items()} == {
-            "a": "unloaded",
-            "b": "loaded",
-        }
+        now = await states(c)
+    assert {m: s["state"] for m, s in now.items()} == {"a": "unloaded", "b": "loaded"}
+    assert now["b"]["loads"] == 1 and now["b"]["last_load_s"] >= 0.05
 
 
 async def test_an_unknown_model_is_a_404_in_each_apis_format():

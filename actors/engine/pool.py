@@ -201,7 +201,6 @@ class ModelPool:
         """Load the preloaded models at start-up; a failure raises (a start-up error)."""
         for spec in [s for s in self.specs.values() if s.preload]:
             self._load(spec.id, strict=True)
-        self.events.clear()  # the caller reports them at start-up
         return {m: s.info for m, s in self.loaded.items()}
 
     def load(self, model: str) -> EngineStep | None:
