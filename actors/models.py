@@ -38,7 +38,7 @@ class RegistryOptions:
     """Bounds on waiting for a model (the supervisor maps ``[model_pool]`` onto them)."""
 
     max_waiting: int = 32
-    load_timeout_s: float = 120.0
+    load_timeout_s: float = 30.0
     failed_retry_s: float = 30.0
     retry_after_s: float = 1.0
 

@@ -237,7 +237,7 @@ class ModelPoolSettings(_Section):
     max_loaded_mb: NonNegative = 0
     idle_unload_s: Seconds = 0.0
     max_waiting: NonNegative = 32
-    load_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 120.0
+    load_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 30.0
     failed_retry_s: Seconds = 30.0
 
 
