@@ -640,3 +640,17 @@ def test_storage_quantizes_by_source_bits_and_keeps_the_rest_float() -> None:
         triple = (part[f"{prefix}.{k}"] for k in ("weight", "scales", "biases"))
         restored = mx.dequantize(*triple, group_size=32 if bits == 4 else 64, bits=bits)
         assert np.abs(np.array(restored.astype(mx.float32)) - x).max() < tol * np.abs(x).max()
+
+
+def test_a_file_without_chat_template_warns_at_every_start(tmp_path: Path, caplog) -> None:
+    llama_file(tmp_path / "llama.gguf", rope_freqs=False)
+    qwen_file(tmp_path / "qwen2.gguf", "qwen2")
+    for _ in range(2):  # converting, then from the cache
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="mlxd.gguf"):
+            convert_gguf(tmp_path / "llama.gguf", tmp_path / "c", lambda _: None)
+        assert "has no chat template" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="mlxd.gguf"):
+        convert_gguf(tmp_path / "qwen2.gguf", tmp_path / "c", lambda _: None)
+    assert "chat template" not in caplog.text

@@ -40,7 +40,11 @@ from mlxd.actors.engine.gguf_arch import (
 )
 from mlxd.actors.engine.gguf_header import GGUFError, GGUFFile, read_gguf
 from mlxd.actors.engine.gguf_tensors import Storage, dequantize, quantization_config
-from mlxd.actors.engine.gguf_tokenizer import end_of_generation_ids, save_tokenizer
+from mlxd.actors.engine.gguf_tokenizer import (
+    end_of_generation_ids,
+    save_tokenizer,
+    warn_if_fallback_template,
+)
 
 __all__ = [
     "UnsupportedModel",
@@ -94,6 +98,7 @@ def convert_gguf(
     target = Path(cache_root) / f"{_sha256(gguf_path)[:16]}-{storage.kind}"
     if target.is_dir():
         log(f"using cached conversion {target}")
+        warn_if_fallback_template(target)
         return target
     start = time.monotonic()
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -104,6 +109,7 @@ def convert_gguf(
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     log(f"converted {gguf_path.name} to {target} in {time.monotonic() - start:.1f}s")
+    warn_if_fallback_template(target)
     return target
 
 

@@ -35,7 +35,9 @@ _CONTROL = 3
 # For a base model's file: the messages' text, one after another, separated by a blank line
 # (text parts of a content list included), after BOS when the vocabulary adds one. No roles,
 # and a generation prompt adds nothing: the model continues the text.
+_FALLBACK_MARK = "mlxd: the GGUF file has no chat template"
 FALLBACK_CHAT_TEMPLATE = (
+    "{#- " + _FALLBACK_MARK + "; the messages' text is concatenated -#}"
     "{% if add_bos %}{{ bos_token }}{% endif %}"
     "{% for message in messages %}"
     "{% if not loop.first %}{{ '\\n\\n' }}{% endif %}"
@@ -74,7 +76,6 @@ def save_tokenizer(meta: dict[str, Any], out: Path) -> None:
     add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", False))
     template = meta.get("tokenizer.chat_template")
     if not template:
-        log.warning("GGUF file has no chat template: chat requests concatenate the messages' text")
         template = FALLBACK_CHAT_TEMPLATE.replace("add_bos", "true" if add_bos else "false")
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=_backend_tokenizer(meta),
@@ -122,3 +123,16 @@ def _smollm_pre_tokenizer() -> Any:
 
 # llama.cpp pre-tokenizer names that transformers' GGUF converter does not know.
 _PRE_TOKENIZERS: dict[str, Callable[[], Any]] = {"smollm": _smollm_pre_tokenizer}
+
+
+def warn_if_fallback_template(model_dir: Path) -> None:
+    """Log a warning (at every start) when the directory's chat template is the fallback."""
+    for name in ("chat_template.jinja", "tokenizer_config.json"):
+        path = model_dir / name
+        if path.is_file() and _FALLBACK_MARK in path.read_text(encoding="utf-8"):
+            log.warning(
+                "%s: the GGUF file has no chat template; chat requests concatenate the "
+                "messages' text (set model.chat_template for a real one)",
+                model_dir,
+            )
+            return
