@@ -179,9 +179,12 @@ def mlp_tensors(w: Writer, i: int) -> None:
     w.matrix(f"blk.{i}.ffn_down.weight", HIDDEN, FFN)
 
 
-def llama_file(path: Path, *, rope_freqs: bool = True) -> Writer:
+def llama_file(path: Path, *, rope_freqs: bool = True, linear: float = 0.0) -> Writer:
     w = Writer("llama", seed=0)
     base_keys(w, 2, theta=500000.0)
+    if linear:  # older long-context llamas: positions divided by the factor
+        w.key("rope.scaling.type", "linear")
+        w.key("rope.scaling.factor", linear)
     vocab = sentencepiece_vocab(w)
     w.matrix("token_embd.weight", vocab, HIDDEN, std=1.0)
     for i in range(2):
@@ -212,8 +215,8 @@ def llama3_factors(factor, low, high, original, base, dims=HEAD_DIM) -> np.ndarr
     return np.array(out)
 
 
-def qwen_file(path: Path, arch: str) -> Writer:
-    w = Writer(arch, seed=3 if arch == "qwen2" else 7)
+def qwen_file(path: Path, arch: str, w: Writer | None = None) -> Writer:
+    w = w or Writer(arch, seed=3 if arch == "qwen2" else 7)
     base_keys(w, 2, theta=1000000.0)
     vocab = bpe_vocab(w)
     w.matrix("token_embd.weight", vocab, HIDDEN, std=1.0)  # tied: no output.weight
@@ -281,12 +284,14 @@ def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float = EPS) -> np.ndarray:
     return x / np.sqrt((x * x).mean(-1, keepdims=True) + eps) * weight
 
 
-def rope(x: np.ndarray, n_rot: int, base: float, neox: bool, factors=None) -> np.ndarray:
+def rope(
+    x: np.ndarray, n_rot: int, base: float, neox: bool, factors=None, linear: float = 1.0
+) -> np.ndarray:
     """x: (tokens, heads, dim). llama.cpp's RoPE: NEOX rotates (j, j + n_rot/2), normal (2j, 2j+1)."""
     inv = base ** (-np.arange(0, n_rot, 2) / n_rot)
     if factors is not None:
         inv = inv / factors
-    angle = np.arange(x.shape[0])[:, None, None] * inv
+    angle = np.arange(x.shape[0])[:, None, None] / linear * inv
     cos, sin = np.cos(angle), np.sin(angle)
     out = x.copy()
     lo, hi = (
@@ -323,7 +328,7 @@ def reference_logits(w: Writer, tokens: list[int], head: bool = True) -> np.ndar
     """Logits for ``tokens`` from ``w.truth`` (GGUF names and values) and ``w.meta``; with
     ``head`` False, the final norm's output instead."""
     t, arch = w.truth, w.arch
-    key = lambda name: w.meta[f"{arch}.{name}"]  # noqa: E731
+    key = lambda name, *default: w.meta.get(f"{arch}.{name}", *default)  # noqa: E731
     head_dim, heads = key("attention.key_length"), key("attention.head_count")
     eps = key("attention.layer_norm_rms_epsilon")
     x = t["token_embd.weight"][tokens]
@@ -350,8 +355,8 @@ def reference_logits(w: Writer, tokens: list[int], head: bool = True) -> np.ndar
             n_rot = w.meta["phi3.rope.dimension_count"]
         if arch == "gemma3" and (i + 1) % 6:
             base, window = 10000.0, key("attention.sliding_window")
-        factors = t.get("rope_freqs.weight")
-        q, k = (rope(a, n_rot, base, neox=arch != "llama", factors=factors) for a in (q, k))
+        factors, linear = t.get("rope_freqs.weight"), key("rope.scaling.factor", 1.0)
+        q, k = (rope(a, n_rot, base, arch != "llama", factors, linear) for a in (q, k))
         o = attention(q, k, v, head_dim**-0.5, window) @ g("attn_output.weight").T
         if arch == "gemma3":
             x = x + rms_norm(o, g("post_attention_norm.weight"), eps)
@@ -392,6 +397,7 @@ def assert_close(got: np.ndarray, want: np.ndarray, rel: float = 2e-4) -> None:
 
 BUILDERS = {
     "llama": llama_file,
+    "llama_linear": lambda p: llama_file(p, rope_freqs=False, linear=4.0),
     "qwen2": lambda p: qwen_file(p, "qwen2"),
     "qwen3": lambda p: qwen_file(p, "qwen3"),
     "phi3": phi3_file,
@@ -404,7 +410,7 @@ def test_converted_model_matches_the_reference_forward(arch: str, tmp_path: Path
     w = BUILDERS[arch](tmp_path / f"{arch}.gguf")
     model_dir, model, _ = convert_and_load(tmp_path / f"{arch}.gguf", Storage("float32"))
     assert json.loads((model_dir / "config.json").read_text())["model_type"] == (
-        "gemma3_text" if arch == "gemma3" else arch
+        "gemma3_text" if w.arch == "gemma3" else w.arch
     )
     assert_close(logits_of(model, TOKENS), reference_logits(w, TOKENS))
 
@@ -654,3 +660,22 @@ def test_a_file_without_chat_template_warns_at_every_start(tmp_path: Path, caplo
     with caplog.at_level("WARNING", logger="mlxd.gguf"):
         convert_gguf(tmp_path / "qwen2.gguf", tmp_path / "c", lambda _: None)
     assert "chat template" not in caplog.text
+
+
+def test_yarn_rope_scaling_comes_from_the_metadata(tmp_path: Path) -> None:
+    """Qwen 2.5's long-context files state yarn in metadata; mlx-lm's YarnRoPE takes it."""
+    w = Writer("qwen2", seed=3)
+    w.key("rope.scaling.type", "yarn")
+    w.key("rope.scaling.factor", 4.0)
+    w.key("rope.scaling.original_context_length", 512)
+    qwen_path = tmp_path / "qwen2.gguf"
+    qwen_file(qwen_path, "qwen2", w)
+    model_dir, model, _ = convert_and_load(qwen_path, Storage("float32"))
+    config = json.loads((model_dir / "config.json").read_text())
+    assert config["rope_scaling"] == {
+        "type": "yarn",
+        "factor": 4.0,
+        "original_max_position_embeddings": 512,
+    }
+    assert type(model.model.layers[0].self_attn.rope).__name__ == "YarnRoPE"
+    assert np.isfinite(logits_of(model, TOKENS)).all()
