@@ -51,17 +51,24 @@ def serve(settings: Settings) -> int:
         return 0
     if settings.models:
         raise ValueError("serving over several ranks takes one model: [model], not [[models]]")
+    if settings.model_pool.idle_unload_s > 0:
+        raise ValueError(
+            "serving over several ranks keeps its model loaded: set model_pool.idle_unload_s = 0"
+        )
     if group.rank() == 0:
         return _lead(settings, group)
     return _follow(settings, group)
 
 
 def _lead(settings: Settings, group: Any) -> int:
-    watch = Watch()
+    watch, loads = Watch(), []
 
     def factory():
         from mlxd.actors.engine.replica import Channel, Leader, Timeouts, runner_stream
 
+        if loads:  # the other ranks follow the first load's runner: a second would desync
+            raise ValueError("a model served over several ranks is loaded once, not again")
+        loads.append(1)
         runner, info = _load(settings, group, leader=True)
         d = settings.distributed
         timeouts = Timeouts(step_s=d.step_timeout_s, prefill_s=d.prefill_timeout_s)
