@@ -679,3 +679,13 @@ def test_yarn_rope_scaling_comes_from_the_metadata(tmp_path: Path) -> None:
     }
     assert type(model.model.layers[0].self_attn.rope).__name__ == "YarnRoPE"
     assert np.isfinite(logits_of(model, TOKENS)).all()
+
+
+def test_a_tensor_without_mlx_lm_equivalent_fails_before_converting(tmp_path: Path) -> None:
+    w = Writer("qwen3", seed=1)
+    base_keys(w, 1)
+    vocab = bpe_vocab(w)
+    w.add("token_embd.weight", np.zeros((vocab, HIDDEN)), T.F32)
+    w.add("blk.0.ssm_conv1d.weight", np.zeros((4, 32)), T.F32)
+    with pytest.raises(UnsupportedModel, match="'blk.0.ssm_conv1d.weight' has no mlx-lm"):
+        convert_gguf(w.write(tmp_path / "odd.gguf"), tmp_path / "c", lambda _: None)

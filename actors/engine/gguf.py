@@ -32,6 +32,7 @@ from typing import Any
 import mlx.core as mx
 from mlxd.actors.engine.gguf_arch import (
     ROPE_TENSORS,
+    Architecture,
     UnsupportedModel,
     architecture,
     permute_rows,
@@ -39,7 +40,12 @@ from mlxd.actors.engine.gguf_arch import (
     unpermute_rows,
 )
 from mlxd.actors.engine.gguf_header import GGUFError, GGUFFile, read_gguf
-from mlxd.actors.engine.gguf_tensors import Storage, dequantize, quantization_config
+from mlxd.actors.engine.gguf_tensors import (
+    Storage,
+    check_readable,
+    dequantize,
+    quantization_config,
+)
 from mlxd.actors.engine.gguf_tokenizer import (
     end_of_generation_ids,
     save_tokenizer,
@@ -146,6 +152,10 @@ def _convert_into(gguf_path: Path, out: Path, log: Callable[[str], None], storag
     arch = architecture(gguf.metadata)
     if "tokenizer.ggml.tokens" not in gguf.metadata:
         raise UnsupportedModel(f"{gguf_path} holds no vocabulary (tokenizer.ggml.tokens)")
+    for name, info in gguf.tensors.items():  # fail before converting anything
+        if name not in ROPE_TENSORS:
+            arch.mlx_name(name)
+        check_readable(info)
     shapes = {name: info.shape for name, info in gguf.tensors.items()}
     config = arch.config(gguf.metadata, shapes)
     config["eos_token_id"] = end_of_generation_ids(gguf.metadata)
@@ -161,7 +171,7 @@ def _convert_into(gguf_path: Path, out: Path, log: Callable[[str], None], storag
 
 
 def _write_weights(
-    gguf: GGUFFile, arch: Any, config: dict[str, Any], storage: Storage, out: Path
+    gguf: GGUFFile, arch: Architecture, config: dict[str, Any], storage: Storage, out: Path
 ) -> dict[str, tuple[int, ...]]:
     """Dequantize, fix and store every tensor, in safetensors files of about _SHARD_BYTES;
     returns the stored weights' shapes by mlx-lm name."""

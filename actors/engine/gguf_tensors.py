@@ -39,15 +39,24 @@ class UnsupportedTensor(UnsupportedModel):
 
 def dequantize(path: Path | np.ndarray, info: TensorInfo) -> np.ndarray:
     """The tensor as float32 numpy, in numpy shape order (rows, columns)."""
-    raw = _raw(path, info)
-    qtype = T(info.ggml_type)
+    return np.asarray(_dequantize(_raw(path, info), info), dtype=np.float32).reshape(info.shape)
+
+
+def check_readable(info: TensorInfo) -> None:
+    """``UnsupportedTensor`` unless `gguf` can dequantize the tensor's type (tried on one
+    zero block)."""
+    _, block = quants.GGML_QUANT_SIZES[T(info.ggml_type)]
+    if T(info.ggml_type) not in FLOAT_TYPES:
+        _dequantize(np.zeros((1, block), np.uint8), info)
+
+
+def _dequantize(raw: np.ndarray, info: TensorInfo) -> np.ndarray:
     try:
-        out = quants.dequantize(raw, qtype)
+        return quants.dequantize(raw, T(info.ggml_type))
     except NotImplementedError:
         raise UnsupportedTensor(
             f"GGUF tensor {info.name!r} has type {info.type_name}, which cannot be dequantized"
         ) from None
-    return np.asarray(out, dtype=np.float32).reshape(info.shape)
 
 
 def _raw(path: Path | np.ndarray, info: TensorInfo) -> np.ndarray:
