@@ -134,10 +134,13 @@ class Daemon:
         raise AssertionError("not ready: " + self.log[-3000:])
 
     def complete(self, prompt: list[int], **extra) -> str:
+        return self.completion(prompt, **extra)["choices"][0]["text"]
+
+    def completion(self, prompt: list[int], **extra) -> dict:
         body = {"prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, **extra}
         reply = httpx.post(f"{self.url}/v1/completions", json=body, timeout=120)
         assert reply.status_code == 200, reply.text
-        return reply.json()["choices"][0]["text"]
+        return reply.json()
 
 
 def _serve_args(model: Path, parallel: str, port: int) -> list[str]:
@@ -225,11 +228,14 @@ def _check_serving(d: Daemon, want: list[str]) -> None:
         aborted = pool.submit(_aborted_stream, d, PROMPTS[3])
         futures = []
         for p in PROMPTS:
-            futures.append(pool.submit(d.complete, p))
+            futures.append(pool.submit(d.completion, p))
             time.sleep(0.05)
-        got = [f.result() for f in futures]
+        replies = [f.result() for f in futures]
         aborted.result()
-    assert got == want
+    assert [r["choices"][0]["text"] for r in replies] == want
+    # each prompt was seen before: every rank's prefix cache served it (in lockstep, or
+    # the ranks' forward passes would not have matched)
+    assert all(r["usage"]["prompt_tokens_details"]["cached_tokens"] > 0 for r in replies)
     # sampled, unseeded: every rank draws the same tokens (a follower that decodes
     # other tokens than rank 0 stops, and rank 0 with it)
     for prompt in PROMPTS[:2]:
