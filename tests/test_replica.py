@@ -12,10 +12,12 @@ import random
 import time
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import trio
 from mlxd.actors.engine.distributed import EXIT_PEER_LOST, Watch, monitor
 from mlxd.actors.engine.replica import (
+    Channel,
     Desync,
     FollowerPrefixCache,
     Leader,
@@ -259,3 +261,30 @@ def test_a_broadcast_or_call_past_its_deadline_counts_as_lost():
     assert Timeouts(step_s=1, prefill_s=9).of("prefill_batch") == 9
     watch.expect(-1.0, "the engine call prefill()")
     assert "prefill() did not finish in time: a rank is gone or hangs" in (watch.trouble() or "")
+
+
+class Loopback(Channel):
+    """The channel's framing with the all_sum replaced: what rank 0 sums, rank 1 gets."""
+
+    def __init__(self):
+        super().__init__(None, None)
+        self.wire: list[np.ndarray] = []
+        self.receiving = False
+
+    def _sum(self, x):
+        if not self.receiving:
+            self.wire.append(np.asarray(x))
+            return self.wire[-1]
+        sent = self.wire.pop(0)
+        assert sent.shape == tuple(x.shape)  # both ranks sum arrays of one shape
+        return sent
+
+
+@pytest.mark.parametrize("size", [0, 1, 4091, 4092, 4093, 50_000])
+def test_the_broadcast_frames_short_and_long_calls(size):
+    payload = bytes(np.random.default_rng(size).integers(0, 256, size, dtype=np.uint8))
+    channel = Loopback()
+    channel.send(payload)
+    assert len(channel.wire) == (1 if size <= 4092 else 2)
+    channel.receiving = True
+    assert channel.receive() == payload

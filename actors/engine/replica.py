@@ -17,10 +17,12 @@ cache is kept in lockstep: its lookups are deterministic given the same entries,
 rank 0's evictions (which depend on its own byte counts and budget) travel with the
 next call as the keys it dropped; a follower's cache never evicts on its own.
 
-The broadcast is two ``all_sum``s over the runner's own stream (so it is ordered with
-the collectives of an in-flight decode step): a fixed-size head carrying the length
-and most calls inline, then the rest of a long call (a long prompt). Followers
-contribute zeros.
+The broadcast is an ``all_sum`` over the runner's own stream (so it is ordered with
+the collectives of an in-flight decode step) of a fixed-size head carrying the length
+and most calls whole; a long call (a long prompt) takes a second one for the rest.
+Followers contribute zeros. Each call also carries a digest of rank 0's last decoded
+tokens: a follower that decoded anything else stops (``Desync``) rather than go on
+out of step.
 """
 
 from __future__ import annotations
@@ -99,7 +101,7 @@ class Channel:
     def _sum(self, x: mx.array) -> np.ndarray:
         out = mx.distributed.all_sum(x, group=self._group, stream=self._stream)
         mx.eval(out)
-        return np.array(out, copy=False)
+        return np.asarray(out)
 
     def send(self, payload: bytes) -> None:
         head = np.zeros(_HEAD, np.uint8)
