@@ -111,19 +111,22 @@ class TokenizerSettings(_Section):
     count_tokens_max_waiting: NonNegative = 8
 
     def __post_init__(self) -> None:
-        from mlxd.actors.parsers import TOOL_FORMATS  # plain Python, no trio or mlx
+        _check_output_formats(self.tool_format, self.reasoning_tags, "tokenizer.")
 
-        _require(
-            self.tool_format in ("auto", *TOOL_FORMATS),
-            f"tokenizer.tool_format: {self.tool_format!r} is not one of auto, "
-            + ", ".join(TOOL_FORMATS),
-        )
-        tags = self.reasoning_tags
-        open_tag, comma, close_tag = tags.partition(",")
-        _require(
-            tags in ("auto", "none") or bool(comma and open_tag.strip() and close_tag.strip()),
-            f"tokenizer.reasoning_tags: {tags!r} is not auto, none or '<open>,<close>'",
-        )
+
+def _check_output_formats(tool_format: str, tags: str, where: str) -> None:
+    """``tool_format`` and ``reasoning_tags`` (of ``[tokenizer]`` or a ``[[models]]`` entry)."""
+    from mlxd.actors.parsers import TOOL_FORMATS  # plain Python, no trio or mlx
+
+    _require(
+        tool_format in ("auto", *TOOL_FORMATS),
+        f"{where}tool_format: {tool_format!r} is not one of auto, " + ", ".join(TOOL_FORMATS),
+    )
+    open_tag, comma, close_tag = tags.partition(",")
+    _require(
+        tags in ("auto", "none") or bool(comma and open_tag.strip() and close_tag.strip()),
+        f"{where}reasoning_tags: {tags!r} is not auto, none or '<open>,<close>'",
+    )
 
 
 class EngineSettings(_Section):
@@ -212,8 +215,14 @@ class ModelEntry(_Section):
     max_batch: NonNegative = 0  # 0 = engine.max_batch
     preload: bool = False  # load at start-up instead of on first use
     chat_template: str = ""  # a Jinja string or a file; "" = model.chat_template's rule
+    tool_format: str = ""  # "" = tokenizer.tool_format
+    reasoning_tags: str = ""  # "" = tokenizer.reasoning_tags
     speculative: SpeculativeSettings | None = None
     spec_prefill: SpecPrefillSettings | None = None
+
+    def __post_init__(self) -> None:
+        where = f"models {self.id!r}: "
+        _check_output_formats(self.tool_format or "auto", self.reasoning_tags or "auto", where)
 
     def chat_template_text(self, fallback: str) -> str:
         """This entry's chat template (a Jinja string, or the file it names), else

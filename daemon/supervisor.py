@@ -187,8 +187,8 @@ def tokenizer_options(s: Settings, entry: ModelEntry | None = None) -> Tokenizer
         default_max_tokens=s.engine.default_max_tokens,
         max_prompt_tokens=s.engine.max_prompt_tokens,
         checkpoints=s.prefix_cache.enabled and s.prefix_cache.system_prompt,
-        tool_format=s.tokenizer.tool_format,
-        reasoning_tags=s.tokenizer.reasoning_tags,
+        tool_format=entry.tool_format or s.tokenizer.tool_format,
+        reasoning_tags=entry.reasoning_tags or s.tokenizer.reasoning_tags,
         image_limits=options_from(s.vision, ImageLimits),
         chat_template=entry.chat_template_text(s.model.chat_template_text()),
     )

@@ -317,6 +317,8 @@ def test_models_settings_are_checked():
         ([{"id": ""}], {}, "empty"),
         ([{"id": "a"}], {"path": "/x.gguf"}, "one or the other"),
         ([{"id": i, "preload": True} for i in "abc"], {}, "max_loaded"),
+        ([{"id": "a", "tool_format": "xml"}], {}, "models 'a': tool_format: 'xml'"),
+        ([{"id": "a", "reasoning_tags": "<t>"}], {}, "models 'a': reasoning_tags"),
     ):
         bad = {**raw, "models": models, "model": {**raw["model"], **model}}
         with pytest.raises(msgspec.ValidationError, match=why):
@@ -416,14 +418,18 @@ async def test_count_tokens_and_cache_routes_select_the_model():
     assert missing.status_code == 404
 
 
-async def test_an_entry_may_have_its_own_chat_template(tmp_path):
+async def test_an_entry_may_have_its_own_chat_template_and_output_formats(tmp_path):
     template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
     (tmp_path / "b.jinja").write_text(template)
     a, b = FakeModel(), FakeModel()
-    settings = multi_settings("a", {"id": "b", "chat_template": str(tmp_path / "b.jinja")})
-    async with served(settings, {"a": a, "b": b}) as (c, _):
+    b_entry = {"id": "b", "chat_template": str(tmp_path / "b.jinja"), "tool_format": "mistral"}
+    b_entry["reasoning_tags"] = "<r>,</r>"
+    async with served(multi_settings("a", b_entry), {"a": a, "b": b}) as (c, pipeline):
         await answer(c, "a")
         await answer(c, "b")
+        traits = {m: e.builder.traits for m, e in pipeline.models.entries.items()}
+    assert (traits["b"].tool_format, traits["b"].reasoning) == ("mistral", ("<r>", "</r>"))
+    assert traits["a"].tool_format != "mistral" and traits["a"].reasoning != ("<r>", "</r>")
     assert getattr(b.tokenizer, "chat_template", None) == template
     assert getattr(a.tokenizer, "chat_template", None) is None  # the model's own
     missing = multi_settings({"id": "b", "chat_template": str(tmp_path / "nope.jinja")})
