@@ -264,6 +264,13 @@ def test_tensor_parallel_qwen3_equals_mlx_lm_sharded(qwen3_ranks, reference):
     assert "tensor parallel" in d.log
     status = httpx.get(f"{d.url}/v1/status", timeout=10).json()
     assert "not served over several ranks" in json.dumps(status["speculative"])
+    # a grammar matcher cannot travel to the other ranks: a 400, and serving goes on
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+    constrained = {**body, "response_format": {"type": "json_object"}}
+    reply = httpx.post(f"{d.url}/v1/chat/completions", json=constrained, timeout=60)
+    assert reply.status_code == 400, reply.text
+    assert reply.json()["error"]["param"] == "response_format"
+    assert httpx.post(f"{d.url}/v1/chat/completions", json=body, timeout=60).status_code == 200
 
 
 def test_a_follower_that_dies_mid_stream_fails_requests_with_503_and_rank_0_exits(qwen3_ranks):

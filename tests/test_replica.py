@@ -148,8 +148,10 @@ def test_a_follower_that_decodes_other_tokens_than_rank_0_stops():
 def test_requests_the_ranks_cannot_replay_are_refused_before_any_rank_sees_them():
     pipe = Pipe()
     leader = Leader(Recorder(), pipe, Watch())
+    constrained = _request(grammar=object())
+    assert leader.wait_for(constrained) is None
     with pytest.raises(InvalidRequest, match="constrained output"):
-        leader.start(_request(grammar=object()))
+        leader.start(constrained)
     assert pipe.sent == []
 
 

@@ -168,6 +168,20 @@ class LeaderPrefixCache(GroupPrefixCache):
         return out
 
 
+def _refusal(request: TokenizedRequest) -> InvalidRequest | None:
+    """Why the other ranks cannot replay this request (its grammar matcher and its images
+    do not travel), or None."""
+    if request.grammar is not None:
+        return InvalidRequest(
+            "constrained output (response_format, forced tool calls) is not served "
+            "over several ranks yet",
+            param="response_format",
+        )
+    if request.vision is not None:
+        return InvalidRequest("images are not served over several ranks", param="messages")
+    return None
+
+
 @dataclass(frozen=True)
 class Timeouts:
     """How long a broadcast or a runner call may take before the group counts as broken:
@@ -209,15 +223,15 @@ class Leader:
             return value
         return functools.partial(self._call, name)
 
+    def wait_for(self, request: TokenizedRequest) -> str | None:
+        if _refusal(request) is not None:
+            return None  # ``start`` refuses it: nothing to wait for
+        return self._call("wait_for", request)
+
     def start(self, request: TokenizedRequest) -> int:
-        if request.grammar is not None:
-            raise InvalidRequest(
-                "constrained output (response_format, forced tool calls) is not served "
-                "over several ranks yet",
-                param="response_format",
-            )
-        if request.vision is not None:
-            raise InvalidRequest("images are not served over several ranks", param="messages")
+        refusal = _refusal(request)
+        if refusal is not None:
+            raise refusal
         return self._call("start", request)
 
     def _call(self, name: str, *args: Any, **kwargs: Any) -> Any:
