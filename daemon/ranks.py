@@ -34,6 +34,7 @@ from mlxd.protocol.messages import Failed
 log = logging.getLogger("mlxd.distributed")
 
 _SPEC_OFF = "off: not served over several ranks (every rank would have to draft in step)"
+_SPEC_PREFILL_OFF = "off: not served over several ranks (every rank would have to score)"
 
 
 def serve(settings: Settings) -> int:
@@ -97,6 +98,7 @@ def _load(settings: Settings, group: Any, *, leader: bool):
     """This rank's runner: fingerprints compared, the model loaded and sharded, seeded."""
     from mlxd.actors.engine import replica
     from mlxd.actors.engine.loading import load_runner, resolve_model_dir
+    from mlxd.actors.engine.spec_prefill import SpecPrefillStats
     from mlxd.actors.engine.speculative import SpecStats
 
     s, m = settings, settings.model
@@ -120,7 +122,7 @@ def _load(settings: Settings, group: Any, *, leader: bool):
     if s.speculative.enabled:
         runner.spec_stats = SpecStats(notes=[_SPEC_OFF])
     if s.spec_prefill.enabled:
-        log.info("SpecPrefill is off: not served over several ranks")
+        runner.spec_prefill_stats = SpecPrefillStats(enabled=False, notes=[_SPEC_PREFILL_OFF])
     return runner, info
 
 

@@ -249,6 +249,7 @@ def qwen3_ranks(models, tmp_path_factory):
     env = {
         "MLXD_SPECULATIVE__ENABLED": "true",
         "MLXD_SPECULATIVE__DRAFTER": "lookup",
+        "MLXD_SPEC_PREFILL__ENABLED": "true",
         # a peer that dies mid-step can leave rank 0's next collective blocked: this long
         "MLXD_DISTRIBUTED__STEP_TIMEOUT_S": "4",
     }
@@ -264,6 +265,7 @@ def test_tensor_parallel_qwen3_equals_mlx_lm_sharded(qwen3_ranks, reference):
     assert "tensor parallel" in d.log
     status = httpx.get(f"{d.url}/v1/status", timeout=10).json()
     assert "not served over several ranks" in json.dumps(status["speculative"])
+    assert "not served over several ranks" in json.dumps(status["spec_prefill"])
     # a grammar matcher cannot travel to the other ranks: a 400, and serving goes on
     body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
     constrained = {**body, "response_format": {"type": "json_object"}}
