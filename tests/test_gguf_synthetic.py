@@ -689,3 +689,13 @@ def test_a_tensor_without_mlx_lm_equivalent_fails_before_converting(tmp_path: Pa
     w.add("blk.0.ssm_conv1d.weight", np.zeros((4, 32)), T.F32)
     with pytest.raises(UnsupportedModel, match="'blk.0.ssm_conv1d.weight' has no mlx-lm"):
         convert_gguf(w.write(tmp_path / "odd.gguf"), tmp_path / "c", lambda _: None)
+
+
+def test_one_part_of_a_split_file_is_refused(tmp_path: Path) -> None:
+    w = Writer("qwen3", seed=1)
+    base_keys(w, 1)
+    bpe_vocab(w)
+    w.meta["split.count"] = 3
+    w.add("token_embd.weight", np.zeros((33, HIDDEN)), T.F32)
+    with pytest.raises(UnsupportedModel, match="3-file split GGUF; merge"):
+        convert_gguf(w.write(tmp_path / "m-00001-of-00003.gguf"), tmp_path / "c", lambda _: None)

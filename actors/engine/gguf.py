@@ -150,6 +150,11 @@ def _convert_into(gguf_path: Path, out: Path, log: Callable[[str], None], storag
     except GGUFError as exc:
         raise UnsupportedModel(f"{gguf_path} is not a readable GGUF file: {exc}") from exc
     arch = architecture(gguf.metadata)
+    if (parts := gguf.metadata.get("split.count", 1)) > 1:
+        raise UnsupportedModel(
+            f"{gguf_path} is part of a {parts}-file split GGUF; merge the parts first "
+            "(llama.cpp: llama-gguf-split --merge FIRST-PART OUT.gguf)"
+        )
     if "tokenizer.ggml.tokens" not in gguf.metadata:
         raise UnsupportedModel(f"{gguf_path} holds no vocabulary (tokenizer.ggml.tokens)")
     for name, info in gguf.tensors.items():  # fail before converting anything
