@@ -114,7 +114,7 @@ def _load(settings: Settings, group: Any, *, leader: bool):
         kind=m.kind,
         prefix_cache=feature_options(s.prefix_cache, PrefixCacheOptions),
         memory=options_from(s.memory, MemoryOptions),
-        shard=replica.sharder(s.distributed.parallel, group, []),
+        shard=replica.sharder(s.distributed.parallel, group),
     )
     replica.lockstep_cache(runner, group, leader=leader)
     seed = replica.shared_seed(group)

@@ -362,8 +362,8 @@ def choose_mode(parallel: str, model: nn.Module, config: dict[str, Any], size: i
     return "tensor" if parallel == "tensor" or (parallel == "auto" and tensor) else "pipeline"
 
 
-def sharder(parallel: str, group: Any, chosen: list[str]) -> Callable[[nn.Module, dict], None]:
-    """The ``shard`` hook of ``loading.load_runner``; appends the mode it chose to ``chosen``."""
+def sharder(parallel: str, group: Any) -> Callable[[nn.Module, dict], None]:
+    """The ``shard`` hook of ``loading.load_runner``: this rank's part of the model."""
 
     def shard(model: nn.Module, config: dict[str, Any]) -> None:
         mode = choose_mode(parallel, model, config, group.size())
@@ -371,7 +371,6 @@ def sharder(parallel: str, group: Any, chosen: list[str]) -> Callable[[nn.Module
             model.shard(group)
         else:
             model.model.pipeline(group)  # type: ignore[union-attr, operator]
-        chosen.append(mode)
         log.info("rank %d of %d: %s parallel", group.rank(), group.size(), mode)
 
     return shard
