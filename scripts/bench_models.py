@@ -6,7 +6,9 @@ Serves SmolLM2-135M-Instruct (the bundled GGUF) and a second model (``--second``
 ``model_pool.max_loaded = 1``, so each request to the other model unloads one and loads
 the other. Runs the actor graph in-process (no HTTP) and prints, per round, each
 model's load and unload time (as the engine measured them), the first request's
-latency after the switch and a warm request's. A number printer, not a test:
+latency after the switch and a warm request's. ``--concurrent N`` instead loads both
+and sends N long requests to each at once: each model's tokens per second while they
+share the generation thread (round-robin), and each alone. A number printer, not a test:
 ``python -m mlxd.scripts.bench_models`` (OpenBLAS preloaded on Linux, e.g.
 ``LD_PRELOAD``).
 """
@@ -24,7 +26,14 @@ import msgspec
 import trio
 from mlxd.daemon.settings import load_settings
 from mlxd.daemon.supervisor import open_graph, run_actors
-from mlxd.protocol.messages import ChatRequest, Failed, Message, SamplingParams, TextDelta
+from mlxd.protocol.messages import (
+    ChatRequest,
+    Failed,
+    Finished,
+    Message,
+    SamplingParams,
+    TextDelta,
+)
 
 
 def second_model(name: str, tmp: Path) -> tuple[str, str]:
@@ -40,13 +49,16 @@ def second_model(name: str, tmp: Path) -> tuple[str, str]:
     return name, name
 
 
-async def timed(pipeline, rid: str, model: str) -> tuple[float, float]:
-    """(seconds to the first token, seconds to the end) of an 8-token greedy request."""
+async def timed(
+    pipeline, rid: str, model: str, max_tokens: int = 8, out=None
+) -> tuple[float, float]:
+    """(seconds to the first token, seconds to the end) of a greedy request; its completion
+    tokens are added to ``out[model]``."""
     request = ChatRequest(
         request_id=rid,
         model=model,
         messages=(Message(role="user", content="Say hello."),),
-        sampling=SamplingParams(max_tokens=8, temperature=0.0),
+        sampling=SamplingParams(max_tokens=max_tokens, temperature=0.0),
     )
     start, first = time.perf_counter(), None
     async for batch in (await pipeline.submit(request)).events():
@@ -55,6 +67,8 @@ async def timed(pipeline, rid: str, model: str) -> tuple[float, float]:
                 raise RuntimeError(f"{model}: {event.message}")
             if isinstance(event, TextDelta) and first is None:
                 first = time.perf_counter() - start
+            if isinstance(event, Finished) and out is not None:
+                out[model] = out.get(model, 0) + event.completion_tokens
     end = time.perf_counter() - start
     return first if first is not None else end, end
 
@@ -92,6 +106,47 @@ async def run(second: str, rounds: int) -> list[dict]:
     return rows
 
 
+async def concurrent(second: str, n: int, tokens: int = 64) -> None:
+    """Both models loaded; ``n`` requests of ``tokens`` tokens to each, alone then together."""
+    raw = msgspec.to_builtins(load_settings())
+    raw["models"] = [{"id": "smollm", "path": ""}, {"id": "second", "path": second}]
+    raw["prefix_cache"]["enabled"] = False
+    settings = msgspec.convert(raw, type=type(load_settings()))
+    graph = open_graph(settings)
+    done: dict[str, float] = {}
+    made: dict[str, dict[str, int]] = {"alone": {}, "both": {}}
+
+    async def burst(model: str, tag: str) -> None:
+        start = time.perf_counter()
+        async with trio.open_nursery() as nursery:
+            for i in range(n):
+                rid = f"{tag}-{model}-{i}"
+                nursery.start_soon(timed, graph.pipeline, rid, model, tokens, made[tag])
+        done[f"{tag}-{model}"] = time.perf_counter() - start
+
+    async with trio.open_nursery() as nursery:
+        await nursery.start(run_actors, graph, settings, None)
+        for model in ("smollm", "second"):  # load both, warm up
+            await timed(graph.pipeline, f"warm-{model}", model)
+        for model in ("smollm", "second"):
+            await burst(model, "alone")
+        before = {m: graph.pipeline.stats_of(m).decode_steps for m in ("smollm", "second")}
+        async with trio.open_nursery() as both:
+            for model in ("smollm", "second"):
+                both.start_soon(burst, model, "both")
+        steps = {m: graph.pipeline.stats_of(m).decode_steps - before[m] for m in before}
+        nursery.cancel_scope.cancel()
+    print(f"{n} concurrent requests of at most {tokens} tokens per model")
+    for model in ("smollm", "second"):
+        alone, both = done[f"alone-{model}"], done[f"both-{model}"]
+        a, b = made["alone"][model], made["both"][model]
+        print(
+            f"{model:>7}: alone {a} tokens in {alone:6.2f}s ({a / alone:5.1f} tok/s); "
+            f"both models at once {b} tokens in {both:6.2f}s ({b / both:5.1f} tok/s, "
+            f"{steps[model]} decode steps)"
+        )
+
+
 def report(rows: list[dict], label: str) -> None:
     print(f"second model: {label}; model_pool.max_loaded = 1 (every switch unloads the other)")
     print(
@@ -116,9 +171,14 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--second", default="hybrid", help="hybrid, tiny or a model directory")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--concurrent", type=int, default=0, help="N requests per model")
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
         path, label = second_model(args.second, Path(tmp))
+        if args.concurrent:
+            print(f"second model: {label}")
+            trio.run(concurrent, path, args.concurrent)
+            return
         rows = trio.run(run, path, args.rounds)
     report(rows, label)
     sys.stdout.flush()
