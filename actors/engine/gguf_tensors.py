@@ -37,7 +37,7 @@ class UnsupportedTensor(UnsupportedModel):
     """A tensor whose ggml type the `gguf` package cannot dequantize."""
 
 
-def dequantize(path: Path | np.ndarray, info: TensorInfo) -> np.ndarray:
+def dequantize(path: Path, info: TensorInfo) -> np.ndarray:
     """The tensor as float32 numpy, in numpy shape order (rows, columns)."""
     return np.asarray(_dequantize(_raw(path, info), info), dtype=np.float32).reshape(info.shape)
 
@@ -59,12 +59,9 @@ def _dequantize(raw: np.ndarray, info: TensorInfo) -> np.ndarray:
         ) from None
 
 
-def _raw(path: Path | np.ndarray, info: TensorInfo) -> np.ndarray:
+def _raw(path: Path, info: TensorInfo) -> np.ndarray:
     """The tensor's bytes (a read-only map of the file), shaped as `gguf.quants` expects."""
-    if isinstance(path, np.ndarray):
-        data = path[info.offset : info.offset + info.nbytes]
-    else:
-        data = np.memmap(path, dtype=np.uint8, mode="r", offset=info.offset, shape=(info.nbytes,))
+    data = np.memmap(path, dtype=np.uint8, mode="r", offset=info.offset, shape=(info.nbytes,))
     rows = info.shape[:-1] if info.shape else ()
     return data.reshape(*rows, -1) if rows else data
 
