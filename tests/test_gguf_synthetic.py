@@ -699,3 +699,19 @@ def test_one_part_of_a_split_file_is_refused(tmp_path: Path) -> None:
     w.add("token_embd.weight", np.zeros((33, HIDDEN)), T.F32)
     with pytest.raises(UnsupportedModel, match="3-file split GGUF; merge"):
         convert_gguf(w.write(tmp_path / "m-00001-of-00003.gguf"), tmp_path / "c", lambda _: None)
+
+
+def test_per_layer_head_counts_are_taken_when_uniform_and_refused_otherwise(tmp_path: Path) -> None:
+    for counts, ok in (([KV_HEADS, KV_HEADS], True), ([KV_HEADS, 1], False)):
+        w = Writer("qwen3", seed=1)
+        qwen_file(tmp_path / "q.gguf", "qwen3", w)
+        w.meta["qwen3.attention.head_count_kv"] = counts
+        path = w.write(tmp_path / f"per-layer-{ok}.gguf")
+        if ok:
+            config = json.loads(
+                (convert_gguf(path, tmp_path / "c", lambda _: None) / "config.json").read_text()
+            )
+            assert config["num_key_value_heads"] == KV_HEADS
+        else:
+            with pytest.raises(UnsupportedModel, match="head_count_kv differs between layers"):
+                convert_gguf(path, tmp_path / "c", lambda _: None)

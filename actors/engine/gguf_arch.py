@@ -118,16 +118,32 @@ class _Keys:
         return default
 
 
+def _uniform(value: Any, name: str) -> Any:
+    """A per-layer list (some files write head counts per layer) that is one value, or error."""
+    if isinstance(value, list):
+        if len(set(value)) != 1:
+            raise UnsupportedModel(f"GGUF {name} differs between layers: {sorted(set(value))}")
+        return value[0]
+    return value
+
+
+def _heads(key: _Keys) -> int:
+    return _uniform(key("attention.head_count"), "attention.head_count")
+
+
 def _base_config(meta: Meta, shapes: dict[str, tuple[int, ...]], model_type: str) -> dict:
     key = _Keys(meta)
-    hidden, heads = key("embedding_length"), key("attention.head_count")
+    if "token_embd.weight" not in shapes:
+        raise UnsupportedModel("GGUF file has no token_embd.weight")
+    hidden = key("embedding_length")
+    heads = _heads(key)
     return {
         "model_type": model_type,
         "hidden_size": hidden,
         "num_hidden_layers": key("block_count"),
         "intermediate_size": key("feed_forward_length"),
         "num_attention_heads": heads,
-        "num_key_value_heads": key("attention.head_count_kv", heads),
+        "num_key_value_heads": _uniform(key("attention.head_count_kv", heads), "head_count_kv"),
         "max_position_embeddings": key("context_length"),
         "rms_norm_eps": key("attention.layer_norm_rms_epsilon"),
         "rope_theta": key("rope.freq_base", 10000.0),
@@ -141,7 +157,7 @@ def _base_config(meta: Meta, shapes: dict[str, tuple[int, ...]], model_type: str
 
 def _head_dim(meta: Meta) -> int:
     key = _Keys(meta)
-    return key("attention.key_length", key("embedding_length") // key("attention.head_count"))
+    return key("attention.key_length", key("embedding_length") // _heads(key))
 
 
 def _rope_scaling(meta: Meta) -> dict[str, Any] | None:
@@ -207,7 +223,7 @@ def _gemma3_query_scalar(meta: Meta, head_dim: int) -> float:
     1/sqrt(head_dim) for every other size (HF's query_pre_attn_scalar)."""
     key = _Keys(meta)
     if key("block_count") == 62:
-        return key("embedding_length") // key("attention.head_count")
+        return key("embedding_length") // _heads(key)
     return head_dim
 
 
