@@ -144,11 +144,18 @@ def hub_access(s: Settings) -> None:
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
-def serve(args: argparse.Namespace) -> int:
+def _settings_or_report(args: argparse.Namespace) -> Settings | None:
+    """The effective settings, or None after saying on stderr what is wrong with them."""
     try:
-        settings = effective_settings(args)
+        return effective_settings(args)
     except SettingsError as exc:
         print(f"mlxd: bad config: {exc}", file=sys.stderr)
+        return None
+
+
+def serve(args: argparse.Namespace) -> int:
+    settings = _settings_or_report(args)
+    if settings is None:
         return 2
     logging.basicConfig(
         level=settings.logging.level,
@@ -182,10 +189,8 @@ def serve(args: argparse.Namespace) -> int:
 
 def config(args: argparse.Namespace) -> int:
     """Print the settings ``serve`` would run with (API keys masked) as TOML."""
-    try:
-        settings = effective_settings(args)
-    except SettingsError as exc:
-        print(f"mlxd: bad config: {exc}", file=sys.stderr)
+    settings = _settings_or_report(args)
+    if settings is None:
         return 2
     tree = _without_none(msgspec.to_builtins(settings))  # TOML has no null: unset is absent
     tree["auth"]["api_keys"] = ["***"] * len(settings.auth.api_keys)

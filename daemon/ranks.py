@@ -103,7 +103,9 @@ def _load(settings: Settings, group: Any, *, leader: bool):
 
     s, m = settings, settings.model
     cache_dir = Path(m.cache_dir).expanduser()
-    _, model_dir = resolve_model_dir(m.path, cache_dir, log.info)
+    _, model_dir = resolve_model_dir(
+        m.path, cache_dir, log.info, dequantize_on_cpu=m.dequantize_on_cpu
+    )
     fingerprints = {"model": replica.model_fingerprint(model_dir), "settings": _settings_of(s)}
     replica.check_same(group, fingerprints)
     runner, info = load_runner(

@@ -715,3 +715,18 @@ def test_per_layer_head_counts_are_taken_when_uniform_and_refused_otherwise(tmp_
         else:
             with pytest.raises(UnsupportedModel, match="head_count_kv differs between layers"):
                 convert_gguf(path, tmp_path / "c", lambda _: None)
+
+
+def test_dequantize_on_cpu_off_keeps_a_gguf_quantized_on_the_cpu_backend(tmp_path: Path) -> None:
+    """``model.dequantize_on_cpu = false`` reaches the conversion: affine storage with
+    float32 scales on the CPU backend; on (the default) the backend's own storage."""
+    from mlxd.actors.engine.loading import backend, resolve_model_dir
+
+    if backend() != "cpu":
+        pytest.skip("the CPU backend's choice")
+    qwen_file(tmp_path / "q.gguf", "qwen3")
+    _, kept = resolve_model_dir(str(tmp_path / "q.gguf"), tmp_path, print, dequantize_on_cpu=False)
+    _, floats = resolve_model_dir(str(tmp_path / "q.gguf"), tmp_path, print)
+    assert kept.name.endswith("-affine") and floats.name.endswith("-float32")
+    assert "quantization" in json.loads((kept / "config.json").read_text())
+    assert "quantization" not in json.loads((floats / "config.json").read_text())

@@ -23,7 +23,8 @@ import mlx.nn as nn
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.utils import dequantize_model
 from mlx_lm.utils import load as mlx_lm_load
-from mlxd.actors.engine.gguf import convert_gguf, default_model_path
+from mlxd.actors.engine.gguf import convert_gguf, default_model_path, storage_for_backend
+from mlxd.actors.engine.gguf_tensors import Storage
 from mlxd.actors.engine.lookup import LookupDrafter
 from mlxd.actors.engine.memory import MemoryModel, kv_budget
 from mlxd.actors.engine.mtp import MTPDrafter, load_mtp
@@ -131,7 +132,18 @@ def memory_model(runner: MlxRunner, options: MemoryOptions | None) -> MemoryMode
     return model
 
 
-def resolve_model_dir(path: str, cache_dir: Path, progress) -> tuple[str, Path]:
+def gguf_storage(dequantize_on_cpu: bool) -> Storage:
+    """How a GGUF file's weights are stored: the backend's way, except that on the CPU
+    backend ``model.dequantize_on_cpu = false`` keeps them affine-quantized (float32
+    scales: float16 ones make MLX's CPU quantized matmul much slower still)."""
+    if backend() == "cpu" and not dequantize_on_cpu:
+        return Storage("affine", mx.float32)
+    return storage_for_backend()
+
+
+def resolve_model_dir(
+    path: str, cache_dir: Path, progress, *, dequantize_on_cpu: bool = True
+) -> tuple[str, Path]:
     """The model's id and directory: a local directory as given, a GGUF file converted (and
     cached) into one, or a Hugging Face Hub id (``ORG/NAME[@revision]``) from its cache."""
     source = model_source(path) if path else model_source(str(default_model_path()))
@@ -139,7 +151,8 @@ def resolve_model_dir(path: str, cache_dir: Path, progress) -> tuple[str, Path]:
         case "local":
             return source.path.name, source.path
         case "gguf":
-            return source.path.stem, convert_gguf(source.path, cache_dir, progress)
+            storage = gguf_storage(dequantize_on_cpu)
+            return source.path.stem, convert_gguf(source.path, cache_dir, progress, storage=storage)
         case "hub":
             return source.repo, hub_snapshot(source, progress)
     raise FileNotFoundError(
@@ -199,7 +212,9 @@ def load_draft(
     """The draft model and its name; "" means the served model drafts for itself."""
     if not path:
         return model, f"{model_id} (self)"
-    draft_id, draft_dir = resolve_model_dir(path, cache_dir, log.info)
+    draft_id, draft_dir = resolve_model_dir(
+        path, cache_dir, log.info, dequantize_on_cpu=dequantize_on_cpu
+    )
     log.info("loading draft model %s from %s", draft_id, draft_dir)
     return load_model(draft_dir, dequantize_on_cpu=dequantize_on_cpu)[0], draft_id
 
@@ -361,7 +376,9 @@ def load_runner(
     of a model served over a distributed group (text models only). ``adapter_path``:
     a LoRA adapter applied at load (text models only).
     """
-    model_id, model_dir = resolve_model_dir(path, cache_dir, log.info)
+    model_id, model_dir = resolve_model_dir(
+        path, cache_dir, log.info, dequantize_on_cpu=dequantize_on_cpu
+    )
     config = json.loads((model_dir / "config.json").read_text())
     kind = model_kind(config, kind)
     log.info("loading %s model %s from %s (MLX backend: %s)", kind, model_id, model_dir, backend())
