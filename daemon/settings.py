@@ -132,7 +132,7 @@ def _check_output_formats(tool_format: str, tags: str, where: str) -> None:
 class EngineSettings(_Section):
     max_batch: Positive = 32
     prefill_chunk_tokens: Positive = 512
-    batch_prefill: bool = True
+    batch_prefill: bool | Literal["auto"] = "auto"
     default_max_tokens: Positive = 512
     max_tokens_cap: Positive = 4096
     max_prompt_tokens: NonNegative = 0

@@ -90,6 +90,7 @@ class FakeRunner:
     peak: int = 0
     speculative: SpeculativeCounters | None = None  # what counters() reports for a drafter
     batches_prefill: bool = False  # True: the engine hands it several requests' chunks at once
+    batch_prefill_pays: bool = True  # the engine's default when batch_prefill is "auto"
     prefill_batches: list[dict[str, int]] = field(default_factory=list)  # the budgets of each
 
     @property

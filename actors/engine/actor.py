@@ -68,7 +68,7 @@ class EngineOptions:
 
     max_batch: int
     prefill_chunk_tokens: int
-    batch_prefill: bool = True  # several requests' prefill chunks in one forward pass
+    batch_prefill: bool | None = None  # several requests' chunks per forward pass (None: auto)
     retry_after_s: float = 1.0  # a 503's Retry-After (an allocation failed in a step)
     release_after_idle_s: float = 2.0  # idle this long: give freed buffers back (a burst ended)
     publish: Publish | None = None  # called on the trio thread after every step

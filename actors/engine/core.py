@@ -72,10 +72,11 @@ class EngineCore:
         memory: MemoryModel | None = None,
         retry_after_s: float = 1.0,
         vocab_size: int | None = None,
-        batch_prefill: bool = True,
+        batch_prefill: bool | None = None,
     ):
         self.runner = runner
-        self.batch_prefill = batch_prefill  # off: one forward pass per prefilling request
+        # None: where the runner says it pays (a GPU); False: one forward pass per request
+        self.batch_prefill = batch_prefill
         self.vocab_size = vocab_size  # None: requests are not checked against a vocabulary
         self.max_batch = max_batch
         self.prefill_chunk_tokens = prefill_chunk_tokens
@@ -234,7 +235,10 @@ class EngineCore:
         the requests given budget are prefilled together (``Runner.prefill_batch``: their
         chunks share forward passes); a request whose own prefill fails fails alone."""
         plan = self._prefill_plan()
-        if len(plan) > 1 and self.batch_prefill and self.runner.batches_prefill:
+        wanted = self.batch_prefill
+        if wanted is None:
+            wanted = self.runner.batch_prefill_pays
+        if len(plan) > 1 and wanted and self.runner.batches_prefill:
             results = self.runner.prefill_batch(dict(plan))
             for rid, _ in plan:
                 result = results[rid]

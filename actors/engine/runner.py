@@ -322,6 +322,15 @@ class MlxRunner:
         return pending.remaining
 
     @property
+    def batch_prefill_pays(self) -> bool:
+        """Batched prefill fills a GPU that one request's chunk leaves idle. On the CPU
+        backend a chunk already keeps the BLAS busy and attention (per request) dominates
+        at long context, so merging and taking apart the caches costs more than it saves
+        (measured with ``scripts/bench_step.py``: x1.03 at 512 tokens of context, x0.91 at
+        2048): off there unless ``engine.batch_prefill = true``."""
+        return mx.default_device() == mx.gpu
+
+    @property
     def batches_prefill(self) -> bool:
         """Whether ``prefill_batch`` runs several requests' chunks in one forward pass. Off
         for variants that prefill their own way (a drafter's hidden states, a VLM's

@@ -44,6 +44,11 @@ class Runner(Protocol):
 
     def prefill(self, request_id: str, budget: int) -> int: ...
     @property
+    def batch_prefill_pays(self) -> bool:
+        """Whether batched prefill is faster on this backend (the engine's default)."""
+        ...
+
+    @property
     def batches_prefill(self) -> bool:
         """Whether ``prefill_batch`` runs several requests' chunks in one forward pass."""
         ...
