@@ -6,7 +6,6 @@ import json
 import os
 import plistlib
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -16,6 +15,8 @@ from pathlib import Path
 import pytest
 from mlxd.daemon.cli import _parser
 from mlxd.daemon.service import render_plist, spec_from_args
+
+from tests.processes import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -29,12 +30,6 @@ def mlxd(*args, **kw):
         text=True,
         **kw,
     )
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_missing_model_exits_nonzero_with_one_clear_line():

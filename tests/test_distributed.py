@@ -27,6 +27,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tests.processes import wait_healthy
+
 pytestmark = pytest.mark.mlx
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -122,16 +124,8 @@ class Daemon:
         return "\n".join(log.read_text() for log in self.logs)
 
     def wait_ready(self, timeout: float = 120.0) -> None:
-        end = time.monotonic() + timeout
-        while time.monotonic() < end:
-            assert all(p.poll() is None for p in self.procs), self.log[-3000:]
-            try:
-                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            time.sleep(0.3)
-        raise AssertionError("not ready: " + self.log[-3000:])
+        alive = lambda: all(p.poll() is None for p in self.procs)  # noqa: E731
+        wait_healthy(self.url, alive, timeout, lambda: self.log[-3000:])
 
     def complete(self, prompt: list[int], **extra) -> str:
         return self.completion(prompt, **extra)["choices"][0]["text"]

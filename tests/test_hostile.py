@@ -22,6 +22,8 @@ import httpx
 import pytest
 import trio
 
+from tests.processes import free_port
+
 pytestmark = pytest.mark.mlx
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -30,12 +32,6 @@ USER = [{"role": "user", "content": "Write a short poem about the sea."}]
 NORMAL = {"messages": USER, "temperature": 0, "max_tokens": 48, "stream": True, "logprobs": True}
 MAX_BODY = 4_194_304  # server.max_body_bytes
 UNDER_LIMIT_COUNTS = 4  # 2 MB count_tokens bodies that are tokenized (CPU time on a 2-core box)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _nested(depth: int, open_: str = "[", close: str = "]") -> str:
@@ -184,7 +180,7 @@ PAYLOADS: dict[str, tuple[str, bytes, dict]] = {
 def daemon(tmp_path_factory):
     """`mlxd serve` on the default model, on a free loopback port; its log file."""
     tmp = tmp_path_factory.mktemp("hostile")
-    port = _free_port()
+    port = free_port()
     config = tmp / "mlxd.toml"
     config.write_text(
         f'[model]\ncache_dir = "{tmp / "cache"}"\n'

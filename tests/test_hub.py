@@ -12,11 +12,9 @@ import hashlib
 import http.server
 import json
 import os
-import socket
 import subprocess
 import sys
 import threading
-import time
 import urllib.parse
 from pathlib import Path
 
@@ -24,6 +22,8 @@ import httpx
 import pytest
 from mlxd.actors.engine.sources import model_source
 from mlxd.daemon.settings import load_settings
+
+from tests.processes import free_port, wait_healthy
 
 ROOT = Path(__file__).resolve().parent.parent
 SHA = "0123456789abcdef0123456789abcdef01234567"
@@ -269,24 +269,8 @@ def test_serve_with_a_missing_hub_id_offline_is_one_line(tmp_path):
     assert "model not found: acme/missing (not a local path, not in the Hugging Face cache" in line
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def wait_ready(base: str, proc: subprocess.Popen, timeout: float = 120) -> None:
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            raise AssertionError(f"mlxd exited {proc.returncode}:\n{proc.stdout.read()}")
-        try:
-            if httpx.get(f"{base}/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    raise AssertionError("mlxd did not become ready")
+    wait_healthy(base, lambda: proc.poll() is None, timeout, lambda: proc.stdout.read())
 
 
 @pytest.mark.mlx
@@ -302,7 +286,7 @@ def test_mlxd_serve_org_name_serves_from_the_hf_cache_without_the_network(
     endpoint, requests, _ = hub
     model = tiny_models(name)
     home = fake_hf_home(tmp_path / "hf", model)
-    port = _free_port()
+    port = free_port()
     template = "{{ messages[-1]['content'] }}"
     argv = ["serve", "acme/tiny", "--port", str(port), "--chat-template", template]
     proc = subprocess.Popen(

@@ -12,16 +12,16 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import sysconfig
-import time
 import zipfile
 from pathlib import Path
 
 import httpx
 import pytest
+
+from tests.processes import free_port, wait_healthy
 
 pytestmark = pytest.mark.mlx
 
@@ -67,12 +67,6 @@ def fresh_venv(tmp: Path, wheel: Path, env: dict[str, str]) -> Path:
     return venv
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def serve_once(mlxd: Path, model: Path, cwd: Path, env: dict[str, str]) -> tuple[int, str]:
     """``mlxd serve MODEL`` until one chat completion answers: its status and the log."""
     port = free_port()
@@ -81,14 +75,7 @@ def serve_once(mlxd: Path, model: Path, cwd: Path, env: dict[str, str]) -> tuple
                             stderr=subprocess.STDOUT, text=True)  # fmt: skip
     base = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.time() + 60
-        while time.time() < deadline and proc.poll() is None:
-            try:
-                if httpx.get(f"{base}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
+        wait_healthy(base, lambda: proc.poll() is None, 60)
         body = {"model": "wheel", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}
         status = httpx.post(f"{base}/v1/chat/completions", json=body, timeout=30).status_code
     finally:
