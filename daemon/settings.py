@@ -209,7 +209,7 @@ class ModelEntry(_Section):
     replace the global sections for this model only."""
 
     id: str  # the request's ``model`` that selects it
-    path: str = ""  # mlx-lm model dir or .gguf file; "" = SmolLM2-135M-Instruct
+    path: str = ""  # model dir, .gguf file or Hugging Face id; "" = SmolLM2-135M-Instruct
     kind: Literal["auto", "text", "vision"] = "auto"
     adapter_path: str = ""  # an mlx-lm LoRA adapter directory applied at load; "" = none
     max_batch: NonNegative = 0  # 0 = engine.max_batch

@@ -321,4 +321,4 @@ def test_ranks_with_different_settings_refuse_to_start(models, tmp_path):
     with ranks(tmp_path, models["qwen3"], ({}, other)) as d:
         errors = _refused(d)
     assert len(errors) == 2, errors
-    assert all("rank(s) 1 hold a different settings than rank 0's" in e for e in errors)
+    assert all("rank(s) 1 do not hold the same settings as rank 0" in e for e in errors)

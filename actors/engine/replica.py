@@ -398,7 +398,7 @@ def check_same(group: Any, parts: dict[str, bytes]) -> None:
         differ = [r for r in range(size) if not np.array_equal(rows[r], rows[0])]
         if differ:
             ranks = ", ".join(map(str, differ))
-            raise ValueError(f"rank(s) {ranks} hold a different {what} than rank 0's")
+            raise ValueError(f"rank(s) {ranks} do not hold the same {what} as rank 0")
 
 
 def shared_seed(group: Any) -> int:
