@@ -346,7 +346,7 @@ class MlxRunner:
         alone, so only the one whose own prefill fails gets an exception."""
         rows = [(self._pending[rid], budget) for rid, budget in budgets.items()]
         out: dict[str, int | Exception] = {}
-        running = [(p, p.next_stop(b)) for p, b in rows if self.batches_prefill]
+        running = [(p, p.next_stop(b)) for p, b in rows] if self.batches_prefill else []
         for group in _similar_offsets([(p, n) for p, n in running if n > 0]):
             if len(group) < 2:
                 continue
