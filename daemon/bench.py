@@ -269,15 +269,19 @@ def _engine_level(core, requests: list, mode: str = "engine") -> LevelResult:
 def run_engine(levels: list[int], max_tokens: int, config: Path | None) -> list[LevelResult]:
     from mlxd.actors.engine.core import EngineCore
     from mlxd.actors.engine.loading import load_runner
+    from mlxd.daemon import blas
     from mlxd.daemon.settings import load_settings
+    from mlxd.daemon.supervisor import prefill_streams
 
     settings = load_settings(config)
     m, e = settings.model, settings.engine
+    blas.set_threads(e.blas_threads)
     runner, info = load_runner(
         m.path,
         Path(m.cache_dir).expanduser(),
         dequantize_on_cpu=m.dequantize_on_cpu,
         max_batch=e.max_batch,
+        prefill_streams=prefill_streams(settings),
     )
     core = EngineCore(
         runner,

@@ -169,6 +169,8 @@ def serve(args: argparse.Namespace) -> int:
         return 1
     hub_access(settings)
     logging.getLogger("mlxd").info(blas.status())
+    if (threads := blas.set_threads(settings.engine.blas_threads)) is not None:
+        logging.getLogger("mlxd").info(threads)
     import trio
     from mlxd.daemon.supervisor import serve as serve_forever
 

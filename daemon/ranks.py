@@ -117,6 +117,7 @@ def _load(settings: Settings, group: Any, *, leader: bool):
         prefix_cache=feature_options(s.prefix_cache, PrefixCacheOptions),
         memory=options_from(s.memory, MemoryOptions),
         shard=replica.sharder(s.distributed.parallel, group),
+        prefill_streams=1,  # collectives on two streams could run in different orders per rank
     )
     replica.lockstep_cache(runner, group, leader=leader)
     seed = replica.shared_seed(group)

@@ -133,6 +133,8 @@ class EngineSettings(_Section):
     max_batch: Positive = 32
     prefill_chunk_tokens: Positive = 512
     batch_prefill: bool | Literal["auto"] = "auto"
+    prefill_streams: Positive | Literal["auto"] = "auto"
+    blas_threads: NonNegative | Literal["auto"] = "auto"
     default_max_tokens: Positive = 512
     max_tokens_cap: Positive = 4096
     max_prompt_tokens: NonNegative = 0

@@ -106,10 +106,17 @@ def mlx_runner_factory(settings: Settings, entry: ModelEntry | None = None) -> R
             max_batch=e.max_batch or s.engine.max_batch,
             kind=e.kind,
             adapter_path=adapter,
+            prefill_streams=prefill_streams(s),
             **features,
         )
 
     return factory
+
+
+def prefill_streams(settings: Settings) -> int | None:
+    """``engine.prefill_streams`` for ``load_runner`` (None: its automatic choice)."""
+    wanted = settings.engine.prefill_streams
+    return None if wanted == "auto" else wanted
 
 
 def free_mlx_memory() -> None:

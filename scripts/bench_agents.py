@@ -267,10 +267,17 @@ def free_port() -> int:
 
 
 def command(
-    server: str, model_dir: Path, port: int, mlxd_config: Path | None = None
+    server: str,
+    model_dir: Path,
+    port: int,
+    mlxd_config: Path | None = None,
+    blas_threads: int = 1,
 ) -> tuple[list[str], dict[str, str]]:
+    """How to start ``server``; both get ``blas_threads`` OpenBLAS threads (mlxd through its
+    setting, mlx_lm.server through OpenBLAS's environment variable)."""
     env = dict(os.environ, HF_HUB_OFFLINE="1")
     if server == "mlxd":  # its launcher preloads OpenBLAS itself
+        env["MLXD_ENGINE__BLAS_THREADS"] = str(blas_threads)
         args = ["mlxd.daemon.cli", "serve", str(model_dir), "--port", str(port)]
         if mlxd_config is not None:
             args += ["--config", str(mlxd_config)]
@@ -278,6 +285,8 @@ def command(
     lib = blas.find_openblas()
     if sys.platform == "linux" and lib:
         env["LD_PRELOAD"] = ":".join(filter(None, [lib, env.get("LD_PRELOAD")]))
+        if blas_threads > 0:
+            env["OPENBLAS_NUM_THREADS"] = str(blas_threads)
     args = ["mlx_lm.server", "--model", str(model_dir), "--port", str(port)]
     return [sys.executable, "-m", *args], env
 
@@ -306,12 +315,17 @@ def wait_ready(url: str, proc: subprocess.Popen, log: Path, timeout_s: float) ->
 
 @contextmanager
 def serving(
-    server: str, model_dir: Path, log: Path, timeout_s: float, mlxd_config: Path | None = None
+    server: str,
+    model_dir: Path,
+    log: Path,
+    timeout_s: float,
+    mlxd_config: Path | None = None,
+    blas_threads: int = 1,
 ) -> Iterator[tuple[str, float]]:
     """Start ``server`` on a free port, yield its URL and the seconds it took to answer
     (load and warm-up) once it does, stop it after."""
     port = free_port()
-    cmd, env = command(server, model_dir, port, mlxd_config)
+    cmd, env = command(server, model_dir, port, mlxd_config, blas_threads)
     with log.open("wb") as f:
         proc = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT)
     try:
@@ -490,7 +504,9 @@ def bench_model(name: str, args: argparse.Namespace, tmp: Path) -> dict:
     runs = []
     for server in args.servers:
         log = tmp / f"{name.replace('/', '_')}-{server}.log"
-        with serving(server, model_dir, log, args.ready_timeout, args.mlxd_config) as (url, load_s):
+        with serving(
+            server, model_dir, log, args.ready_timeout, args.mlxd_config, args.blas_threads
+        ) as (url, load_s):
             wall, turns = trio.run(workload, url, args.agents, args.turns, args.max_tokens)
             runs.append(ServerRun(server, wall, load_s, turns))
         if args.keep_logs:
@@ -523,6 +539,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--servers", type=_servers, default=list(SERVERS), help="e.g. mlxd,mlx_lm")
     p.add_argument("--ready-timeout", type=float, default=600.0, help="seconds to load a model")
     p.add_argument("--mlxd-config", type=Path, help="a TOML settings file for mlxd")
+    p.add_argument(
+        "--blas-threads",
+        type=int,
+        default=1,
+        help="OpenBLAS threads for both servers (mlxd's default is 1; 0: OpenBLAS's default)",
+    )
     p.add_argument("--keep-logs", action="store_true", help="keep the servers' logs and say where")
     p.add_argument("--json", action="store_true", help="print machine-readable results")
     return p
@@ -571,7 +593,8 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"mlxd {versions['mlxd']}, "
             f"mlx-lm {versions['mlx_lm']} (mlx_lm.server with its default flags), "
-            f"mlx {versions['mlx']}; OpenBLAS preloaded for both: {preload or 'no'}"
+            f"mlx {versions['mlx']}; OpenBLAS preloaded for both: {preload or 'no'}, "
+            f"{args.blas_threads or 'default'} thread(s)"
         )
         for r in results:
             print("\n" + report(_title(r, args), r["runs"]))

@@ -8,13 +8,16 @@ model forward on a merged batch cache with greedy argmax (the floor). The differ
 between the first two is what mlxd adds per step.
 
 Prefill: K requests each add S new tokens to a C-token context they already hold (the
-agent case: a new tool output on top of a cached conversation); timed with mlxd's
-batched prefill (all K chunks in one forward pass) and one request at a time.
+agent case: a new tool output on top of a cached conversation); timed one request at a
+time on one stream, one request at a time with each chunk split across MLX streams
+(``engine.prefill_streams``), and with mlxd's batched prefill (all K chunks in one
+forward pass, one stream).
 
 Prints numbers; asserts nothing. Run from the repository root:
 
     .venv/bin/python -m mlxd.scripts.bench_step [--model DIR] [--batch 1,4,8]
         [--context 128,1536,3072] [--steps 16] [--prefill-requests 4] [--prefill-tokens 256]
+        [--prefill-streams 2] [--blas-threads auto]
 """
 
 from __future__ import annotations
@@ -133,8 +136,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--steps", type=int, default=16)
     p.add_argument("--prefill-requests", type=int, default=4)
     p.add_argument("--prefill-tokens", type=int, default=256)
+    p.add_argument("--prefill-streams", type=int, default=2, help="streams of the split run")
+    p.add_argument("--blas-threads", default="auto", help="OpenBLAS threads (mlxd's setting)")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
+    threads = blas.set_threads(
+        args.blas_threads if args.blas_threads == "auto" else int(args.blas_threads)
+    )
 
     from mlxd.actors.engine.loading import load_runner
     from mlxd.actors.engine.options import PrefixCacheOptions
@@ -144,7 +152,7 @@ def main(argv: list[str] | None = None) -> None:
     runner, info = load_runner(
         args.model, cache_dir, dequantize_on_cpu=True, max_batch=64, prefix_cache=options
     )
-    print(f"model {info.model_id} ({info.backend}); {blas.status()}", flush=True)
+    print(f"model {info.model_id} ({info.backend}); {blas.status()}; {threads}", flush=True)
     rows = []
     for context in args.context:
         for batch in args.batch:
@@ -166,18 +174,31 @@ def main(argv: list[str] | None = None) -> None:
                 flush=True,
             )
     k, new = args.prefill_requests, args.prefill_tokens
-    for context in args.context:
+    for context in args.context if k else []:
         runner.clear_cache()
+        runner.use_prefill_streams(1)
         one = time_prefill(runner, k, context, new, False, f"o{context}")
         runner.clear_cache()
+        runner.use_prefill_streams(args.prefill_streams)
+        split = time_prefill(runner, k, context, new, False, f"s{context}")
+        runner.clear_cache()
+        runner.use_prefill_streams(1)
         both = time_prefill(runner, k, context, new, True, f"b{context}")
         rows.append(
-            {"prefill_context": context, "k": k, "new": new, "alone_s": one, "batched_s": both}
+            {
+                "prefill_context": context,
+                "k": k,
+                "new": new,
+                "alone_s": one,
+                "split_s": split,
+                "batched_s": both,
+            }
         )
         print(
             f"prefill C={context:5d}: {k} x {new} new tokens: one at a time {one:6.2f} s"
-            f" ({k * new / one:5.0f} tok/s), batched {both:6.2f} s ({k * new / both:5.0f} tok/s),"
-            f" x{one / both:.2f}",
+            f" ({k * new / one:5.0f} tok/s); each chunk on {args.prefill_streams} streams"
+            f" {split:6.2f} s ({k * new / split:5.0f} tok/s, x{one / split:.2f});"
+            f" batched {both:6.2f} s ({k * new / both:5.0f} tok/s, x{one / both:.2f})",
             flush=True,
         )
     if args.json:

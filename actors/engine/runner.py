@@ -131,6 +131,18 @@ class Pending:
 _OFFSET_SLACK_TOKENS = 128
 _OFFSET_SLACK_FRACTION = 0.25
 
+# A prefill chunk is split across the prefill streams only into pieces of at least this
+# many tokens: smaller pieces leave too little work per layer to run side by side.
+_MIN_PIECE_TOKENS = 64
+
+
+def pieces(n: int, streams: int) -> list[tuple[int, int]]:
+    """``n`` tokens as up to ``streams`` consecutive (start, end) pieces of nearly equal
+    length, none shorter than ``_MIN_PIECE_TOKENS`` (one piece when ``n`` is short)."""
+    k = max(1, min(streams, n // _MIN_PIECE_TOKENS))
+    bounds = [n * i // k for i in range(k + 1)]
+    return list(zip(bounds, bounds[1:], strict=False))
+
 
 def _similar_offsets(rows: list[tuple[Pending, int]]) -> list[list[tuple[Pending, int]]]:
     """``rows`` grouped so that the caches in a group hold about as many tokens."""
@@ -191,6 +203,7 @@ class MlxRunner:
         self._stop_tokens = [[t] for t in stop_tokens]
         self._max_batch = max_batch
         self._stream = mx.new_stream(mx.default_device())
+        self._prefill_streams = [self._stream]  # see ``use_prefill_streams``
         self.generator = self._new_generator()
         self._pending: dict[str, Pending] = {}
         self._uid_to_rid: dict[int, str] = {}
@@ -400,9 +413,31 @@ class MlxRunner:
                 left[i] -= m
         return caches
 
+    def use_prefill_streams(self, n: int) -> None:
+        """Run each prefill chunk as ``n`` consecutive pieces, each on its own MLX stream.
+
+        The pieces share one cache and are evaluated together, so MLX runs them side by
+        side: piece 2's layer L needs only piece 1's keys and values of layer L (written
+        before piece 1's attention), and a recurrent layer's state passes piece to piece
+        as the layers go, like a pipeline. On the CPU backend every op but the BLAS runs
+        on its stream's one thread, and attention's softmax dominates prefill at agent
+        context lengths, so two pieces keep two cores busy (``scripts/bench_step.py``).
+        The result is the same as prefilling the pieces one after the other."""
+        self._prefill_streams = [
+            self._stream,
+            *(mx.new_stream(mx.default_device()) for _ in range(n - 1)),
+        ]
+
+    @property
+    def prefill_streams(self) -> int:
+        return len(self._prefill_streams)
+
     def _prefill_chunk(self, pending: Pending, n: int) -> None:
-        chunk = pending.request.prompt_tokens[pending.done : pending.done + n]
-        self.model(mx.array(chunk)[None], cache=pending.cache)
+        chunk = mx.array(pending.request.prompt_tokens[pending.done : pending.done + n])[None]
+        parts = pieces(n, len(self._prefill_streams))
+        for stream, (a, b) in zip(self._prefill_streams, parts, strict=False):
+            with mx.stream(stream):
+                self.model(chunk[:, a:b], cache=pending.cache)
 
     def _batch_cache(self, pending: Pending) -> list[Any]:
         """The cache list that joins the batch (a VLM appends per-sequence state)."""
