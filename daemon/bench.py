@@ -271,7 +271,7 @@ def run_engine(levels: list[int], max_tokens: int, config: Path | None) -> list[
     from mlxd.actors.engine.loading import load_runner
     from mlxd.daemon import blas
     from mlxd.daemon.settings import load_settings
-    from mlxd.daemon.supervisor import prefill_streams
+    from mlxd.daemon.supervisor import auto_or, prefill_streams
 
     settings = load_settings(config)
     m, e = settings.model, settings.engine
@@ -282,6 +282,7 @@ def run_engine(levels: list[int], max_tokens: int, config: Path | None) -> list[
         dequantize_on_cpu=m.dequantize_on_cpu,
         max_batch=e.max_batch,
         prefill_streams=prefill_streams(settings),
+        chunked_linear_attention=auto_or(e.chunked_linear_attention),
     )
     core = EngineCore(
         runner,

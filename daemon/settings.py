@@ -135,6 +135,7 @@ class EngineSettings(_Section):
     batch_prefill: bool | Literal["auto"] = "auto"
     prefill_streams: Positive | Literal["auto"] = "auto"
     blas_threads: NonNegative | Literal["auto"] = "auto"
+    chunked_linear_attention: bool | Literal["auto"] = "auto"
     default_max_tokens: Positive = 512
     max_tokens_cap: Positive = 4096
     max_prompt_tokens: NonNegative = 0

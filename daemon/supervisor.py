@@ -107,6 +107,7 @@ def mlx_runner_factory(settings: Settings, entry: ModelEntry | None = None) -> R
             kind=e.kind,
             adapter_path=adapter,
             prefill_streams=prefill_streams(s),
+            chunked_linear_attention=auto_or(s.engine.chunked_linear_attention),
             **features,
         )
 
@@ -117,6 +118,11 @@ def prefill_streams(settings: Settings) -> int | None:
     """``engine.prefill_streams`` for ``load_runner`` (None: its automatic choice)."""
     wanted = settings.engine.prefill_streams
     return None if wanted == "auto" else wanted
+
+
+def auto_or(value: bool | str) -> bool | None:
+    """A ``true / false / "auto"`` setting for the loader (None: its automatic choice)."""
+    return None if value == "auto" else bool(value)
 
 
 def free_mlx_memory() -> None:

@@ -23,6 +23,7 @@ import mlx.nn as nn
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.utils import dequantize_model
 from mlx_lm.utils import load as mlx_lm_load
+from mlxd.actors.engine import linear_attention
 from mlxd.actors.engine.gguf import convert_gguf, default_model_path, storage_for_backend
 from mlxd.actors.engine.gguf_tensors import Storage
 from mlxd.actors.engine.lookup import LookupDrafter
@@ -368,6 +369,7 @@ def load_runner(
     shard: Shard | None = None,
     adapter_path: Path | None = None,
     prefill_streams: int | None = None,
+    chunked_linear_attention: bool | None = None,
 ) -> tuple[MlxRunner, ModelInfo]:
     """Load the model for serving; call on the generation thread.
 
@@ -377,7 +379,8 @@ def load_runner(
     of a model served over a distributed group (text models only). ``adapter_path``:
     a LoRA adapter applied at load (text models only). ``prefill_streams``: MLX streams
     a prefill chunk is split across (``MlxRunner.use_prefill_streams``; None: as
-    ``auto_prefill_streams`` says).
+    ``auto_prefill_streams`` says). ``chunked_linear_attention``: Qwen3.5 GatedDeltaNet
+    layers prefill chunk by chunk (``linear_attention.py``; None: where it applies).
     """
     model_id, model_dir = resolve_model_dir(
         path, cache_dir, log.info, dequantize_on_cpu=dequantize_on_cpu
@@ -397,6 +400,10 @@ def load_runner(
     )
     if adapter_path is not None:
         log.info("LoRA adapter applied: %s", adapter_path)
+    if chunked_linear_attention is None:
+        chunked_linear_attention = linear_attention.applies()
+    if chunked_linear_attention and (swapped := linear_attention.install(model)):
+        log.info("%d GatedDeltaNet layers prefill chunk by chunk (linear_attention.py)", swapped)
     info = ModelInfo(
         model_id=model_id,
         model_dir=model_dir,

@@ -1,0 +1,187 @@
+"""Chunked prefill for Qwen3.5's GatedDeltaNet layers where mlx-lm has no kernel for it.
+
+mlx-lm runs the gated delta rule with a Metal kernel on Apple GPUs. Elsewhere (the CPU
+backend) it falls back to a Python loop over the prompt's tokens: one small recurrent
+step per token per layer, each a few elementwise ops on a [heads, Dv, Dk] state. For a
+512-token chunk that is thousands of dependent small ops per layer, single-threaded,
+and on the CPU backend it is most of a hybrid model's prefill.
+
+This module computes the same recurrence chunk by chunk (the WY form of the delta rule,
+as in the Gated DeltaNet paper): within a chunk of C tokens everything but a short
+state update is matrix products, computed for all chunks at once, and only one small
+state update per chunk runs in order. Per head, with the state S (Dv x Dk) at a
+chunk's start, decay g_t, cumulative decay G_t = g_1...g_t within the chunk, and
+beta_t, the step's update u_t = beta_t (v_t - g_t S_{t-1} k_t) satisfies
+
+    u_t + beta_t sum_{i<t} (G_t / G_i) (k_t . k_i) u_i = beta_t (v_t - G_t S k_t)
+
+so U = (I + A)^-1 (beta V) - (I + A)^-1 (beta G K) S^T with A strictly lower
+triangular (one triangular solve per chunk, for all chunks at once). Then
+
+    y_t = G_t S q_t + sum_{i<=t} (G_t / G_i) (q_t . k_i) u_i
+    S' = G_C S + sum_i (G_C / G_i) u_i k_i^T
+
+Decay ratios are exp of differences of cumulative log-decays, never above 1.
+
+``install(model)`` gives the model's own GatedDeltaNet instances this subclass, whose
+``__call__`` takes the chunked path for prefill on the CPU (several tokens, no padding
+mask, no batch lengths, not sharded) and defers to mlx-lm's for everything else (decode
+steps, padded batches, GPU streams: MLX's triangular solve is a CPU op). The library's modules are not changed. Equal to mlx-lm's
+recurrence within float32 rounding (``tests/test_linear_attention.py``).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models import qwen3_5
+from mlx_lm.models.gated_delta import normalize_qk
+
+log = logging.getLogger("mlxd.runner")
+
+CHUNK = (
+    32  # tokens per chunk (measured on 512 tokens: 32 a little faster than 16 or 64; 128 6x slower)
+)
+MIN_TOKENS = 16  # fewer new tokens (decode, speculative verify): mlx-lm's own step
+
+
+def chunked_gated_delta(
+    q: mx.array,
+    k: mx.array,
+    v: mx.array,
+    log_g: mx.array,
+    beta: mx.array,
+    state: mx.array | None,
+    chunk: int = CHUNK,
+) -> tuple[mx.array, mx.array]:
+    """The gated delta rule over T tokens, chunked.
+
+    Shapes as mlx-lm's ``gated_delta_ops``: q, k [B, T, Hk, Dk]; v [B, T, Hv, Dv];
+    log_g (the log of the per-head scalar decay) and beta [B, T, Hv]; state
+    [B, Hv, Dv, Dk] or None (zeros). Returns y [B, T, Hv, Dv] in q's dtype and the
+    final state (float32)."""
+    B, T, Hk, Dk = q.shape
+    Hv, Dv = v.shape[-2:]
+    dtype = q.dtype
+    if Hv > Hk:
+        q = mx.repeat(q, Hv // Hk, axis=-2)
+        k = mx.repeat(k, Hv // Hk, axis=-2)
+    f32 = mx.float32
+    # [B, H, T, D], padded to whole chunks: padding has beta 0, k 0 and decay 1 (log 0),
+    # so it neither reads nor changes the state
+    pad = -T % chunk
+    n = (T + pad) // chunk
+
+    def heads_first(x: mx.array) -> mx.array:
+        x = x.astype(f32)
+        x = mx.moveaxis(x, 2, 1) if x.ndim == 4 else x.swapaxes(1, 2)
+        if pad:
+            widths = [(0, 0)] * x.ndim
+            widths[2] = (0, pad)
+            x = mx.pad(x, widths)
+        return x.reshape(B, Hv, n, chunk, *x.shape[3:])
+
+    q, k, v = heads_first(q), heads_first(k), heads_first(v)  # [B, H, N, C, D]
+    log_g, beta = heads_first(log_g), heads_first(beta)  # [B, H, N, C]
+
+    cum = mx.cumsum(log_g, axis=-1)  # log G_t within each chunk
+    diff = cum[..., :, None] - cum[..., None, :]  # log(G_t / G_i)
+    rows = mx.arange(chunk)
+    causal = rows[:, None] >= rows[None, :]
+    strict = rows[:, None] > rows[None, :]
+    decay = mx.exp(mx.where(causal, diff, -mx.inf))  # G_t / G_i for i <= t, else 0
+
+    kk = k @ k.swapaxes(-1, -2)
+    a = mx.where(strict, decay * kk * beta[..., :, None], 0.0)
+    eye = mx.eye(chunk, dtype=f32)
+    gamma = mx.exp(cum)[..., None]  # G_t
+    rhs = mx.concatenate([beta[..., None] * v, beta[..., None] * gamma * k], axis=-1)
+    solved = mx.linalg.solve_triangular(
+        (eye + a).reshape(-1, chunk, chunk), rhs.reshape(-1, chunk, Dv + Dk), upper=False
+    ).reshape(B, Hv, n, chunk, Dv + Dk)
+    w_v, w_k = solved[..., :Dv], solved[..., Dv:]  # U = w_v - w_k S^T
+
+    qk = decay * (q @ k.swapaxes(-1, -2))  # (G_t / G_i) (q_t . k_i), i <= t
+    gq = gamma * q
+    to_end = mx.exp(cum[..., -1:] - cum)[..., None] * k  # (G_C / G_i) k_i
+    end = mx.exp(cum[..., -1])[..., None, None]  # G_C
+
+    s = mx.zeros((B, Hv, Dv, Dk), dtype=f32) if state is None else state.astype(f32)
+    ys = []
+    for c in range(n):
+        s_t = s.swapaxes(-1, -2)  # [B, H, Dk, Dv]
+        u = w_v[:, :, c] - w_k[:, :, c] @ s_t
+        ys.append(gq[:, :, c] @ s_t + qk[:, :, c] @ u)
+        s = end[:, :, c] * s + u.swapaxes(-1, -2) @ to_end[:, :, c]
+    y = mx.stack(ys, axis=2).reshape(B, Hv, n * chunk, Dv)[:, :, :T]
+    return mx.moveaxis(y, 1, 2).astype(dtype), s
+
+
+def _log_decay(A_log: mx.array, a: mx.array, dt_bias: mx.array) -> mx.array:
+    """log g for mlx-lm's ``compute_g`` (g = exp(-exp(A_log) * softplus(a + dt_bias)))."""
+    return -mx.exp(A_log.astype(mx.float32)) * nn.softplus(a + dt_bias).astype(mx.float32)
+
+
+class ChunkedGatedDeltaNet(qwen3_5.GatedDeltaNet):
+    """mlx-lm's Qwen3.5 GatedDeltaNet whose prefill runs ``chunked_gated_delta``."""
+
+    def __call__(self, inputs: mx.array, mask: Any = None, cache: Any = None) -> mx.array:
+        steps = inputs.shape[1]
+        plain = (
+            steps < MIN_TOKENS
+            or mask is not None
+            or self.sharding_group is not None
+            or self.training
+            or (cache is not None and cache.lengths is not None)
+            or mx.default_device() != mx.cpu  # a GPU: mlx-lm's kernel, or its loop
+        )
+        if plain:
+            return super().__call__(inputs, mask=mask, cache=cache)
+        return self._prefill(inputs, cache)
+
+    def _prefill(self, x: mx.array, cache: Any) -> mx.array:
+        batch, steps, _ = x.shape
+        mixed = self.in_proj_qkv(x)
+        gate = self.in_proj_z(x).reshape(batch, steps, self.num_v_heads, self.head_v_dim)
+        b, a = self.in_proj_b(x), self.in_proj_a(x)
+        window = self.conv_kernel_size - 1  # inputs the depthwise conv needs from before
+        held = cache[0] if cache is not None else None
+        if held is None:
+            held = mx.zeros((batch, window, self.conv_dim), dtype=x.dtype)
+        conv_in = mx.concatenate([held, mixed], axis=1)
+        if cache is not None:
+            cache[0] = mx.contiguous(conv_in[:, -window:, :])
+        conv = nn.silu(self.conv1d(conv_in))
+        q, k, v = mx.split(conv, [self.key_dim, 2 * self.key_dim], axis=-1)
+        q = q.reshape(batch, steps, self.num_k_heads, self.head_k_dim)
+        k = k.reshape(batch, steps, self.num_k_heads, self.head_k_dim)
+        v = v.reshape(batch, steps, self.num_v_heads, self.head_v_dim)
+        q, k = normalize_qk(q, k, inv_scale=self.head_k_dim**-0.5, eps=1e-6)
+        state = cache[1] if cache is not None else None
+        log_g = _log_decay(self.A_log, a, self.dt_bias)
+        y, state = chunked_gated_delta(q, k, v, log_g, mx.sigmoid(b), state)
+        if cache is not None:
+            cache[1] = state
+            cache.advance(steps)
+        y = self.norm(y, gate)
+        return self.out_proj(y.reshape(batch, steps, -1))
+
+
+def applies() -> bool:
+    """Where ``install`` pays: no Metal kernel (mlx-lm's loop runs) and the CPU backend
+    (the triangular solve is a CPU op in MLX)."""
+    return not mx.metal.is_available() and mx.default_device() == mx.cpu
+
+
+def install(model: nn.Module) -> int:
+    """Give every mlx-lm Qwen3.5 GatedDeltaNet in ``model`` the chunked prefill; return
+    how many layers now have it (0: the model has none)."""
+    swapped = 0
+    for _, module in model.named_modules():
+        if type(module) is qwen3_5.GatedDeltaNet:
+            module.__class__ = ChunkedGatedDeltaNet
+            swapped += 1
+    return swapped

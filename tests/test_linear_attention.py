@@ -1,0 +1,131 @@
+"""The chunked gated delta rule (``actors/engine/linear_attention.py``) against mlx-lm's own
+token-by-token recurrence: the same outputs and final state within float32 rounding, for
+any length (partial last chunk included), a carried-in state, grouped heads and strong
+decay; a model whose GatedDeltaNet layers use it gives the same logits and the same
+greedy answers through the engine, with the prefix cache resuming mid-prompt."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import pytest
+from mlx_lm.models import qwen3_5
+from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.models.gated_delta import compute_g, gated_delta_ops, normalize_qk
+from mlx_lm.utils import load
+from mlxd.actors.engine import linear_attention as la
+from mlxd.actors.engine.core import EngineCore
+from mlxd.actors.engine.loading import load_runner
+from mlxd.actors.engine.options import PrefixCacheOptions
+
+from tests.engine_driver import request
+
+pytestmark = pytest.mark.mlx
+
+
+def inputs(T, Hk=2, Hv=4, Dk=32, Dv=16, B=2, strong_decay=False, seed=0):
+    mx.random.seed(seed)
+    q = mx.random.normal((B, T, Hk, Dk))
+    k = mx.random.normal((B, T, Hk, Dk))
+    q, k = normalize_qk(q, k, inv_scale=Dk**-0.5, eps=1e-6)
+    v = mx.random.normal((B, T, Hv, Dv))
+    a = mx.random.normal((B, T, Hv)) * (3.0 if strong_decay else 1.0)
+    b = mx.random.normal((B, T, Hv))
+    A_log = mx.log(mx.random.uniform(low=0.5, high=16.0 if strong_decay else 4.0, shape=(Hv,)))
+    dt_bias = mx.random.normal((Hv,)) * 0.1
+    state = mx.random.normal((B, Hv, Dv, Dk)) * 0.1
+    return q, k, v, a, b, A_log, dt_bias, state
+
+
+@pytest.mark.parametrize("T", [1, 17, 64, 100, 257])
+@pytest.mark.parametrize("strong_decay", [False, True])
+def test_chunked_equals_mlx_lm_recurrence(T, strong_decay):
+    q, k, v, a, b, A_log, dt_bias, state = inputs(T, strong_decay=strong_decay)
+    want_y, want_s = gated_delta_ops(q, k, v, compute_g(A_log, a, dt_bias), mx.sigmoid(b), state)
+    log_g = la._log_decay(A_log, a, dt_bias)
+    got_y, got_s = la.chunked_gated_delta(q, k, v, log_g, mx.sigmoid(b), state)
+    assert got_y.shape == want_y.shape and got_s.shape == want_s.shape
+    assert mx.allclose(got_y, want_y, atol=2e-5, rtol=1e-4).item()
+    assert mx.allclose(got_s, want_s, atol=2e-5, rtol=1e-4).item()
+
+
+def test_no_state_starts_from_zeros():
+    q, k, v, a, b, A_log, dt_bias, _ = inputs(70, Hk=4, Hv=4)
+    want_y, want_s = gated_delta_ops(q, k, v, compute_g(A_log, a, dt_bias), mx.sigmoid(b))
+    got_y, got_s = la.chunked_gated_delta(
+        q, k, v, la._log_decay(A_log, a, dt_bias), mx.sigmoid(b), None
+    )
+    assert mx.allclose(got_y, want_y, atol=2e-5, rtol=1e-4).item()
+    assert mx.allclose(got_s, want_s, atol=2e-5, rtol=1e-4).item()
+
+
+def _model(path):
+    model, _ = load(str(path))
+    return model
+
+
+def test_install_swaps_only_gated_delta_layers_and_keeps_logits(tiny_models):
+    path = tiny_models("qwen3_5")
+    plain, chunked = _model(path), _model(path)
+    layers = [m for _, m in plain.named_modules() if type(m) is qwen3_5.GatedDeltaNet]
+    assert layers and la.install(chunked) == len(layers)
+    assert la.install(chunked) == 0  # already installed: nothing left to swap
+    tokens = mx.array([[(t * 131) % 5000 + 10 for t in range(150)]])
+    calls = []
+    original = la.chunked_gated_delta
+
+    def counted(*args, **kwargs):
+        calls.append(args[0].shape[1])
+        return original(*args, **kwargs)
+
+    la.chunked_gated_delta = counted
+    try:
+        for model in (plain, chunked):
+            cache = make_prompt_cache(model)
+            first = model(tokens[:, :100], cache=cache)  # prefill: the chunked path
+            second = model(tokens[:, 100:101], cache=cache)  # decode: mlx-lm's step
+            third = model(tokens[:, 101:], cache=cache)
+            if model is plain:
+                want = (first, second, third)
+            else:
+                got = (first, second, third)
+    finally:
+        la.chunked_gated_delta = original
+    assert calls == [100] * len(layers) + [49] * len(layers)
+    for w, g in zip(want, got, strict=True):
+        assert mx.allclose(w, g, atol=1e-4, rtol=1e-3).item()
+
+
+def test_engine_answers_equal_with_and_without_chunked_prefill(tiny_models):
+    path = tiny_models("qwen3_5")
+    prompts = {
+        "warm": tuple(range(1000, 1000 + 130)),
+        "hit": tuple(range(1000, 1000 + 128)) + (5, 6, 7, 8, 9),  # resumes at 128
+        "other": tuple((t * 53) % 4000 + 20 for t in range(200)),
+    }
+
+    def answers(chunked: bool):
+        options = PrefixCacheOptions(block_size=64, max_bytes=1 << 30)
+        runner, _ = load_runner(
+            str(path),
+            path,
+            dequantize_on_cpu=True,
+            max_batch=4,
+            prefix_cache=options,
+            chunked_linear_attention=chunked,
+        )
+        core = EngineCore(runner, max_batch=4, prefill_chunk_tokens=256)
+        out: dict[str, list[int]] = {}
+        for rid, prompt in prompts.items():
+            core.submit(request(rid, prompt, max_tokens=8))
+            while not core.idle:
+                step = core.step()
+                assert not step.failed
+                for t in step.tokens:
+                    out.setdefault(t.request_id, []).extend(t.tokens)
+        return out, runner
+
+    chunked, runner = answers(True)
+    assert any(type(m) is la.ChunkedGatedDeltaNet for _, m in runner.model.named_modules())
+    plain, runner = answers(False)
+    assert not any(type(m) is la.ChunkedGatedDeltaNet for _, m in runner.model.named_modules())
+    assert chunked == plain
