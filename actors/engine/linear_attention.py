@@ -42,9 +42,11 @@ from mlx_lm.models.gated_delta import normalize_qk
 
 log = logging.getLogger("mlxd.runner")
 
-CHUNK = (
-    32  # tokens per chunk (measured on 512 tokens: 32 a little faster than 16 or 64; 128 6x slower)
-)
+# Tokens per chunk. Measured on the hybrid of ``scripts/bench_agents.py`` (512 new tokens,
+# 2 prefill streams): 64 took 1.3 s where 32 took 2.3 s (alone, 32 was a little faster,
+# but its longer chain of small ops kept the two streams from overlapping); 128 made the
+# triangular solve 6x slower.
+CHUNK = 64
 MIN_TOKENS = 16  # fewer new tokens (decode, speculative verify): mlx-lm's own step
 
 
