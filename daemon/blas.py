@@ -11,7 +11,6 @@ from __future__ import annotations
 import os
 import sys
 from pathlib import Path
-from typing import Any
 
 OPENBLAS_CANDIDATES = (
     "/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0",
@@ -48,33 +47,15 @@ def reexec_with_openblas(module: str = "mlxd.daemon.cli") -> None:
     os.execve(sys.executable, [sys.executable, "-m", module, *sys.argv[1:]], env)
 
 
-def _openblas() -> Any | None:
-    """The loaded OpenBLAS's C API (``dlopen(NULL)`` sees a preloaded library), or None."""
-    import ctypes
+def set_threads(wanted: int) -> str | None:
+    """Give OpenBLAS ``wanted`` threads (0: leave its default, one per core) and return a
+    line for the log, or None when OpenBLAS is not loaded. See ``actors/engine/openblas.py``
+    for how the runner lowers the count while a prefill chunk runs split over streams."""
+    from mlxd.actors.engine.openblas import OpenBlas
 
-    try:
-        lib = ctypes.CDLL(None)
-        lib.openblas_get_num_threads.restype = ctypes.c_int
-        lib.openblas_set_num_threads.argtypes = [ctypes.c_int]
-    except (OSError, AttributeError):
-        return None
-    return lib
-
-
-def set_threads(wanted: int | str) -> str | None:
-    """Give OpenBLAS ``wanted`` worker threads (``"auto"``: 1; 0: leave its default) and
-    return a line for the log, or None when OpenBLAS is not loaded.
-
-    Why 1 by default: MLX's CPU backend runs every op but matmul on its streams' own
-    threads, so the cores are already busy; OpenBLAS's extra workers spin between calls
-    and take a core from them. Measured on 2 cores with SmolLM2: a decode step at batch
-    4 over 1,536 tokens of context took 236 ms with 1 thread and 391 ms with 2, and a
-    512-token prefill chunk split over two MLX streams ran 1.3-1.6x faster with 1.
-    """
-    lib = _openblas()
+    lib = OpenBlas.loaded()
     if lib is None:
         return None
-    n = 1 if wanted == "auto" else int(wanted)
-    if n > 0:
-        lib.openblas_set_num_threads(n)
-    return f"OpenBLAS threads: {lib.openblas_get_num_threads()} (engine.blas_threads = {wanted!r})"
+    if wanted > 0:
+        lib.set_threads(wanted)
+    return f"OpenBLAS threads: {lib.threads} (engine.blas_threads = {wanted})"

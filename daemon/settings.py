@@ -134,7 +134,7 @@ class EngineSettings(_Section):
     prefill_chunk_tokens: Positive = 512
     batch_prefill: bool | Literal["auto"] = "auto"
     prefill_streams: Positive | Literal["auto"] = "auto"
-    blas_threads: NonNegative | Literal["auto"] = "auto"
+    blas_threads: NonNegative = 0
     chunked_linear_attention: bool | Literal["auto"] = "auto"
     default_max_tokens: Positive = 512
     max_tokens_cap: Positive = 4096

@@ -271,10 +271,10 @@ def command(
     model_dir: Path,
     port: int,
     mlxd_config: Path | None = None,
-    blas_threads: int = 1,
+    blas_threads: int = 0,
 ) -> tuple[list[str], dict[str, str]]:
     """How to start ``server``; both get ``blas_threads`` OpenBLAS threads (mlxd through its
-    setting, mlx_lm.server through OpenBLAS's environment variable)."""
+    setting, mlx_lm.server through OpenBLAS's environment variable; 0: OpenBLAS's default)."""
     env = dict(os.environ, HF_HUB_OFFLINE="1")
     if server == "mlxd":  # its launcher preloads OpenBLAS itself
         env["MLXD_ENGINE__BLAS_THREADS"] = str(blas_threads)
@@ -320,7 +320,7 @@ def serving(
     log: Path,
     timeout_s: float,
     mlxd_config: Path | None = None,
-    blas_threads: int = 1,
+    blas_threads: int = 0,
 ) -> Iterator[tuple[str, float]]:
     """Start ``server`` on a free port, yield its URL and the seconds it took to answer
     (load and warm-up) once it does, stop it after."""
@@ -542,8 +542,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--blas-threads",
         type=int,
-        default=1,
-        help="OpenBLAS threads for both servers (mlxd's default is 1; 0: OpenBLAS's default)",
+        default=0,
+        help="OpenBLAS threads for both servers (0: OpenBLAS's default, mlxd's default too)",
     )
     p.add_argument("--keep-logs", action="store_true", help="keep the servers' logs and say where")
     p.add_argument("--json", action="store_true", help="print machine-readable results")

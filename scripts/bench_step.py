@@ -17,7 +17,7 @@ Prints numbers; asserts nothing. Run from the repository root:
 
     .venv/bin/python -m mlxd.scripts.bench_step [--model DIR] [--batch 1,4,8]
         [--context 128,1536,3072] [--steps 16] [--prefill-requests 4] [--prefill-tokens 256]
-        [--prefill-streams 2] [--blas-threads auto]
+        [--prefill-streams 2] [--blas-threads 0]
 """
 
 from __future__ import annotations
@@ -137,12 +137,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--prefill-requests", type=int, default=4)
     p.add_argument("--prefill-tokens", type=int, default=256)
     p.add_argument("--prefill-streams", type=int, default=2, help="streams of the split run")
-    p.add_argument("--blas-threads", default="auto", help="OpenBLAS threads (mlxd's setting)")
+    p.add_argument("--blas-threads", type=int, default=0, help="OpenBLAS threads (0: default)")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
-    threads = blas.set_threads(
-        args.blas_threads if args.blas_threads == "auto" else int(args.blas_threads)
-    )
+    threads = blas.set_threads(args.blas_threads)
 
     from mlxd.actors.engine.loading import load_runner
     from mlxd.actors.engine.options import PrefixCacheOptions

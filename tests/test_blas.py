@@ -15,7 +15,7 @@ from mlxd.daemon import blas
 SCRIPT = (
     "import sys; from mlxd.daemon import blas\n"
     "for wanted in sys.argv[1:]:\n"
-    "    print(blas.set_threads(wanted if wanted == 'auto' else int(wanted)))\n"
+    "    print(blas.set_threads(int(wanted)))\n"
 )
 
 
@@ -34,14 +34,14 @@ def run(env: dict[str, str], *wanted: str) -> list[str]:
 @pytest.mark.skipif(blas.find_openblas() is None, reason="OpenBLAS is not installed")
 def test_threads_are_set_when_openblas_is_loaded():
     env = dict(os.environ, LD_PRELOAD=blas.find_openblas(), OPENBLAS_NUM_THREADS="2")
-    assert run(env, "auto", "0", "2", "1") == [
-        "OpenBLAS threads: 1 (engine.blas_threads = 'auto')",
-        "OpenBLAS threads: 1 (engine.blas_threads = 0)",  # 0 leaves the count as it is
-        "OpenBLAS threads: 2 (engine.blas_threads = 2)",
+    assert run(env, "0", "1", "0", "2") == [
+        "OpenBLAS threads: 2 (engine.blas_threads = 0)",  # 0 leaves the count as it is
         "OpenBLAS threads: 1 (engine.blas_threads = 1)",
+        "OpenBLAS threads: 1 (engine.blas_threads = 0)",
+        "OpenBLAS threads: 2 (engine.blas_threads = 2)",
     ]
 
 
 def test_nothing_without_openblas():
     env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
-    assert run(env, "auto") == ["None"]
+    assert run(env, "1") == ["None"]

@@ -11,6 +11,7 @@ import pytest
 from mlx.utils import tree_flatten
 from mlxd.actors.engine.core import EngineCore
 from mlxd.actors.engine.loading import auto_prefill_streams, load_runner
+from mlxd.actors.engine.openblas import OpenBlas
 from mlxd.actors.engine.runner import pieces
 
 from tests.engine_driver import request
@@ -116,3 +117,28 @@ def test_engine_answers_do_not_change_with_prefill_streams(name, smollm_tokenize
     # a 256-token budget on two streams runs 128-token pieces: the same boundaries as a
     # 128-token budget on one stream, so the answers must be identical
     assert answers(2, 256) == answers(1, 128)
+
+
+@pytest.mark.skipif(OpenBlas.loaded() is None, reason="OpenBLAS is not loaded")
+def test_openblas_gets_fewer_threads_while_a_split_chunk_runs(smollm_tokenizer):
+    lib = OpenBlas.loaded()
+    before = lib.threads
+    lib.set_threads(2)
+    try:
+        runner = load(smollm_tokenizer, 2)
+        seen = []
+        model = runner.model
+
+        def recorded(inputs, *args, **kwargs):
+            seen.append((inputs.shape[1], lib.threads))
+            return model(inputs, *args, **kwargs)
+
+        runner.model = recorded
+        runner.start(request("r", PROMPT, max_tokens=4))
+        runner.prefill("r", 100)  # one piece: OpenBLAS keeps its threads
+        assert lib.threads == 2
+        runner.prefill("r", 200)  # two pieces: one thread while they run
+        assert seen == [(100, 2), (100, 1), (100, 1)]
+        assert lib.threads == 2  # and its two back after
+    finally:
+        lib.set_threads(before)

@@ -15,12 +15,14 @@ The variants (``spec_runner``, ``vlm_runner``, ``vlm_mtp``) subclass it; only
 from __future__ import annotations
 
 import bisect
+import contextlib
 import copy
 import ctypes
 import ctypes.util
 import functools
 import logging
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -42,6 +44,7 @@ from mlxd.actors.engine.caches import check_batchable, layer_kinds
 from mlxd.actors.engine.guards import RowGuard, bias_processor
 from mlxd.actors.engine.logits import GrammarProcessor, token_logprobs
 from mlxd.actors.engine.memory import AttentionLayer, Layer, StateLayer
+from mlxd.actors.engine.openblas import OpenBlas
 from mlxd.actors.engine.prefix_cache import PrefixCache
 from mlxd.actors.engine.spec_prefill import SpecPrefill, SpecPrefillStats, positioned, set_position
 from mlxd.actors.engine.speculative import SpecStats
@@ -204,6 +207,7 @@ class MlxRunner:
         self._max_batch = max_batch
         self._stream = mx.new_stream(mx.default_device())
         self._prefill_streams = [self._stream]  # see ``use_prefill_streams``
+        self._openblas = OpenBlas.loaded() if mx.default_device() == mx.cpu else None
         self.generator = self._new_generator()
         self._pending: dict[str, Pending] = {}
         self._uid_to_rid: dict[int, str] = {}
@@ -319,10 +323,20 @@ class MlxRunner:
             return pending.remaining
         n = pending.next_stop(budget)
         if n > 0:
-            with mx.stream(self._stream):
+            with self._blas_for(n), mx.stream(self._stream):
                 self._prefill_chunk(pending, n)
                 mx.eval([c.state for c in pending.cache])
         return self._prefilled(pending, n)
+
+    def _blas_for(self, n: int) -> AbstractContextManager[None]:
+        """While a chunk of ``n`` tokens runs split over k streams, OpenBLAS gets at most
+        1/k of its threads (``openblas.py`` says why). The decode step still in flight on
+        this runner's stream is waited for first: no matmul runs while the count changes."""
+        k = len(pieces(n, len(self._prefill_streams)))
+        if k < 2 or self._openblas is None:
+            return contextlib.nullcontext()
+        mx.synchronize(self._stream)
+        return self._openblas.at_most(max(1, self._openblas.threads // k))
 
     def _prefilled(self, pending: Pending, n: int) -> int:
         """Account ``n`` tokens just run: snapshot at a checkpoint, join the batch when done."""
