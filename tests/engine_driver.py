@@ -82,3 +82,14 @@ def alone(runner, requests: list[TokenizedRequest], **kwargs) -> dict[str, list[
         assert not failed, failed
         out[r.request_id] = tokens[r.request_id]
     return out
+
+
+def until_idle(core) -> dict[str, list[int]]:
+    """Step ``core`` until it is idle, asserting no request failed; every request's tokens."""
+    tokens: dict[str, list[int]] = {}
+    while not core.idle:
+        step = core.step()
+        assert not step.failed, step.failed
+        for t in step.tokens:
+            tokens.setdefault(t.request_id, []).extend(t.tokens)
+    return tokens

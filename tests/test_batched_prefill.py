@@ -13,7 +13,7 @@ from mlxd.actors.engine.core import EngineCore
 from mlxd.actors.engine.loading import load_runner
 from mlxd.actors.engine.options import PrefixCacheOptions
 
-from tests.engine_driver import request
+from tests.engine_driver import request, until_idle
 
 pytestmark = pytest.mark.mlx
 
@@ -41,13 +41,7 @@ def run(runner, prompts, *, batch_prefill, chunk=256):
         # (they cannot be trimmed back) need for a hit
         marks = (64,) if rid == "warm" else ()
         core.submit(msgspec.structs.replace(request(rid, prompt, max_tokens=8), checkpoints=marks))
-    tokens: dict[str, list[int]] = {}
-    while not core.idle:
-        step = core.step()
-        assert not step.failed
-        for t in step.tokens:
-            tokens.setdefault(t.request_id, []).extend(t.tokens)
-    return tokens
+    return until_idle(core)
 
 
 def counting(runner, fail_first=False):

@@ -17,7 +17,7 @@ from mlxd.actors.engine.core import EngineCore
 from mlxd.actors.engine.loading import load_runner
 from mlxd.actors.engine.options import PrefixCacheOptions
 
-from tests.engine_driver import request
+from tests.engine_driver import request, until_idle
 
 pytestmark = pytest.mark.mlx
 
@@ -115,13 +115,9 @@ def test_engine_answers_equal_with_and_without_chunked_prefill(tiny_models):
         )
         core = EngineCore(runner, max_batch=4, prefill_chunk_tokens=256)
         out: dict[str, list[int]] = {}
-        for rid, prompt in prompts.items():
+        for rid, prompt in prompts.items():  # one after another: "hit" finds "warm"'s snapshot
             core.submit(request(rid, prompt, max_tokens=8))
-            while not core.idle:
-                step = core.step()
-                assert not step.failed
-                for t in step.tokens:
-                    out.setdefault(t.request_id, []).extend(t.tokens)
+            out |= until_idle(core)
         return out, runner
 
     chunked, runner = answers(True)

@@ -14,7 +14,7 @@ from mlxd.actors.engine.loading import auto_prefill_streams, load_runner
 from mlxd.actors.engine.openblas import OpenBlas
 from mlxd.actors.engine.runner import pieces
 
-from tests.engine_driver import request
+from tests.engine_driver import request, until_idle
 
 pytestmark = pytest.mark.mlx
 
@@ -106,13 +106,7 @@ def test_engine_answers_do_not_change_with_prefill_streams(name, smollm_tokenize
         )
         for rid, prompt in prompts.items():
             core.submit(request(rid, prompt, max_tokens=6))
-        out: dict[str, list[int]] = {}
-        while not core.idle:
-            step = core.step()
-            assert not step.failed
-            for t in step.tokens:
-                out.setdefault(t.request_id, []).extend(t.tokens)
-        return out
+        return until_idle(core)
 
     # a 256-token budget on two streams runs 128-token pieces: the same boundaries as a
     # 128-token budget on one stream, so the answers must be identical
