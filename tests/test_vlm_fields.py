@@ -45,7 +45,10 @@ TOOLS = (Tool(name="get_weather", description="The weather", parameters=CITY),)
 # No free whitespace: a random-weight model would otherwise emit whitespace until max_tokens.
 SCHEMA = {
     "type": "object",
-    "properties": {"color": {"enum": ["red", "green"]}, "n": {"type": "integer", "maximum": 99}},
+    "properties": {
+        "color": {"enum": ["red", "green"]},
+        "n": {"type": "integer", "minimum": 0, "maximum": 99},
+    },
     "required": ["color", "n"],
     "additionalProperties": False,
     "x-guidance": {"whitespace_flexible": False},
