@@ -288,7 +288,7 @@ def run_engine(levels: list[int], max_tokens: int, config: Path | None) -> list[
         runner,
         max_batch=e.max_batch,
         prefill_chunk_tokens=e.prefill_chunk_tokens,
-        batch_prefill=None if e.batch_prefill == "auto" else e.batch_prefill,
+        batch_prefill=auto_or(e.batch_prefill),
     )
     _engine_level(core, _tokenized(info.tokenizer, 1, max_tokens, "warmup"))
     return [_engine_level(core, _tokenized(info.tokenizer, c, max_tokens, f"c{c}")) for c in levels]

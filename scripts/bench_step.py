@@ -128,29 +128,9 @@ def time_prefill(runner, k: int, context: int, new: int, batched: bool, salt: st
     return time.perf_counter() - t0
 
 
-def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default="", help="model dir or .gguf (default: SmolLM2)")
-    p.add_argument("--batch", type=_ints, default=[1, 4, 8])
-    p.add_argument("--context", type=_ints, default=[128, 1536, 3072])
-    p.add_argument("--steps", type=int, default=16)
-    p.add_argument("--prefill-requests", type=int, default=4)
-    p.add_argument("--prefill-tokens", type=int, default=256)
-    p.add_argument("--prefill-streams", type=int, default=2, help="streams of the split run")
-    p.add_argument("--blas-threads", type=int, default=0, help="OpenBLAS threads (0: default)")
-    p.add_argument("--json", action="store_true")
-    args = p.parse_args(argv)
-    threads = blas.set_threads(args.blas_threads)
-
-    from mlxd.actors.engine.loading import load_runner
-    from mlxd.actors.engine.options import PrefixCacheOptions
-
-    cache_dir = Path("~/.cache/mlxd").expanduser()
-    options = PrefixCacheOptions(block_size=64, max_bytes=4 << 30)
-    runner, info = load_runner(
-        args.model, cache_dir, dequantize_on_cpu=True, max_batch=64, prefix_cache=options
-    )
-    print(f"model {info.model_id} ({info.backend}); {blas.status()}; {threads}", flush=True)
+def decode_table(runner, args) -> list[dict]:
+    """Decode-step rows: BatchGenerator, mlxd's engine and the bare forward, per context
+    and batch size; printed as they come."""
     rows = []
     for context in args.context:
         for batch in args.batch:
@@ -171,6 +151,12 @@ def main(argv: list[str] | None = None) -> None:
                 f"  mlxd/mlx_lm {row['mlxd_over_mlx_lm']:.3f}",
                 flush=True,
             )
+    return rows
+
+
+def prefill_table(runner, args) -> list[dict]:
+    """Prefill rows: one at a time, split over streams, batched, per context; printed."""
+    rows = []
     k, new = args.prefill_requests, args.prefill_tokens
     for context in args.context if k else []:
         runner.clear_cache()
@@ -199,6 +185,33 @@ def main(argv: list[str] | None = None) -> None:
             f" batched {both:6.2f} s ({k * new / both:5.0f} tok/s, x{one / both:.2f})",
             flush=True,
         )
+    return rows
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="", help="model dir or .gguf (default: SmolLM2)")
+    p.add_argument("--batch", type=_ints, default=[1, 4, 8])
+    p.add_argument("--context", type=_ints, default=[128, 1536, 3072])
+    p.add_argument("--steps", type=int, default=16)
+    p.add_argument("--prefill-requests", type=int, default=4)
+    p.add_argument("--prefill-tokens", type=int, default=256)
+    p.add_argument("--prefill-streams", type=int, default=2, help="streams of the split run")
+    p.add_argument("--blas-threads", type=int, default=0, help="OpenBLAS threads (0: default)")
+    p.add_argument("--json", action="store_true")
+    args = p.parse_args(argv)
+    threads = blas.set_threads(args.blas_threads)
+
+    from mlxd.actors.engine.loading import load_runner
+    from mlxd.actors.engine.options import PrefixCacheOptions
+
+    cache_dir = Path("~/.cache/mlxd").expanduser()
+    options = PrefixCacheOptions(block_size=64, max_bytes=4 << 30)
+    runner, info = load_runner(
+        args.model, cache_dir, dequantize_on_cpu=True, max_batch=64, prefix_cache=options
+    )
+    print(f"model {info.model_id} ({info.backend}); {blas.status()}; {threads}", flush=True)
+    rows = decode_table(runner, args) + prefill_table(runner, args)
     if args.json:
         print(json.dumps(rows))
 

@@ -26,21 +26,19 @@ Decay ratios are exp of differences of cumulative log-decays, never above 1.
 ``install(model)`` gives the model's own GatedDeltaNet instances this subclass, whose
 ``__call__`` takes the chunked path for prefill on the CPU (several tokens, no padding
 mask, no batch lengths, not sharded) and defers to mlx-lm's for everything else (decode
-steps, padded batches, GPU streams: MLX's triangular solve is a CPU op). The library's modules are not changed. Equal to mlx-lm's
-recurrence within float32 rounding (``tests/test_linear_attention.py``).
+steps, padded batches, GPU streams: MLX's triangular solve is a CPU op). The library's
+modules are not changed. Equal to mlx-lm's recurrence within float32 rounding
+(``tests/test_linear_attention.py``).
 """
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models import qwen3_5
 from mlx_lm.models.gated_delta import normalize_qk
-
-log = logging.getLogger("mlxd.runner")
 
 # Tokens per chunk. Measured on the hybrid of ``scripts/bench_agents.py`` (512 new tokens,
 # 2 prefill streams): 64 took 1.3 s where 32 took 2.3 s (alone, 32 was a little faster,
@@ -88,7 +86,19 @@ def chunked_gated_delta(
 
     q, k, v = heads_first(q), heads_first(k), heads_first(v)  # [B, H, N, C, D]
     log_g, beta = heads_first(log_g), heads_first(beta)  # [B, H, N, C]
+    s = mx.zeros((B, Hv, Dv, Dk), dtype=f32) if state is None else state.astype(f32)
+    y, s = _across_chunks(_within_chunks(q, k, v, log_g, beta), s)
+    y = y.reshape(B, Hv, n * chunk, Dv)[:, :, :T]
+    return mx.moveaxis(y, 1, 2).astype(dtype), s
 
+
+def _within_chunks(
+    q: mx.array, k: mx.array, v: mx.array, log_g: mx.array, beta: mx.array
+) -> tuple[mx.array, ...]:
+    """Everything that does not depend on the state entering a chunk, for all chunks at
+    once ([B, H, N, C, ...] inputs): U = w_v - w_k S^T (one triangular solve per chunk),
+    y = gq S^T + qk U, and the state's decay ``end`` and increments ``to_end``."""
+    chunk, Dv = v.shape[-2:]
     cum = mx.cumsum(log_g, axis=-1)  # log G_t within each chunk
     diff = cum[..., :, None] - cum[..., None, :]  # log(G_t / G_i)
     rows = mx.arange(chunk)
@@ -98,28 +108,33 @@ def chunked_gated_delta(
 
     kk = k @ k.swapaxes(-1, -2)
     a = mx.where(strict, decay * kk * beta[..., :, None], 0.0)
-    eye = mx.eye(chunk, dtype=f32)
+    eye = mx.eye(chunk, dtype=mx.float32)
     gamma = mx.exp(cum)[..., None]  # G_t
     rhs = mx.concatenate([beta[..., None] * v, beta[..., None] * gamma * k], axis=-1)
+    width = rhs.shape[-1]
     solved = mx.linalg.solve_triangular(
-        (eye + a).reshape(-1, chunk, chunk), rhs.reshape(-1, chunk, Dv + Dk), upper=False
-    ).reshape(B, Hv, n, chunk, Dv + Dk)
-    w_v, w_k = solved[..., :Dv], solved[..., Dv:]  # U = w_v - w_k S^T
+        (eye + a).reshape(-1, chunk, chunk), rhs.reshape(-1, chunk, width), upper=False
+    ).reshape(rhs.shape)
+    w_v, w_k = solved[..., :Dv], solved[..., Dv:]
 
     qk = decay * (q @ k.swapaxes(-1, -2))  # (G_t / G_i) (q_t . k_i), i <= t
     gq = gamma * q
     to_end = mx.exp(cum[..., -1:] - cum)[..., None] * k  # (G_C / G_i) k_i
     end = mx.exp(cum[..., -1])[..., None, None]  # G_C
+    return w_v, w_k, gq, qk, to_end, end
 
-    s = mx.zeros((B, Hv, Dv, Dk), dtype=f32) if state is None else state.astype(f32)
+
+def _across_chunks(parts: tuple[mx.array, ...], s: mx.array) -> tuple[mx.array, mx.array]:
+    """The one sequential part: carry the state S through the chunks in order. Returns
+    y [B, H, N, C, Dv] and the final state."""
+    w_v, w_k, gq, qk, to_end, end = parts
     ys = []
-    for c in range(n):
+    for c in range(w_v.shape[2]):
         s_t = s.swapaxes(-1, -2)  # [B, H, Dk, Dv]
         u = w_v[:, :, c] - w_k[:, :, c] @ s_t
         ys.append(gq[:, :, c] @ s_t + qk[:, :, c] @ u)
         s = end[:, :, c] * s + u.swapaxes(-1, -2) @ to_end[:, :, c]
-    y = mx.stack(ys, axis=2).reshape(B, Hv, n * chunk, Dv)[:, :, :T]
-    return mx.moveaxis(y, 1, 2).astype(dtype), s
+    return mx.stack(ys, axis=2), s
 
 
 def _log_decay(A_log: mx.array, a: mx.array, dt_bias: mx.array) -> mx.array:

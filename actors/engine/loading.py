@@ -400,10 +400,7 @@ def load_runner(
     )
     if adapter_path is not None:
         log.info("LoRA adapter applied: %s", adapter_path)
-    if chunked_linear_attention is None:
-        chunked_linear_attention = linear_attention.applies()
-    if chunked_linear_attention and (swapped := linear_attention.install(model)):
-        log.info("%d GatedDeltaNet layers prefill chunk by chunk (linear_attention.py)", swapped)
+    _chunk_linear_attention(model, chunked_linear_attention)
     info = ModelInfo(
         model_id=model_id,
         model_dir=model_dir,
@@ -427,10 +424,23 @@ def load_runner(
         runner = MlxRunner(model, stops, max_batch, prefix_cache=cache, spec_prefill=on)
     runner.spec_stats = runner.spec_stats or off
     runner.spec_prefill_stats = sparse.stats if sparse is not None else None
-    runner.use_prefill_streams(prefill_streams or auto_prefill_streams())
-    if runner.prefill_streams > 1:
-        log.info("prefill chunks run as %d pieces on as many MLX streams", runner.prefill_streams)
+    _split_prefill(runner, prefill_streams or auto_prefill_streams())
     return runner, dataclasses.replace(info, memory=memory_model(runner, memory))
+
+
+def _chunk_linear_attention(model: nn.Module, wanted: bool | None) -> None:
+    """Qwen3.5 GatedDeltaNet layers prefill chunk by chunk where wanted (None: where
+    ``linear_attention.applies``)."""
+    if wanted is None:
+        wanted = linear_attention.applies()
+    if wanted and (swapped := linear_attention.install(model)):
+        log.info("%d GatedDeltaNet layers prefill chunk by chunk (linear_attention.py)", swapped)
+
+
+def _split_prefill(runner: MlxRunner, streams: int) -> None:
+    runner.use_prefill_streams(streams)
+    if streams > 1:
+        log.info("prefill chunks run as %d pieces on as many MLX streams", streams)
 
 
 def auto_prefill_streams() -> int:
