@@ -134,6 +134,12 @@ class ChatRequest(msgspec.Struct, frozen=True, kw_only=True):
     template_kwargs: dict = {}
     constraint: Constraint | None = None
     parse_reasoning: bool = True
+    # Prefix-cache hints from the client: ``cache_breakpoints`` are indices into
+    # ``messages`` after whose end the prompt is worth a snapshot (Anthropic
+    # ``cache_control``); ``cache_key`` groups requests that share a prefix (Responses
+    # ``prompt_cache_key``), "" = none.
+    cache_breakpoints: tuple[int, ...] = ()
+    cache_key: str = ""
 
 
 class CompletionRequest(msgspec.Struct, frozen=True, kw_only=True):
@@ -200,6 +206,7 @@ class TokenizedRequest(msgspec.Struct, frozen=True, kw_only=True):
     priority: int = 0
     output: OutputSpec = OutputSpec()
     grammar: object | None = None
+    cache_key: str = ""  # the client's prefix-sharing group (ChatRequest.cache_key)
 
 
 # ---- admission inbox ----------------------------------------------------------------
