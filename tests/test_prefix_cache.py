@@ -98,3 +98,83 @@ def test_evict_frees_least_recently_used_first_and_peek_counts_nothing():
     assert c.evict(150) == 200  # s1, then s2
     assert c.stats.bytes == 100 and c.peek([0] * 8 + [5], limit=8) == 8
     assert c.evict(10_000) == 100 and c.stats.entries == 0
+
+
+# ---- cache keys (prompt_cache_key): a key's newest snapshot is evicted last -------------
+
+
+def test_a_keys_newest_snapshot_outlives_a_burst_of_keyless_ones():
+    keyed, plain = cache(max_bytes=300), cache(max_bytes=300)
+    for c in (keyed, plain):
+        c.insert([9] * 8, "session", 100, trimmable=False)
+    keyed.claim([9] * 8, "conversation-1")
+    for c in (keyed, plain):
+        for i in range(4):  # other traffic, each newer than the session's snapshot
+            c.insert([i] * 8, f"s{i}", 100, trimmable=False)
+    assert [9] * 8 not in plain  # plain LRU: the oldest went first
+    assert [9] * 8 in keyed and keyed.stats.bytes <= 300
+    assert [3] * 8 in keyed and [2] * 8 in keyed and [0] * 8 not in keyed
+    assert keyed.lookup([9] * 8 + [1], limit=8, key="conversation-1").entry.snapshot == "session"
+
+
+def test_only_the_newest_snapshot_of_a_key_is_protected():
+    c = cache(max_bytes=300)
+    c.insert([1] * 8, "turn-1", 100, trimmable=False)
+    c.claim([1] * 8, "k")
+    c.insert([2] * 8, "turn-2", 100, trimmable=False)
+    c.claim([2] * 8, "k")  # k's newest now: turn-1 is an ordinary LRU entry again
+    c.insert([3] * 8, "other", 100, trimmable=False)
+    c.insert([4] * 8, "other-2", 100, trimmable=False)
+    assert [1] * 8 not in c and [2] * 8 in c and [3] * 8 in c
+
+
+def test_when_only_protected_snapshots_are_left_lru_applies_among_them():
+    c = cache(max_bytes=200)
+    c.insert([1] * 8, "a", 100, trimmable=False)
+    c.claim([1] * 8, "ka")
+    c.insert([2] * 8, "b", 100, trimmable=False)
+    c.claim([2] * 8, "kb")
+    c.insert([3] * 8, "new", 100, trimmable=False)  # never its own insert's victim
+    assert [1] * 8 not in c and [2] * 8 in c and [3] * 8 in c
+    assert c.evict(100) == 100 and [3] * 8 not in c  # unprotected first
+    assert c.evict(100) == 100 and c.stats.entries == 0
+
+
+def test_a_hit_claims_the_snapshot_and_memory_pressure_evicts_keyed_ones_last():
+    c = cache()
+    c.insert([1] * 8, "shared", 100, trimmable=False)
+    c.insert([2] * 8, "x", 100, trimmable=False)
+    c.insert([3] * 8, "y", 100, trimmable=False)
+    assert c.lookup([1] * 8 + [5], limit=8, key="k").length == 8
+    c.lookup([2] * 8 + [5], limit=8)  # keyless: only moves it in the LRU order
+    c.lookup([3] * 8 + [5], limit=8)
+    assert c.evict(200) == 200
+    assert [1] * 8 in c and c.stats.entries == 1
+
+
+def test_protection_is_bounded_to_the_most_recently_used_keys():
+    c = PrefixCache(block_size=4, max_bytes=300, affinity_keys=2)
+    for i in range(3):
+        c.insert([i] * 8, f"s{i}", 100, trimmable=False)
+        c.claim([i] * 8, f"key-{i}")  # key-0 drops out of the two most recent keys
+    c.insert([7] * 8, "new", 100, trimmable=False)
+    assert [0] * 8 not in c and [1] * 8 in c and [2] * 8 in c
+
+
+def test_a_longer_trimmable_snapshot_inherits_the_keys_of_the_prefix_it_replaces():
+    c = cache(max_bytes=200)
+    c.insert(list(range(8)), "short", 100, trimmable=True)
+    c.claim(list(range(8)), "k")
+    c.insert(list(range(12)), "long", 100, trimmable=True)  # drops "short", serves it
+    c.insert([50] * 8, "a", 100, trimmable=True)
+    c.insert([60] * 8, "b", 100, trimmable=True)
+    assert list(range(12)) in c and [50] * 8 not in c
+
+
+def test_keys_change_nothing_with_affinity_off():
+    c = PrefixCache(block_size=4, max_bytes=200, affinity_keys=0)
+    c.insert([1] * 8, "a", 100, trimmable=False)
+    c.claim([1] * 8, "k")
+    c.insert([2] * 8, "b", 100, trimmable=False)
+    c.insert([3] * 8, "c", 100, trimmable=False)
+    assert [1] * 8 not in c

@@ -14,6 +14,14 @@ prompt plus how many of its tokens it covers.
   whole entry is a prefix of it; anything else is a miss, never approximated.
 - The runner always copies what it gets, so a snapshot is never shared mutably
   by running requests, and nothing stays pinned once requests finish.
+- Eviction (over budget on insert, or ``evict`` for running requests' memory) takes
+  the least recently used snapshot, with one exception for cache keys (the client's
+  ``prompt_cache_key``): the newest snapshot of each of the ``affinity_keys`` most
+  recently used keys is *protected*, and goes only when nothing unprotected is left.
+  A key's newest snapshot is the last one inserted, or hit by a lookup, for a request
+  carrying that key. So a keyed conversation keeps its latest state through a burst
+  of other traffic that plain LRU would let push it out; a key that more than
+  ``affinity_keys`` other keys have been used after loses its protection.
 """
 
 from __future__ import annotations
@@ -74,9 +82,12 @@ class PrefixCache:
 
     block_size: int
     max_bytes: int
+    affinity_keys: int = 16  # cache keys whose newest snapshot is protected (0: plain LRU)
     _entries: OrderedDict[tuple[int, ...], Entry] = field(default_factory=OrderedDict)
     _by_block: dict[int, set[tuple[int, ...]]] = field(default_factory=dict)
     _short: set[tuple[int, ...]] = field(default_factory=set)  # shorter than one block
+    # cache key -> its newest snapshot, least recently used key first
+    _newest: OrderedDict[str, tuple[int, ...]] = field(default_factory=OrderedDict)
     stats: CacheStats = field(default_factory=CacheStats)
 
     def __post_init__(self) -> None:
@@ -85,13 +96,15 @@ class PrefixCache:
     def __contains__(self, tokens: Sequence[int]) -> bool:
         return tuple(tokens) in self._entries
 
-    def lookup(self, prompt: Sequence[int], limit: int) -> Hit | None:
-        """The snapshot covering the most of ``prompt[:limit]``; counts a hit or a miss."""
+    def lookup(self, prompt: Sequence[int], limit: int, key: str = "") -> Hit | None:
+        """The snapshot covering the most of ``prompt[:limit]``; counts a hit or a miss.
+        A hit becomes ``key``'s newest snapshot."""
         best = self._best(prompt, limit)
         if best is None or best.length == 0:
             self.stats.misses += 1
             return None
         self._entries.move_to_end(best.entry.tokens)
+        self.claim(best.entry.tokens, key)
         self.stats.hits += 1
         self.stats.cached_tokens += best.length
         return best
@@ -120,14 +133,37 @@ class PrefixCache:
                 best = Hit(entry, usable)
         return best
 
+    def claim(self, tokens: Sequence[int], key: str) -> None:
+        """Make the snapshot of ``tokens`` ``key``'s newest (nothing for "" or no snapshot)."""
+        entry = tuple(tokens)
+        if not key or not self.affinity_keys or entry not in self._entries:
+            return
+        self._newest[key] = entry
+        self._newest.move_to_end(key)
+        while len(self._newest) > self.affinity_keys:
+            self._newest.popitem(last=False)
+
+    def _owners(self, entry: tuple[int, ...]) -> list[str]:
+        return [k for k, newest in self._newest.items() if newest == entry]
+
+    def _victim(self, spare: tuple[int, ...] = ()) -> tuple[int, ...]:
+        """The least recently used snapshot that no key holds as its newest, else the least
+        recently used of all; never ``spare`` (the one being inserted) while others are left."""
+        protected = {*self._newest.values(), spare}
+        candidates = [k for k in self._entries if k != spare] or [spare]
+        return next((k for k in candidates if k not in protected), candidates[0])
+
     def insert(self, tokens: Sequence[int], snapshot: Any, nbytes: int, trimmable: bool) -> None:
-        """Add a snapshot of the cache after ``tokens``; evict LRU entries over budget."""
+        """Add a snapshot of the cache after ``tokens``; evict entries over budget (least
+        recently used first, keys' newest last)."""
         key = tuple(tokens)
         if not key or nbytes > self.max_bytes:
             return
+        owners = self._owners(key)
         if key in self._entries:
             self._drop(key)
         self._entries[key] = Entry(key, snapshot, nbytes, trimmable)
+        self._newest.update(dict.fromkeys(owners, key))  # a replaced snapshot keeps its keys
         hashes = block_hashes(key, self.block_size)
         for h in hashes:
             self._by_block.setdefault(h, set()).add(key)
@@ -137,7 +173,7 @@ class PrefixCache:
         if trimmable:
             self._drop_trimmable_prefixes_of(key)
         while self.stats.bytes > self.max_bytes:
-            self._drop(next(iter(self._entries)))
+            self._drop(self._victim(spare=key))
             self.stats.evictions += 1
         self.stats.entries = len(self._entries)
 
@@ -146,6 +182,7 @@ class PrefixCache:
         for other in list(self._candidates(key)):
             entry = self._entries[other]
             if other != key and entry.trimmable and key[: len(other)] == other:
+                self._newest.update(dict.fromkeys(self._owners(other), key))  # it serves them
                 self._drop(other)
 
     def _drop(self, key: tuple[int, ...]) -> None:
@@ -157,15 +194,17 @@ class PrefixCache:
                 if not keys:
                     del self._by_block[h]
         self._short.discard(key)
+        for owner in self._owners(key):
+            del self._newest[owner]
         self.stats.bytes -= entry.nbytes
         self.stats.entries = len(self._entries)
 
     def evict(self, nbytes: int) -> int:
-        """Drop least-recently-used snapshots until ``nbytes`` are freed (or none is left);
-        returns the bytes freed."""
+        """Drop snapshots until ``nbytes`` are freed (or none is left), in the order
+        ``insert`` evicts them; returns the bytes freed."""
         freed = 0
         while freed < nbytes and self._entries:
-            key = next(iter(self._entries))
+            key = self._victim()
             freed += self._entries[key].nbytes
             self._drop(key)
             self.stats.evictions += 1
