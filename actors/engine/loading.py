@@ -182,7 +182,9 @@ def make_prefix_cache(options: PrefixCacheOptions | None) -> PrefixCache | None:
         return None
     budget = options.max_bytes or int(device_memory_bytes() * options.memory_fraction)
     log.info("prefix cache: %.0f MiB budget, %d-token blocks", budget / 2**20, options.block_size)
-    return PrefixCache(block_size=options.block_size, max_bytes=budget)
+    return PrefixCache(
+        block_size=options.block_size, max_bytes=budget, affinity_keys=options.affinity_keys
+    )
 
 
 def _off(reason: str) -> SpecStats:

@@ -30,6 +30,7 @@ class PrefixCacheOptions:
     block_size: int = 64
     max_bytes: int = 0
     memory_fraction: float = 0.1
+    affinity_keys: int = 16  # cache keys whose newest snapshot is evicted last
 
 
 @dataclass(frozen=True)

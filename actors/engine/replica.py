@@ -423,5 +423,8 @@ def lockstep_cache(runner: Any, group: Any, *, leader: bool) -> None:
         (LeaderPrefixCache, cache.max_bytes) if leader else (FollowerPrefixCache, sys.maxsize)
     )
     runner.prefix_cache = kind(
-        block_size=cache.block_size, max_bytes=budget, trimmable_ok=trimmable_ok
+        block_size=cache.block_size,
+        max_bytes=budget,
+        affinity_keys=cache.affinity_keys,
+        trimmable_ok=trimmable_ok,
     )

@@ -198,6 +198,7 @@ class MlxRunner:
         if spec_prefill is not None:
             self.spec_prefill_stats = spec_prefill.stats
         self._sparse: set[str] = set()  # requests sparse-prefilled: never remembered
+        self._keys: dict[str, str] = {}  # request → its cache key, for its snapshots
         self._make_cache = make_cache or (lambda: make_prompt_cache(model))
         cache = self._make_cache()
         check_batchable(cache, self._make_cache())
@@ -250,7 +251,9 @@ class MlxRunner:
     def start(self, request: TokenizedRequest) -> int:
         """Set up the request's cache (from the prefix cache if it can); return tokens reused."""
         prompt = request.prompt_tokens
-        cache, done = self._cached(prompt)
+        if request.cache_key:
+            self._keys[request.request_id] = request.cache_key
+        cache, done = self._cached(prompt, request.cache_key)
         marks = sorted(c for c in request.checkpoints if done < c < len(prompt) - 1)
         pending = Pending(request, cache, done, checkpoints=marks)
         if self.spec_prefill is not None:
@@ -288,8 +291,9 @@ class MlxRunner:
         pending = self._pending.get(request_id)
         return pending.sparse.skipped if pending is not None and pending.sparse else 0
 
-    def _cached(self, prompt: tuple[int, ...]) -> tuple[list[Any], int]:
-        hit = self.prefix_cache.lookup(prompt, len(prompt) - 1) if self.prefix_cache else None
+    def _cached(self, prompt: tuple[int, ...], key: str = "") -> tuple[list[Any], int]:
+        pc = self.prefix_cache
+        hit = pc.lookup(prompt, len(prompt) - 1, key) if pc is not None else None
         if hit is None:
             return self._make_cache(), 0
         # New cache objects over the same (immutable) buffers: never share a snapshot.
@@ -298,18 +302,27 @@ class MlxRunner:
         return cache, hit.length
 
     def _remember(
-        self, tokens: list[int] | tuple[int, ...], cache: list[Any], *, live: bool = False
+        self,
+        tokens: list[int] | tuple[int, ...],
+        cache: list[Any],
+        *,
+        live: bool = False,
+        key: str = "",
     ) -> None:
-        """Offer a snapshot to the prefix cache, in buffers of its own.
+        """Offer a snapshot to the prefix cache, in buffers of its own; it becomes the newest
+        of the request's cache ``key``.
 
         ``live``: the cache is still in use, so the snapshot is taken from a copy.
         """
-        if self.prefix_cache is not None and tokens and tokens not in self.prefix_cache:
+        if self.prefix_cache is None or not tokens:
+            return
+        if tokens not in self.prefix_cache:
             snapshot = caches.compact(copy.deepcopy(cache) if live else cache)
             mx.eval([c.state for c in snapshot])
             self.prefix_cache.insert(
                 tokens, snapshot, caches.nbytes(snapshot), caches.can_trim(snapshot)
             )
+        self.prefix_cache.claim(tokens, key)
 
     def prefill(self, request_id: str, budget: int) -> int:
         """Prefill up to ``budget`` prompt tokens; return how many are left (0: decoding)."""
@@ -343,7 +356,7 @@ class MlxRunner:
         pending.done += n
         if n > 0 and pending.done in pending.checkpoints:
             prefix = pending.request.prompt_tokens[: pending.done]
-            self._remember(prefix, pending.cache, live=True)
+            self._remember(prefix, pending.cache, live=True, key=pending.request.cache_key)
         if pending.remaining == 0:
             self._join_batch(self._pending.pop(pending.request.request_id))
         return pending.remaining
@@ -462,7 +475,7 @@ class MlxRunner:
         attention layers positioned (so every cache merged into a batch carries positions)."""
         prompt = pending.request.prompt_tokens
         if pending.sparse is None:
-            self._remember(prompt[:-1], pending.cache, live=True)
+            self._remember(prompt[:-1], pending.cache, live=True, key=pending.request.cache_key)
         if self.spec_prefill is None:
             return pending.cache
         cache = positioned(pending.cache)
@@ -520,10 +533,11 @@ class MlxRunner:
         self, request_id: str, tokens: Any, cache: Any, *, live: bool = False
     ) -> None:
         """A finished request's cache, unless SpecPrefill skipped part of its prompt."""
+        key = self._keys.pop(request_id, "")
         if request_id in self._sparse:
             self._sparse.discard(request_id)
         else:
-            self._remember(tokens, cache, live=live)
+            self._remember(tokens, cache, live=live, key=key)
 
     def _logprobs(self, responses: list) -> dict:
         """Logprobs for the responses whose requests asked, in one batched computation."""
@@ -543,6 +557,7 @@ class MlxRunner:
             for cache, tokens in self.generator.remove([uid], return_prompt_caches=True).values():
                 self._remember_finished(request_id, tokens, cache, live=True)
         self._sparse.discard(request_id)
+        self._keys.pop(request_id, None)
 
     def clear_cache(self) -> None:
         if self.prefix_cache is not None:
@@ -564,6 +579,7 @@ class MlxRunner:
         self._uid_to_rid.clear()
         self._rid_to_uid.clear()
         self._sparse.intersection_update(self._pending)
+        self._keys = {rid: k for rid, k in self._keys.items() if rid in self._pending}
         self._guard.take()
         mx.clear_cache()
 

@@ -139,6 +139,7 @@ class SpeculativeRunner(MlxRunner):
         if gone is not None:
             self._remember_finished(request_id, gone.cache_tokens, gone.cache)
         self._sparse.discard(request_id)
+        self._keys.pop(request_id, None)
 
 
 def join(batch: SpeculativeBatch, drafter: Drafter, request: TokenizedRequest, cache) -> None:
