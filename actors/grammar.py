@@ -24,6 +24,12 @@ import llguidance
 import llguidance.hf
 from mlxd.protocol.messages import Constraint, Tool
 
+# The layout of JSON answers: one space after ``,`` and ``:`` as ``json.dumps`` writes it (the
+# spacing models saw most) and no other whitespace between tokens. llguidance's default allows
+# any run of whitespace there, and a small model can spend its whole max_tokens on
+# ``{\n \t\r\n ...`` without ever writing a key. A schema's own ``x-guidance`` options win.
+JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
 
 class GrammarError(ValueError):
     """A schema or grammar that does not compile; becomes an HTTP 400."""
@@ -141,11 +147,12 @@ class GrammarCompiler:
 
     def grammar_text(self, constraint: Constraint, tools: tuple[Tool, ...], fmt: str) -> str:
         if constraint.kind == "json_object":
-            return llguidance.LLMatcher.grammar_from_json_schema({"type": "object"})
+            return llguidance.LLMatcher.grammar_from_json_schema({"type": "object"}, JSON_LAYOUT)
         if constraint.kind == "json_schema":
             check_refs(constraint.schema or {})
             try:
-                return llguidance.LLMatcher.grammar_from_json_schema(constraint.schema or {})
+                schema = constraint.schema or {}
+                return llguidance.LLMatcher.grammar_from_json_schema(schema, JSON_LAYOUT)
             except ValueError as exc:
                 raise GrammarError(f"invalid JSON schema: {exc}") from exc
         for tool in tools:

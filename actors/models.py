@@ -77,13 +77,16 @@ class ModelRegistry:
         prompts: dict[str, TokenizerOptions],
         options: RegistryOptions,
         *,
-        accept_other_ids: bool = False,
+        accept_other_ids: bool | str = "auto",
     ):
         self.entries = {i: Entry(i) for i in ids}
         self.default = ids[0]
         self.engine, self.mailboxes = engine, mailboxes
         self.prompts, self.options = prompts, options
-        self.accept_other_ids = accept_other_ids
+        # "auto": a one-model daemon serves any id (clients hard-code theirs); with several
+        # models an unknown id is more likely a typo than an alias.
+        auto = accept_other_ids == "auto"
+        self.accept_other_ids = len(ids) == 1 if auto else bool(accept_other_ids)
 
     # ---- lookups ---------------------------------------------------------------------
 

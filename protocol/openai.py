@@ -61,11 +61,16 @@ WirePart = WireText | WireInputText | WireOutputText | WireImageUrl | WireInputI
 
 
 class WireMessage(msgspec.Struct, kw_only=True):
-    role: str
+    role: str  # one of ROLES, checked with the field's path
     content: str | list[WirePart] | None = None
     name: str | None = None
     tool_calls: list[WireToolCall] | None = None
     tool_call_id: str | None = None
+    function_call: WireFunctionCall | None = None  # legacy function calling (an assistant turn)
+
+
+# Chat roles; ``function`` is legacy function calling's result turn (named by ``name``).
+ROLES = ("system", "developer", "user", "assistant", "tool", "function")
 
 
 class StreamOptions(msgspec.Struct, kw_only=True):
@@ -137,7 +142,18 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True):
     top_logprobs: int | None = None
     tools: list[WireTool] | None = None
     tool_choice: str | NamedToolChoice | None = None
-    parallel_tool_calls: bool = True
+    parallel_tool_calls: bool | None = None
+    # legacy function calling: tools and tool_choice under their old names, answered with
+    # ``message.function_call`` and finish_reason ``function_call``
+    functions: list[FunctionDef] | None = None
+    function_call: str | NamedFunction | None = None
+    reasoning_effort: str | None = None  # → the template's enable_thinking
+    prompt_cache_key: str | None = None  # groups requests that share a prompt prefix
+    # refused unless they ask for what mlxd does anyway (text, no search, default verbosity)
+    modalities: list[str] | None = None
+    audio: dict[str, Any] | None = None
+    web_search_options: dict[str, Any] | None = None
+    verbosity: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     chat_template: str | None = None  # refused: the template is the model's own
 
@@ -174,10 +190,16 @@ class OutToolCall(msgspec.Struct, kw_only=True):
 
 
 class AssistantMessage(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """As OpenAI writes it: ``refusal`` (always null: no refusal classifier) and
+    ``annotations`` (always empty: no web search) are present, the rest only when set."""
+
     role: str  # no default, so omit_defaults keeps it
     content: str | None
+    refusal: str | None
+    annotations: list[Any]
     reasoning_content: str | None = None
     tool_calls: list[OutToolCall] | None = None
+    function_call: WireFunctionCall | None = None  # legacy function calling
 
 
 class TopLogprob(msgspec.Struct, kw_only=True):
@@ -228,10 +250,14 @@ class DeltaToolCall(msgspec.Struct, kw_only=True, omit_defaults=True):
 
 
 class Delta(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """``refusal`` is written (null) only in the first delta, with the role, as OpenAI does."""
+
     role: str | None = None
     content: str | None = None
+    refusal: str | None | msgspec.UnsetType = msgspec.UNSET
     reasoning_content: str | None = None
     tool_calls: list[DeltaToolCall] | None = None
+    function_call: DeltaFunction | None = None  # legacy function calling
 
 
 class ChunkChoice(msgspec.Struct, kw_only=True):

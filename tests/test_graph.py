@@ -132,7 +132,9 @@ async def test_template_error_is_a_400_for_that_request():
 
 
 async def test_prompt_longer_than_context_is_a_400():
-    async with running_graph(context_length=64) as (pipeline, runner):
+    # a max_tokens over the context is clamped by default (tests/test_max_tokens.py)
+    refuse = settings_with(engine={"max_tokens_overflow": "refuse"})
+    async with running_graph(refuse, context_length=64) as (pipeline, runner):
         too_long = await collect(await pipeline.submit(chat("long", "w" * 100)))
         too_much = await collect(await pipeline.submit(chat("much", "w", max_tokens=100)))
         defaulted = await collect(await pipeline.submit(chat("fits", "w" * 10)))
@@ -204,7 +206,9 @@ async def test_memory_budget_caps_the_batch_and_everyone_finishes():
 
 async def test_request_that_can_never_fit_is_refused_at_tokenization_with_numbers():
     memory = fake_memory(budget_bytes=100 * 1024)
-    async with running_graph(memory=memory) as (pipeline, runner):
+    # a max_tokens over the budget is clamped by default (tests/test_max_tokens.py)
+    refuse = settings_with(engine={"max_tokens_overflow": "refuse"})
+    async with running_graph(refuse, memory=memory) as (pipeline, runner):
         events = await collect(await pipeline.submit(chat("big", "b" * 50, max_tokens=200)))
         defaulted = await collect(await pipeline.submit(chat("dflt", "short")))
     failed = events[-1]

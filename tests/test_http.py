@@ -49,7 +49,12 @@ async def test_chat_non_streaming():
         body = json.loads(await r.get_data())
     assert r.status_code == 200
     assert body["object"] == "chat.completion"
-    assert body["choices"][0]["message"] == {"role": "assistant", "content": "HELLO"}
+    assert body["choices"][0]["message"] == {
+        "role": "assistant",
+        "content": "HELLO",
+        "refusal": None,
+        "annotations": [],
+    }
     assert body["choices"][0]["finish_reason"] == "stop"
     assert body["usage"]["completion_tokens"] == 5
     assert body["usage"]["total_tokens"] == body["usage"]["prompt_tokens"] + 5
@@ -70,7 +75,7 @@ async def test_chat_streaming_framing():
         frames = sse_events(await r.get_data())
     assert frames[-1] == "[DONE]"
     chunks = [json.loads(f) for f in frames[:-1]]
-    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": "", "refusal": None}
     text = "".join(ch["choices"][0]["delta"].get("content") or "" for ch in chunks if ch["choices"])
     assert text == "HEY"
     assert chunks[-2]["choices"][0]["finish_reason"] == "stop"
@@ -143,7 +148,7 @@ F = [{"type": "function", "function": {"name": "f"}}]
         ({"n": 0}, "n"),
         ({"temperature": 5}, "temperature"),
         ({"max_tokens": 0}, "max_tokens"),
-        ({"max_tokens": 10**7}, "max_tokens"),
+        ({"max_tokens": -1}, "max_tokens"),  # above the cap is clamped (tests/test_max_tokens.py)
         ({"top_logprobs": 3}, "top_logprobs"),  # without logprobs: true
         ({"logprobs": True, "top_logprobs": 50}, "top_logprobs"),
         (
@@ -193,7 +198,7 @@ async def test_unknown_route_is_404_in_openai_format():
 
 
 async def test_unknown_model_is_404_unless_aliases_allowed():
-    async with client() as (c, _, _):
+    async with client(settings_with(model={"accept_other_ids": False})) as (c, _, _):
         err = await error_of(await c.post(CHAT, json=user("x", model="gpt-9")), 404)
         ok = await c.post(CHAT, json=user("x", model="fake-model"))
     assert err["code"] == "model_not_found"
@@ -272,7 +277,11 @@ async def test_too_many_messages_is_400_naming_the_limit():
 @pytest.mark.parametrize(
     ("settings", "extra", "setting"),
     [
-        ({"engine": {"max_tokens_cap": 8}}, {"max_tokens": 9}, "engine.max_tokens_cap"),
+        (
+            {"engine": {"max_tokens_cap": 8, "max_tokens_overflow": "refuse"}},
+            {"max_tokens": 9},
+            "engine.max_tokens_cap",
+        ),
         ({"engine": {"max_stop_strings": 1}}, {"stop": ["a", "b"]}, "engine.max_stop_strings"),
         ({"engine": {"max_stop_length": 2}}, {"stop": "abc"}, "engine.max_stop_length"),
     ],

@@ -193,14 +193,48 @@ async def test_json_response_format_is_accepted():
 
 
 async def test_model_by_id():
-    async with client() as (c, _, _):
+    async with client(settings_with(model={"accept_other_ids": False})) as (c, _, _):
         card = await post_model(c, "/v1/models/fake-model", 200)
         missing = await post_model(c, "/v1/models/other", 404)
     assert card["id"] == "fake-model"
     assert missing["error"]["code"] == "model_not_found"
 
 
+async def test_one_model_serves_any_id_and_names_itself():
+    """model.accept_other_ids = "auto" with one model: any id is served by it; answers,
+    the model card and the mlxd-model header name the served model."""
+    async with client() as (c, _, _):
+        r = await c.post(CHAT, json=user("hi", model="gpt-4o"))
+        body = json.loads(await r.get_data())
+        chunks = await post_stream(c, CHAT, user("hi", model="gpt-4o"))
+        text = await post_json(c, "/v1/completions", {"prompt": "x", "model": "davinci"})
+        resp = await post_json(c, "/v1/responses", {"input": "x", "model": "gpt-5"})
+        card = await post_model(c, "/v1/models/gpt-4o", 200)
+    assert r.status_code == 200 and r.headers["mlxd-model"] == "fake-model"
+    assert body["model"] == "fake-model" and body["choices"][0]["message"]["content"] == "HI"
+    assert {ch["model"] for ch in chunks} == {"fake-model"}
+    assert text["model"] == "fake-model" and resp["model"] == "fake-model"
+    assert card["id"] == "fake-model"
+
+
 async def post_model(c, path, status):
     r = await c.get(path)
     assert r.status_code == status
     return json.loads(await r.get_data())
+
+
+async def test_several_models_an_unknown_id_is_404_unless_forced_and_the_header_names_it():
+    from tests.test_models_multi import FakeModel, ask, multi_settings, served
+
+    models = {"a": FakeModel(), "b": FakeModel()}
+    async with served(multi_settings("a", "b"), models) as (c, _):
+        b = await c.post(CHAT, json=ask("b"))
+        unknown = await c.post(CHAT, json=ask("gpt-4o"))
+    assert b.headers["mlxd-model"] == "b"
+    assert unknown.status_code == 404 and "mlxd-model" not in unknown.headers
+    forced = multi_settings("a", "b")
+    forced.model.accept_other_ids = True
+    async with served(forced, {"a": FakeModel(), "b": FakeModel()}) as (c, _):
+        r = await c.post(CHAT, json=ask("gpt-4o"))
+    assert r.status_code == 200 and r.headers["mlxd-model"] == "a"
+    assert json.loads(await r.get_data())["model"] == "a"

@@ -76,6 +76,9 @@ def decode(decoder: msgspec.json.Decoder, body: bytes, max_depth: int = 64):
 
 
 SEED_MAX = 2**63 - 1
+# Below this a temperature samples as greedy decoding does, and 1/T (the sampler scales the
+# logits by it) could overflow: such a request is decoded greedily.
+GREEDY_BELOW = 1e-5
 PRIORITY_RANGE = (-(2**31), 2**31 - 1)
 _FINITE = (
     "temperature",
@@ -85,6 +88,11 @@ _FINITE = (
     "frequency_penalty",
     "repetition_penalty",
 )
+
+
+def greedy_below(temperature: float) -> float:
+    """A temperature in [0, ``GREEDY_BELOW``) is 0: greedy."""
+    return 0.0 if 0.0 <= temperature < GREEDY_BELOW else temperature
 
 
 class Validator:
@@ -140,13 +148,11 @@ class Validator:
         max_tokens_param: str = "max_tokens",
         top_logprobs_param: str = "top_logprobs",
     ) -> SamplingParams:
-        """Range checks on sampling options already taken from the wire (top_k -1 → 0, off)."""
+        """Range checks on sampling options already taken from the wire (top_k -1 → 0, off;
+        ``max_tokens`` above ``engine.max_tokens_cap`` clamped to it, or refused when
+        ``engine.max_tokens_overflow = "refuse"``; a tiny temperature → 0, greedy)."""
         e = self.engine
-        check(
-            params.max_tokens is None or 1 <= params.max_tokens <= e.max_tokens_cap,
-            max_tokens_param,
-            f"{max_tokens_param} must be between 1 and {e.max_tokens_cap} (engine.max_tokens_cap)",
-        )
+        params = self.max_tokens(params, max_tokens_param)
         for name in _FINITE:
             check(math.isfinite(getattr(params, name)), name, f"{name} must be a finite number")
         check(0.0 <= params.temperature <= 2.0, "temperature", "temperature must be in [0, 2]")
@@ -166,7 +172,24 @@ class Validator:
             f"{top_logprobs_param} must be between 0 and {e.max_top_logprobs} "
             "(engine.max_top_logprobs)",
         )
-        return msgspec.structs.replace(params, top_k=self.top_k(params.top_k))
+        return msgspec.structs.replace(
+            params, top_k=self.top_k(params.top_k), temperature=greedy_below(params.temperature)
+        )
+
+    def max_tokens(self, params: SamplingParams, param: str) -> SamplingParams:
+        """At least 1; above the cap, the cap (``clamp``) or a 400 (``refuse``). The
+        tokenizer stage clamps it again to the context and memory left after the prompt."""
+        e, asked = self.engine, params.max_tokens
+        if asked is None or asked <= e.max_tokens_cap:
+            check(asked is None or asked >= 1, param, f"{param} must be at least 1")
+            return params
+        check(
+            e.max_tokens_overflow == "clamp",
+            param,
+            f"{param} must be between 1 and {e.max_tokens_cap} (engine.max_tokens_cap; "
+            'engine.max_tokens_overflow = "clamp" lowers it instead)',
+        )
+        return msgspec.structs.replace(params, max_tokens=e.max_tokens_cap)
 
     def top_k(self, top_k: int) -> int:
         """0 (or -1, as vLLM spells it) is off; otherwise below the vocabulary size."""
@@ -308,6 +331,35 @@ def check_tools(tools: tuple[Tool, ...], param: str = "tools") -> tuple[Tool, ..
     check(all(names), param, "every tool needs a name")
     check(len(set(names)) == len(names), param, "tool names must be unique")
     return tools
+
+
+def check_role(role: str, allowed: tuple[str, ...], param: str) -> None:
+    """A message's role, one of ``allowed`` (a template given another may render nonsense)."""
+    check(role in allowed, param, f"role must be one of {', '.join(allowed)}; got {role[:40]!r}")
+
+
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
+_THINKING_OFF = ("none", "minimal")
+
+
+def reasoning_kwargs(effort: str | None, kwargs: dict, param: str) -> dict:
+    """``kwargs`` with the template's ``enable_thinking`` set by a reasoning effort
+    (``none`` / ``minimal``: off, the others: on; None: left to the template). An
+    ``enable_thinking`` of ``chat_template_kwargs`` that disagrees is a 400."""
+    if effort is None:
+        return kwargs
+    check(
+        effort in REASONING_EFFORTS,
+        param,
+        f"{param} must be one of {', '.join(REASONING_EFFORTS)}; got {effort[:40]!r}",
+    )
+    thinking = effort not in _THINKING_OFF
+    check(
+        kwargs.get("enable_thinking", thinking) == thinking,
+        param,
+        f"{param} {effort!r} contradicts chat_template_kwargs.enable_thinking",
+    )
+    return {**kwargs, "enable_thinking": thinking}
 
 
 def template_kwargs(kwargs: dict | None, param: str = "chat_template_kwargs") -> dict:

@@ -21,9 +21,11 @@ from mlxd.daemon.api.common import (
     Validator,
     both_constraints,
     check,
+    check_role,
     collect,
     json_constraint,
     json_response,
+    reasoning_kwargs,
     start,
     template_kwargs,
     tool_choice,
@@ -151,42 +153,95 @@ def _part(p: wire.WirePart) -> ContentPart:
     return ImagePart(url=url) if isinstance(url, str) else ImagePart(url=url.url, detail=url.detail)
 
 
-def _message(m: wire.WireMessage) -> Message:
-    calls = tuple(
-        ToolCall(id=c.id, name=c.function.name, arguments=c.function.arguments)
-        for c in m.tool_calls or ()
-    )
-    content = m.content
-    return Message(
-        role=m.role,
-        content=tuple(_part(p) for p in content) if isinstance(content, list) else content,
-        name=m.name,
-        tool_calls=calls,
-        tool_call_id=m.tool_call_id,
-    )
+def _messages(wire_messages: list[wire.WireMessage]) -> tuple[Message, ...]:
+    """The conversation; a legacy ``function_call`` is a tool call (with an id made up for
+    it) and a ``function`` turn the result of the latest one."""
+    out, legacy_id = [], None
+    for i, m in enumerate(wire_messages):
+        check_role(m.role, wire.ROLES, f"messages[{i}].role")
+        calls = [
+            ToolCall(id=c.id, name=c.function.name, arguments=c.function.arguments)
+            for c in m.tool_calls or ()
+        ]
+        if m.function_call is not None:
+            legacy_id = f"call_{i}"
+            f = m.function_call
+            calls.append(ToolCall(id=legacy_id, name=f.name, arguments=f.arguments))
+        content = m.content
+        out.append(
+            Message(
+                role="tool" if m.role == "function" else m.role,
+                content=tuple(_part(p) for p in content) if isinstance(content, list) else content,
+                name=m.name,
+                tool_calls=tuple(calls),
+                tool_call_id=legacy_id if m.role == "function" else m.tool_call_id,
+            )
+        )
+    return tuple(out)
 
 
-def chat_requests(w: wire.ChatCompletionRequest, rid: str, v: Validator) -> list[ChatRequest]:
-    n = v.n(w.n)
+def _tools(w: wire.ChatCompletionRequest, v: Validator):
+    """(tools, choice for the template, forcing constraint or None), from ``tools`` and
+    ``tool_choice`` or their legacy names ``functions`` and ``function_call``."""
+    legacy = w.functions is not None or w.function_call is not None
+    check(
+        not legacy or (w.tools is None and w.tool_choice is None),
+        "functions",
+        "functions / function_call (legacy) cannot be combined with tools / tool_choice",
+    )
+    defs = list(w.functions or ()) if legacy else [t.function for t in w.tools or ()]
+    param = "functions" if legacy else "tools"
+    tools = v.tools(
+        tuple(
+            Tool(name=f.name, description=f.description, parameters=f.parameters or {})
+            for f in defs
+        ),
+        param,
+    )
+    asked = w.function_call if legacy else w.tool_choice
+    if isinstance(asked, wire.NamedToolChoice):
+        asked = asked.function
+    named = asked.name if isinstance(asked, wire.NamedFunction) else None
+    plain = asked if isinstance(asked, str) else None
+    return tools, *tool_choice(plain, tools, named, "function_call" if legacy else "tool_choice")
+
+
+def _unsupported(w: wire.ChatCompletionRequest) -> None:
+    """Fields that would change the answer in ways mlxd cannot: a 400 unless they ask for
+    what it does anyway."""
     check(
         w.chat_template is None,
         "chat_template",
         "requests cannot set the chat template; the server's (model.chat_template) or the "
         "model's own is used",
     )
-    tools = v.tools(
-        tuple(
-            Tool(
-                name=t.function.name,
-                description=t.function.description,
-                parameters=t.function.parameters or {},
-            )
-            for t in w.tools or ()
-        )
+    check(
+        all(m == "text" for m in w.modalities or ()),
+        "modalities",
+        'only text output is available (modalities: ["text"])',
     )
-    named = w.tool_choice.function.name if isinstance(w.tool_choice, wire.NamedToolChoice) else None
-    plain = w.tool_choice if isinstance(w.tool_choice, str) else None
-    choice, forced = tool_choice(plain, tools, named, "tool_choice")
+    check(w.audio is None, "audio", "audio output is not available; mlxd answers in text")
+    check(
+        w.web_search_options is None,
+        "web_search_options",
+        "web search is not available; mlxd answers from the model alone",
+    )
+    check(
+        w.verbosity in (None, "medium"),
+        "verbosity",
+        "verbosity other than 'medium' is not available; ask for brevity in the prompt",
+    )
+
+
+def is_legacy(w: wire.ChatCompletionRequest) -> bool:
+    """Legacy function calling: answered with ``function_call``, not ``tool_calls``."""
+    return w.functions is not None or w.function_call is not None
+
+
+def chat_requests(w: wire.ChatCompletionRequest, rid: str, v: Validator) -> list[ChatRequest]:
+    n = v.n(w.n)
+    _unsupported(w)
+    tools, choice, forced = _tools(w, v)
     constraint = both_constraints(response_constraint(w.response_format), forced)
     check(not w.top_logprobs or bool(w.logprobs), "top_logprobs", "needs logprobs: true")
     sampling = sampling_from(
@@ -199,9 +254,12 @@ def chat_requests(w: wire.ChatCompletionRequest, rid: str, v: Validator) -> list
         top_logprobs=w.top_logprobs or 0,
     )
     v.messages(len(w.messages))
-    messages = tuple(_message(m) for m in w.messages)
+    messages = _messages(w.messages)
     v.history(messages, "messages", exact=True)
     kwargs = template_kwargs(w.chat_template_kwargs)
+    kwargs = reasoning_kwargs(w.reasoning_effort, kwargs, "reasoning_effort")
+    # legacy function calling has one call per answer
+    parallel = not is_legacy(w) and w.parallel_tool_calls is not False
     return [
         ChatRequest(
             request_id=cid,
@@ -210,10 +268,11 @@ def chat_requests(w: wire.ChatCompletionRequest, rid: str, v: Validator) -> list
             arrival=time.time(),
             tools=tools,
             tool_choice=choice,
-            parallel_tool_calls=w.parallel_tool_calls,
+            parallel_tool_calls=parallel,
             template_kwargs=kwargs,
             constraint=constraint,
             priority=v.priority(w.priority),
+            cache_key=w.prompt_cache_key or "",
         )
         for i, cid in enumerate(choice_ids(rid, n))
     ]
@@ -271,20 +330,38 @@ def _delta_calls(calls: tuple[ToolCallDelta, ...]) -> list[wire.DeltaToolCall] |
     ]
 
 
-def chat_choice(i: int, c: Choice, logprobs: bool) -> wire.ChatChoice:
+def finish_reason(reason: str, legacy: bool) -> str:
+    return "function_call" if legacy and reason == "tool_calls" else reason
+
+
+def chat_choice(i: int, c: Choice, logprobs: bool, legacy: bool = False) -> wire.ChatChoice:
+    """One choice's message; ``legacy``: its call as ``function_call`` (there is one at most)."""
     assert c.finished is not None
+    calls = [_out_call(call) for call in c.calls]
     message = wire.AssistantMessage(
         role="assistant",
         content=c.text if c.text or not c.calls else None,
+        refusal=None,
+        annotations=[],
         reasoning_content=c.reasoning or None,
-        tool_calls=[_out_call(call) for call in c.calls] or None,
+        tool_calls=None if legacy else calls or None,
+        function_call=calls[0].function if legacy and calls else None,
     )
     return wire.ChatChoice(
         index=i,
         message=message,
-        finish_reason=c.finished.finish_reason,
+        finish_reason=finish_reason(c.finished.finish_reason, legacy),
         logprobs=chat_logprobs(c.logprobs) if logprobs else None,
     )
+
+
+def _delta_function(calls: tuple[ToolCallDelta, ...]) -> wire.DeltaFunction | None:
+    """Legacy streaming: the one call's name first, then its arguments."""
+    mine = [c for c in calls if c.index == 0]  # one call: parallel calls are off
+    if not mine:
+        return None
+    name = next((c.name for c in mine if c.id is not None), None)
+    return wire.DeltaFunction(name=name, arguments="".join(c.arguments for c in mine))
 
 
 _DONE = b"data: [DONE]\n\n"
@@ -318,23 +395,31 @@ class _Stream:
 
 
 class ChatStream(_Stream):
-    """Chat completion chunks for one request's merged choice events."""
+    """Chat completion chunks for one request's merged choice events; ``legacy``: calls as
+    ``function_call`` deltas."""
+
+    def __init__(self, rid: str, model: str, n: int, include_usage: bool, legacy: bool = False):
+        super().__init__(rid, model, n, include_usage)
+        self.legacy = legacy
 
     def opening(self) -> list[bytes]:
-        delta = wire.Delta(role="assistant", content="")
+        delta = wire.Delta(role="assistant", content="", refusal=None)
         return [self.chunk([wire.ChunkChoice(index=i, delta=delta)]) for i in range(self.n)]
 
     def delta(self, i: int, event: TextDelta) -> list[bytes]:
+        calls = event.tool_calls
         delta = wire.Delta(
             content=event.text or None,
             reasoning_content=event.reasoning or None,
-            tool_calls=_delta_calls(event.tool_calls),
+            tool_calls=None if self.legacy else _delta_calls(calls),
+            function_call=_delta_function(calls) if self.legacy else None,
         )
         lp = chat_logprobs(event.logprobs)
         return [self.chunk([wire.ChunkChoice(index=i, delta=delta, logprobs=lp)])]
 
     def finished(self, i: int, event: Finished) -> list[bytes]:
-        end = wire.ChunkChoice(index=i, delta=wire.Delta(), finish_reason=event.finish_reason)
+        reason = finish_reason(event.finish_reason, self.legacy)
+        end = wire.ChunkChoice(index=i, delta=wire.Delta(), finish_reason=reason)
         return [self.chunk([end])]
 
 
@@ -437,13 +522,15 @@ async def chat(pipeline: Pipeline, v: Validator, model: str, w: wire.ChatComplet
     first, rest = await start(pipeline, requests, model)  # type: ignore[arg-type]
     if w.stream:
         include = bool(w.stream_options and w.stream_options.include_usage)
-        return sse.stream(ChatStream(rid, model, len(requests), include), first, rest)
+        stream = ChatStream(rid, model, len(requests), include, is_legacy(w))
+        return sse.stream(stream, first, rest)
     choices = await collect(len(requests), first, rest)
+    legacy = is_legacy(w)
     body = wire.ChatCompletion(
         id=rid,
         created=int(time.time()),
         model=model,
-        choices=[chat_choice(i, c, bool(w.logprobs)) for i, c in enumerate(choices)],
+        choices=[chat_choice(i, c, bool(w.logprobs), legacy) for i, c in enumerate(choices)],
         usage=usage(usage_of(choices)),
     )
     return json_response(body)
@@ -504,10 +591,10 @@ def _routes(app: Blueprint, pipeline: Pipeline, v: Validator, select: Select) ->
 
     @app.get("/v1/models/<path:model_id>")
     async def model(model_id: str) -> Response:
-        served, _ = select(model_id)
+        served, _ = select(model_id)  # another id (model.accept_other_ids): the served card
         assert pipeline.models is not None
         status = pipeline.models.entries[served].state
-        return json_response(wire.ModelCard(id=model_id, created=0, status=status))
+        return json_response(wire.ModelCard(id=served, created=0, status=status))
 
 
 def _echo(prompt: str | tuple[int, ...], pipeline: Pipeline, model: str) -> str:
