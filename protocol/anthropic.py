@@ -1,7 +1,9 @@
 """Anthropic Messages wire structs (``/v1/messages``, ``/v1/messages/count_tokens``).
 
 Content blocks are a tagged union on ``type``: an unknown block type is a 400
-naming its path. Unknown fields are ignored, as everywhere in mlxd.
+naming its path. Unknown fields are ignored, as everywhere in mlxd; the fields
+Claude Code and the SDKs send are declared, so each is either honoured or
+refused by ``daemon/api/anthropic.py``.
 """
 
 from __future__ import annotations
@@ -11,9 +13,18 @@ from typing import Any, Literal
 import msgspec
 
 
+class CacheControl(msgspec.Struct, kw_only=True):
+    """A prompt-caching breakpoint: the prompt up to here is worth a prefix-cache
+    snapshot. ``ttl`` is accepted; snapshots live until the cache evicts them."""
+
+    type: Literal["ephemeral"] = "ephemeral"
+    ttl: str | None = None
+
+
 class TextBlock(msgspec.Struct, tag="text", tag_field="type", kw_only=True):
     text: str
-    cache_control: dict[str, Any] | None = None  # prompt caching hint; mlxd has no cache to steer
+    cache_control: CacheControl | None = None
+    citations: list[dict[str, Any]] | None = None  # earlier answers' citations; not rendered
 
 
 class Base64Source(msgspec.Struct, tag="base64", tag_field="type", kw_only=True):
@@ -29,29 +40,36 @@ class ImageBlock(msgspec.Struct, tag="image", tag_field="type", kw_only=True):
     """An image for a vision model; any other source type (``file``) is a 400."""
 
     source: Base64Source | UrlSource
+    cache_control: CacheControl | None = None
 
 
 class ToolUseBlock(msgspec.Struct, tag="tool_use", tag_field="type", kw_only=True):
     id: str
     name: str
     input: dict[str, Any]
+    cache_control: CacheControl | None = None
 
 
 class ToolResultBlock(msgspec.Struct, tag="tool_result", tag_field="type", kw_only=True):
     tool_use_id: str
     content: str | list[TextBlock | ImageBlock] = ""
     is_error: bool = False
+    cache_control: CacheControl | None = None
 
 
 class ThinkingBlock(msgspec.Struct, tag="thinking", tag_field="type", kw_only=True):
+    """Earlier thinking; accepted (with any signature) and not sent back to the template."""
+
     thinking: str
     signature: str = ""
+    cache_control: CacheControl | None = None
 
 
 class RedactedThinkingBlock(
     msgspec.Struct, tag="redacted_thinking", tag_field="type", kw_only=True
 ):
     data: str
+    cache_control: CacheControl | None = None
 
 
 Block = (
@@ -60,15 +78,25 @@ Block = (
 
 
 class InputMessage(msgspec.Struct, kw_only=True):
-    role: Literal["user", "assistant"]
+    """A turn; ``system`` turns (Claude Code sends them mid-conversation) hold text only."""
+
+    role: Literal["user", "assistant", "system"]
     content: str | list[Block]
 
 
 class ToolDef(msgspec.Struct, kw_only=True):
-    name: str
+    """A tool definition. ``type`` "custom" or absent; any other type is one of Anthropic's
+    server tools (web search, code execution, tool search, MCP toolsets, ...): a 400."""
+
+    name: str = ""
     input_schema: dict[str, Any] = {}
     description: str = ""
-    type: str | None = None  # "custom" or absent; Anthropic's server tools are refused
+    type: str | None = None
+    cache_control: CacheControl | None = None
+    defer_loading: bool = False  # true: left out of the prompt, as Anthropic does
+    input_examples: list[dict[str, Any]] | None = None  # shown to the model with the description
+    eager_input_streaming: bool | None = None  # tool input streams once the call is parsed
+    strict: bool | None = None  # schemas are always enforced when a call is forced
 
 
 class ToolChoice(msgspec.Struct, kw_only=True):
@@ -78,8 +106,57 @@ class ToolChoice(msgspec.Struct, kw_only=True):
 
 
 class ThinkingConfig(msgspec.Struct, kw_only=True):
-    type: Literal["enabled", "disabled"]
+    """``enabled`` (with a budget), ``adaptive`` (the model decides; mlxd: on unless the
+    effort is low) or ``disabled``; ``display`` "omitted" returns empty thinking blocks."""
+
+    type: Literal["enabled", "disabled", "adaptive"]
     budget_tokens: int | None = None
+    display: Literal["summarized", "omitted"] | None = None
+
+
+class OutputFormat(msgspec.Struct, kw_only=True):
+    type: str
+    schema: dict[str, Any] | None = None
+
+
+class OutputConfig(msgspec.Struct, kw_only=True):
+    effort: Literal["low", "medium", "high", "xhigh", "max"] | None = None
+    format: OutputFormat | None = None
+
+
+class TokenCount(msgspec.Struct, kw_only=True):
+    """``{"type": "input_tokens" | "tool_uses", "value": n}`` in a context edit."""
+
+    type: Literal["input_tokens", "tool_uses"]
+    value: int
+
+
+class ClearToolUses(msgspec.Struct, tag="clear_tool_uses_20250919", tag_field="type", kw_only=True):
+    """Replace old tool results with a placeholder once the prompt passes ``trigger``."""
+
+    trigger: TokenCount | None = None  # default: 100,000 input tokens
+    keep: TokenCount | None = None  # default: the 3 latest tool uses
+    clear_at_least: TokenCount | None = None
+    exclude_tools: list[str] | None = None
+    clear_tool_inputs: bool | list[str] = False
+
+
+class ThinkingTurns(msgspec.Struct, kw_only=True):
+    type: Literal["thinking_turns"]
+    value: int
+
+
+class ClearThinking(msgspec.Struct, tag="clear_thinking_20251015", tag_field="type", kw_only=True):
+    """Drop earlier thinking: mlxd never sends earlier thinking to the template."""
+
+    keep: Literal["all"] | ThinkingTurns | None = None
+
+
+ContextEdit = ClearToolUses | ClearThinking
+
+
+class ContextManagement(msgspec.Struct, kw_only=True):
+    edits: list[dict[str, Any]] = []  # each converted to a ContextEdit (unknown type: a 400)
 
 
 class CountTokensRequest(msgspec.Struct, kw_only=True):
@@ -89,6 +166,12 @@ class CountTokensRequest(msgspec.Struct, kw_only=True):
     tools: list[ToolDef] | None = None
     tool_choice: ToolChoice | None = None
     thinking: ThinkingConfig | None = None
+    output_config: OutputConfig | None = None
+    output_format: OutputFormat | None = None  # the structured-outputs beta's older spelling
+    context_management: ContextManagement | None = None
+    mcp_servers: list[dict[str, Any]] | None = None  # refused: mlxd reaches no MCP server
+    container: Any = None  # refused: mlxd runs no code-execution container
+    chat_template: Any = None  # refused: the template is the server's
 
 
 class MessagesRequest(CountTokensRequest, kw_only=True):
@@ -99,18 +182,24 @@ class MessagesRequest(CountTokensRequest, kw_only=True):
     top_k: int = 0
     stream: bool = False
     metadata: dict[str, Any] | None = None  # user_id for the operator's logs; no effect on output
+    service_tier: str | None = None  # one tier here
 
 
 # ---- responses ----------------------------------------------------------------------
 
 
 class Usage(msgspec.Struct, kw_only=True):
+    """``input_tokens`` are the prompt tokens not read from the prefix cache."""
+
     input_tokens: int
     output_tokens: int
+    cache_creation_input_tokens: int = 0
+    cache_read_input_tokens: int = 0
 
 
 class OutText(msgspec.Struct, tag="text", tag_field="type", kw_only=True):
     text: str
+    citations: None = None
 
 
 class OutThinking(msgspec.Struct, tag="thinking", tag_field="type", kw_only=True):
@@ -124,15 +213,18 @@ class OutToolUse(msgspec.Struct, tag="tool_use", tag_field="type", kw_only=True)
     input: dict[str, Any]
 
 
-class Message(msgspec.Struct, kw_only=True):
+class Message(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """The answer; ``context_management`` only when the request asked for edits."""
+
     id: str
+    type: Literal["message"]
+    role: Literal["assistant"]
     model: str
     content: list[OutText | OutThinking | OutToolUse]
     stop_reason: str | None
     stop_sequence: str | None
     usage: Usage
-    type: str = "message"
-    role: str = "assistant"
+    context_management: dict[str, Any] | None = None
 
 
 encoder = msgspec.json.Encoder()

@@ -54,7 +54,7 @@ async def test_message_body():
             c, ask("hello", system="be brief", temperature=0, top_k=5, metadata={"user_id": "u"})
         )
     assert body["type"] == "message" and body["role"] == "assistant"
-    assert body["content"] == [{"type": "text", "text": "HELLO"}]
+    assert body["content"] == [{"type": "text", "text": "HELLO", "citations": None}]
     assert body["stop_reason"] == "end_turn" and body["stop_sequence"] is None
     assert body["usage"]["output_tokens"] == 5
 
@@ -67,7 +67,7 @@ async def test_stream_event_sequence():
     assert kinds[-3:] == ["content_block_stop", "message_delta", "message_stop"]
     assert set(kinds[3:-3]) == {"content_block_delta"}
     assert evs[0]["message"]["content"] == [] and evs[0]["message"]["usage"]["input_tokens"] > 0
-    assert evs[2]["content_block"] == {"type": "text", "text": ""}
+    assert evs[2]["content_block"] == {"type": "text", "text": "", "citations": None}
     assert "".join(e["delta"]["text"] for e in evs[3:-3]) == "HEY"
     assert evs[-2]["delta"] == {"stop_reason": "end_turn", "stop_sequence": None}
     assert evs[-2]["usage"]["output_tokens"] == 3
@@ -89,7 +89,7 @@ async def test_tool_use_streaming_and_not():
         evs = await stream(c, body)
     assert full["stop_reason"] == "tool_use"
     text, use = full["content"]
-    assert text == {"type": "text", "text": "Sure. "}
+    assert text == {"type": "text", "text": "Sure. ", "citations": None}
     assert (
         use["type"] == "tool_use"
         and use["name"] == "get_weather"
@@ -114,10 +114,10 @@ async def test_thinking_block_first():
     async with client(settings) as (c, _, _):
         full = await post(c, body)
         evs = await stream(c, body)
-    assert full["content"] == [
-        {"type": "thinking", "thinking": "hmm", "signature": ""},
-        {"type": "text", "text": "Done."},
-    ]
+    thinking, text = full["content"]
+    assert thinking["type"] == "thinking" and thinking["thinking"] == "hmm"
+    assert thinking["signature"]  # opaque, never empty
+    assert text == {"type": "text", "text": "Done.", "citations": None}
     starts = [e["content_block"]["type"] for e in evs if e["type"] == "content_block_start"]
     assert starts == ["thinking", "text"]
 
@@ -160,7 +160,6 @@ async def test_tool_result_history_and_count_tokens():
             400,
             "invalid_request_error",
         ),
-        (ask("x", model="claude-9"), 404, "not_found_error"),
         (ask("x", temperature=9), 400, "invalid_request_error"),
         (
             ask("x", tools=TOOLS, tool_choice={"type": "tool", "name": "nope"}),
@@ -176,6 +175,12 @@ async def test_errors_in_anthropic_format(body, status, kind):
     assert err["type"] == "error"
     assert err["error"]["type"] == kind
     assert set(err["error"]) == {"type", "message"}
+
+
+async def test_unknown_model_is_not_found_when_other_ids_are_refused():
+    async with client(settings_with(model={"accept_other_ids": False})) as (c, _, _):
+        err = await post(c, ask("x", model="claude-9"), 404)
+    assert err["error"]["type"] == "not_found_error"
 
 
 async def test_oversized_body_is_request_too_large():

@@ -2,22 +2,54 @@
 
 Requests become the same ``ChatRequest`` as OpenAI chat (``tool_use`` blocks
 → assistant tool calls, ``tool_result`` blocks → ``tool`` turns, ``system`` →
-a system turn), so the output is the same; it is shaped into content blocks
+the system turn), so the output is the same; it is shaped into content blocks
 (``thinking``, ``text``, ``tool_use``) and, streaming, into Anthropic's exact
 event sequence: ``message_start``, ``ping``, per block
 ``content_block_start`` / ``content_block_delta`` / ``content_block_stop``,
-``message_delta`` (stop reason, usage), ``message_stop``. ``x-api-key`` and
-``anthropic-version`` headers are accepted (mlxd has no keys). Errors use
-``{"type": "error", "error": {"type", "message"}}``.
+``message_delta`` (stop reason, cumulative usage), ``message_stop``.
+``x-api-key``, ``anthropic-version`` and ``anthropic-beta`` headers are
+accepted (mlxd has no keys). Errors use ``{"type": "error", "error": {"type", "message"}}``.
+
+What Claude Code sends, and what each field does here:
+
+- ``system`` blocks join into the system prompt, except a first line starting
+  ``x-anthropic-billing-header:`` (a per-release tag that would defeat every
+  prefix-cache hit), which is dropped. ``role: "system"`` turns before the first
+  user or assistant turn join the system prompt too; later ones become user text
+  wrapped in ``<system-reminder>`` where they stand (after the tool results of the
+  next user turn, so a tool call and its result stay adjacent): templates accept
+  that, and the system prompt, hence the cached prefix, stays put.
+- ``cache_control`` on any block or tool marks a prefix-cache breakpoint
+  (``ChatRequest.cache_breakpoints``: the message holding the block; the system
+  message for ``system`` blocks and tools).
+- ``thinking`` ``enabled`` / ``adaptive`` / ``disabled`` and ``output_config.effort``
+  set the template's ``enable_thinking`` (``low`` effort turns adaptive thinking
+  off); ``display: "omitted"`` returns thinking blocks with empty text. Every
+  thinking block carries a signature (a digest of its text; mlxd checks none).
+- ``output_config.format`` (``json_schema``) constrains the answer like OpenAI's
+  ``response_format``; ``context_management`` edits: ``clear_thinking_*`` is what
+  mlxd always does (earlier thinking never reaches the template),
+  ``clear_tool_uses_*`` replaces old tool results as Anthropic documents
+  (``edit_context``); other edit types, ``mcp_servers``, ``container``,
+  ``chat_template`` and server tools are a 400.
+- Tools with ``defer_loading`` stay out of the prompt; ``input_examples`` are
+  appended to the description.
+- The answer echoes the requested ``model``; tool-use ids are ``toolu_…``;
+  ``usage.input_tokens`` counts the prompt tokens not read from the prefix cache,
+  ``cache_read_input_tokens`` those read from it, ``cache_creation_input_tokens``
+  is 0 (writing a snapshot costs nothing extra here).
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
+import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
 
 import msgspec
 import trio
@@ -30,6 +62,7 @@ from mlxd.daemon.api.common import (
     Validator,
     check,
     collect,
+    json_constraint,
     json_response,
     start,
     tool_choice,
@@ -40,6 +73,7 @@ from mlxd.daemon.pipeline import Pipeline
 from mlxd.protocol import anthropic as wire
 from mlxd.protocol.messages import (
     ChatRequest,
+    Constraint,
     ContentPart,
     Finished,
     ImagePart,
@@ -53,6 +87,14 @@ from mlxd.protocol.messages import (
 )
 from quart import Blueprint, Response, request
 from quart_trio import QuartTrio
+
+log = logging.getLogger("mlxd")
+
+BILLING_HEADER = "x-anthropic-billing-header:"
+# What a cleared tool result (context_management clear_tool_uses) reads.
+CLEARED_RESULT = "[tool result cleared to save context]"
+TRIGGER_TOKENS = 100_000  # clear_tool_uses' default trigger, as Anthropic's
+KEEP_TOOL_USES = 3  # and its default number of latest tool uses kept
 
 # Anthropic's error ``type`` per reason; the rest (timeouts, bugs) are ``api_error``.
 _TYPES: dict[ErrorReason, str] = {
@@ -95,6 +137,9 @@ class AnthropicErrors(ErrorFormat):
 ERRORS = AnthropicErrors(_TYPES, "api_error")
 
 
+# ---- the conversation ----------------------------------------------------------------
+
+
 def _result_part(x: wire.TextBlock | wire.ImageBlock) -> ContentPart:
     return TextPart(text=x.text) if isinstance(x, wire.TextBlock) else image_part(x)
 
@@ -118,72 +163,170 @@ def image_part(block: wire.ImageBlock) -> ImagePart:
     return ImagePart(url=source.url)
 
 
-def _user_turns(content: list[wire.Block]) -> list[Message]:
-    """Tool results first (as ``tool`` turns), then the user's own text and images."""
-    turns = [
-        Message(
-            role="tool",
-            tool_call_id=b.tool_use_id,
-            content=_tool_result(b),
-        )
-        for b in content
-        if isinstance(b, wire.ToolResultBlock)
-    ]
-    parts: list[ContentPart] = []
-    for b in content:
-        if isinstance(b, wire.TextBlock):
-            parts.append(TextPart(text=b.text))
-        elif isinstance(b, wire.ImageBlock):
-            parts.append(image_part(b))
-        elif isinstance(b, wire.ToolUseBlock):
-            raise ApiError(
-                "invalid_request", "tool_use blocks belong in assistant turns", param="messages"
+def _marked(block: wire.Block) -> bool:
+    """Whether a block (or, for a tool result, any block inside it) has ``cache_control``."""
+    if block.cache_control is not None:
+        return True
+    inner = block.content if isinstance(block, wire.ToolResultBlock) else ""
+    return not isinstance(inner, str) and any(x.cache_control is not None for x in inner)
+
+
+def _without_billing(text: str) -> tuple[str, bool]:
+    """``text`` less a first line holding Claude Code's billing header (and whether it had one)."""
+    if not text.startswith(BILLING_HEADER):
+        return text, False
+    return text.partition("\n")[2], True
+
+
+@dataclass
+class Conversation:
+    """The ``ChatRequest`` messages of a wire request, built turn by turn.
+
+    ``breakpoints``: indices into ``messages`` whose message holds a ``cache_control``
+    block; ``billing``: a billing-header line was dropped; ``reminders``: mid-conversation
+    system text waiting for its place (after the next user turn's tool results).
+    """
+
+    messages: list[Message] = field(default_factory=list)
+    breakpoints: set[int] = field(default_factory=set)
+    billing: bool = False
+    reminders: list[tuple[str, bool]] = field(default_factory=list)
+
+    def add(self, message: Message, marked: bool = False) -> None:
+        if marked:
+            self.breakpoints.add(len(self.messages))
+        self.messages.append(message)
+
+    def system_text(self, content: str | list[wire.TextBlock]) -> tuple[str, bool]:
+        """The text of system content (billing header dropped) and whether it is marked."""
+        if isinstance(content, str):
+            content = [wire.TextBlock(text=content)]
+        texts = []
+        for b in content:
+            text, billing = _without_billing(b.text)
+            self.billing |= billing
+            if text or not billing:
+                texts.append(text)
+        return "\n".join(texts), any(b.cache_control is not None for b in content)
+
+    def system(self, content: str | list[wire.Block], param: str) -> None:
+        blocks = content if isinstance(content, str) else []
+        if not isinstance(content, str):
+            check(
+                all(isinstance(b, wire.TextBlock) for b in content),
+                param,
+                "system turns hold text blocks only",
             )
-    if parts or not turns:
-        turns.append(Message(role="user", content=tuple(parts)))
-    return turns
+            blocks = [b for b in content if isinstance(b, wire.TextBlock)]
+        text, marked = self.system_text(blocks)
+        if not text:
+            return
+        if any(m.role != "system" for m in self.messages):
+            self.reminders.append((f"<system-reminder>\n{text}\n</system-reminder>", marked))
+        else:
+            self.add(Message(role="system", content=text), marked)
+
+    def flush(self) -> None:
+        """Place the waiting system reminders here, as user text."""
+        for text, marked in self.reminders:
+            self.add(Message(role="user", content=text), marked)
+        self.reminders.clear()
+
+    def user(self, content: list[wire.Block], param: str) -> None:
+        """Tool results first (as ``tool`` turns), then the user's own text and images."""
+        for b in content:
+            if isinstance(b, wire.ToolResultBlock):
+                message = Message(role="tool", tool_call_id=b.tool_use_id, content=_tool_result(b))
+                self.add(message, _marked(b))
+        self.flush()
+        parts: list[ContentPart] = []
+        for b in content:
+            check(
+                not isinstance(b, wire.ToolUseBlock), param, "tool_use belongs in assistant turns"
+            )
+            if isinstance(b, wire.TextBlock):
+                parts.append(TextPart(text=b.text))
+            elif isinstance(b, wire.ImageBlock):
+                parts.append(image_part(b))
+        own = [b for b in content if isinstance(b, wire.TextBlock | wire.ImageBlock)]
+        if parts or not any(isinstance(b, wire.ToolResultBlock) for b in content):
+            self.add(Message(role="user", content=tuple(parts)), any(map(_marked, own)))
+
+    def assistant(self, content: list[wire.Block], param: str) -> None:
+        """Text and tool calls; earlier thinking is not sent back to the template."""
+        check(
+            not any(isinstance(b, wire.ToolResultBlock | wire.ImageBlock) for b in content),
+            param,
+            "assistant turns hold text, thinking and tool_use blocks only",
+        )
+        self.flush()
+        text = "".join(b.text for b in content if isinstance(b, wire.TextBlock))
+        calls = tuple(
+            ToolCall(id=b.id, name=b.name, arguments=json.dumps(b.input, ensure_ascii=False))
+            for b in content
+            if isinstance(b, wire.ToolUseBlock)
+        )
+        self.add(
+            Message(role="assistant", content=text, tool_calls=calls), any(map(_marked, content))
+        )
+
+    def turn(self, m: wire.InputMessage, param: str) -> None:
+        if m.role == "system":
+            self.system(m.content, param)
+        elif isinstance(m.content, str):
+            self.flush()
+            self.add(Message(role=m.role, content=m.content))
+        elif m.role == "user":
+            self.user(m.content, param)
+        else:
+            self.assistant(m.content, param)
 
 
-def _assistant_turn(content: list[wire.Block]) -> Message:
-    """Text and tool calls; earlier thinking is not sent back to the template."""
-    text = "".join(b.text for b in content if isinstance(b, wire.TextBlock))
-    calls = tuple(
-        ToolCall(id=b.id, name=b.name, arguments=json.dumps(b.input, ensure_ascii=False))
-        for b in content
-        if isinstance(b, wire.ToolUseBlock)
-    )
-    check(
-        not any(isinstance(b, wire.ToolResultBlock | wire.ImageBlock) for b in content),
-        "messages",
-        "assistant turns hold text, thinking and tool_use blocks only",
-    )
-    return Message(role="assistant", content=text, tool_calls=calls)
+def conversation(w: wire.CountTokensRequest) -> Conversation:
+    """The request's messages and cache breakpoints (tools' ``cache_control`` marks the
+    system message: templates render tools there)."""
+    c = Conversation()
+    if w.system:
+        text, marked = c.system_text(w.system)
+        if text:
+            c.add(Message(role="system", content=text), marked)
+    for i, m in enumerate(w.messages):
+        c.turn(m, f"messages[{i}]")
+    c.flush()
+    if any(t.cache_control is not None for t in w.tools or []) and c.messages:
+        if c.messages[0].role == "system":
+            c.breakpoints.add(0)
+    return c
 
 
 def messages_of(w: wire.CountTokensRequest) -> tuple[Message, ...]:
-    out: list[Message] = []
-    if w.system:
-        system = w.system if isinstance(w.system, str) else "\n".join(b.text for b in w.system)
-        out.append(Message(role="system", content=system))
-    for m in w.messages:
-        if isinstance(m.content, str):
-            out.append(Message(role=m.role, content=m.content))
-        elif m.role == "user":
-            out += _user_turns(m.content)
-        else:
-            out.append(_assistant_turn(m.content))
-    return tuple(out)
+    return tuple(conversation(w).messages)
+
+
+# ---- tools, thinking, output format ------------------------------------------------------
+
+
+def _description(t: wire.ToolDef) -> str:
+    if not t.input_examples:
+        return t.description
+    examples = "\n".join(json.dumps(x, ensure_ascii=False) for x in t.input_examples)
+    return f"{t.description}\n\nInput examples:\n{examples}".lstrip()
 
 
 def _tools(w: wire.CountTokensRequest, v: Validator):
     defs = w.tools or []
-    check(
-        all(t.type in (None, "custom") for t in defs),
-        "tools",
-        "only custom tools are supported (no Anthropic server tools)",
-    )
+    for i, t in enumerate(defs):
+        check(
+            t.type in (None, "custom"),
+            f"tools[{i}]",
+            f"tool type {t.type!r} is an Anthropic server tool; mlxd runs custom tools only",
+        )
+    offered = [t for t in defs if not t.defer_loading]
     tools = v.tools(
-        tuple(Tool(name=t.name, description=t.description, parameters=t.input_schema) for t in defs)
+        tuple(
+            Tool(name=t.name, description=_description(t), parameters=t.input_schema)
+            for t in offered
+        )
     )
     c = w.tool_choice
     plain = None if c is None or c.type == "tool" else {"any": "required"}.get(c.type, c.type)
@@ -196,11 +339,15 @@ def _tools(w: wire.CountTokensRequest, v: Validator):
 
 
 def _thinking(w: wire.CountTokensRequest, max_tokens: int | None) -> dict:
-    """``thinking`` → the template's ``enable_thinking`` switch (Qwen-style templates)."""
+    """``thinking`` and ``output_config.effort`` → the template's ``enable_thinking``.
+
+    ``enabled`` / ``disabled`` decide; ``adaptive`` (or no ``thinking``) follows the
+    effort as Responses' ``reasoning.effort`` does: ``low`` off, any other on; with
+    neither, the template's default.
+    """
     t = w.thinking
-    if t is None:
-        return {}
-    if t.type == "enabled":
+    effort = w.output_config.effort if w.output_config else None
+    if t is not None and t.type == "enabled":
         budget = t.budget_tokens
         check(budget is not None and budget >= 1024, "thinking.budget_tokens", "must be >= 1024")
         check(
@@ -208,12 +355,88 @@ def _thinking(w: wire.CountTokensRequest, max_tokens: int | None) -> dict:
             "thinking.budget_tokens",
             "must be less than max_tokens",
         )
-    return {"enable_thinking": t.type == "enabled"}
+    if t is not None and t.type != "adaptive":
+        return {"enable_thinking": t.type == "enabled"}
+    if effort is not None:
+        return {"enable_thinking": effort != "low"}
+    return {} if t is None else {"enable_thinking": True}
 
 
-def chat_request(w: wire.CountTokensRequest, rid: str, v: Validator) -> ChatRequest:
+def _constraint(w: wire.CountTokensRequest) -> Constraint | None:
+    """``output_config.format`` (or the older ``output_format``): a JSON schema to follow."""
+    fmt = w.output_config.format if w.output_config and w.output_config.format else None
+    param = "output_config.format"
+    if fmt is None and w.output_format is not None:
+        fmt, param = w.output_format, "output_format"
+    if fmt is None:
+        return None
+    check(fmt.type == "json_schema", param, "the only format type is json_schema")
+    return json_constraint("json_schema", fmt.schema, param)
+
+
+def _refusals(w: wire.CountTokensRequest) -> None:
+    """Fields mlxd cannot honour: a 400 each, never silently ignored."""
+    check(
+        not w.mcp_servers,
+        "mcp_servers",
+        "mlxd cannot reach MCP servers; connect them in the client (as Claude Code does)",
+    )
+    check(w.container is None, "container", "mlxd runs no code-execution containers")
+    check(
+        w.chat_template is None,
+        "chat_template",
+        "requests cannot set the chat template; the server's (model.chat_template) or the "
+        "model's own is used",
+    )
+
+
+def context_edits(w: wire.CountTokensRequest) -> list[wire.ClearToolUses]:
+    """The request's ``clear_tool_uses`` edits; ``clear_thinking`` is what mlxd always does,
+    any other edit type is a 400."""
+    edits = w.context_management.edits if w.context_management else []
+    out = []
+    for i, raw in enumerate(edits):
+        param = f"context_management.edits[{i}]"
+        try:
+            edit = msgspec.convert(raw, type=wire.ContextEdit)
+        except msgspec.ValidationError as exc:
+            raise ApiError(
+                "invalid_request", f"unsupported context edit: {exc}", param=param
+            ) from exc
+        if isinstance(edit, wire.ClearToolUses):
+            _check_clearing(edit, param)
+            out.append(edit)
+    return out
+
+
+def _check_clearing(e: wire.ClearToolUses, param: str) -> None:
+    for name, count, kinds in (
+        ("trigger", e.trigger, ("input_tokens", "tool_uses")),
+        ("keep", e.keep, ("tool_uses",)),
+        ("clear_at_least", e.clear_at_least, ("input_tokens",)),
+    ):
+        if count is not None:
+            check(count.type in kinds, f"{param}.{name}", f"type must be one of {list(kinds)}")
+            check(count.value >= 0, f"{param}.{name}", "value must be >= 0")
+
+
+def chat_request(
+    w: wire.CountTokensRequest,
+    rid: str,
+    v: Validator,
+    on_billing: Callable[[], None] = lambda: None,
+) -> ChatRequest:
+    """The request to run; ``on_billing`` is called when a billing-header line was dropped."""
+    _refusals(w)
+    context_edits(w)
     max_tokens = getattr(w, "max_tokens", None)
     tools, choice, forced, parallel = _tools(w, v)
+    constraint = _constraint(w)
+    check(
+        constraint is None or forced is None,
+        "output_config.format",
+        "cannot be combined with a forced tool call",
+    )
     sampling = SamplingParams()
     if isinstance(w, wire.MessagesRequest):
         sampling = v.sampling(
@@ -225,7 +448,10 @@ def chat_request(w: wire.CountTokensRequest, rid: str, v: Validator) -> ChatRequ
                 stop=v.stops(w.stop_sequences, "stop_sequences"),
             )
         )
-    messages = messages_of(w)
+    c = conversation(w)
+    if c.billing:
+        on_billing()
+    messages = tuple(c.messages)
     v.messages(len(messages))
     v.history(messages, "messages")
     return ChatRequest(
@@ -237,8 +463,88 @@ def chat_request(w: wire.CountTokensRequest, rid: str, v: Validator) -> ChatRequ
         tool_choice=choice,
         parallel_tool_calls=parallel,
         template_kwargs=_thinking(w, max_tokens),
-        constraint=forced,
+        constraint=constraint or forced,
+        cache_breakpoints=tuple(sorted(c.breakpoints)),
     )
+
+
+# ---- context editing: clear_tool_uses -----------------------------------------------------
+
+
+def _tool_names(messages: tuple[Message, ...]) -> dict[str, str]:
+    return {c.id: c.name for m in messages for c in m.tool_calls}
+
+
+def clear_tool_results(
+    messages: tuple[Message, ...], edit: wire.ClearToolUses
+) -> tuple[tuple[Message, ...], int]:
+    """Every tool result but the latest ``keep`` (and those of ``exclude_tools``) replaced
+    by a placeholder, with its call's input too under ``clear_tool_inputs``; and how many."""
+    names = _tool_names(messages)
+    results = [i for i, m in enumerate(messages) if m.role == "tool"]
+    keep = edit.keep.value if edit.keep else KEEP_TOOL_USES
+    old = results[: max(len(results) - keep, 0)]
+    excluded = set(edit.exclude_tools or ())
+    inputs = edit.clear_tool_inputs
+    cleared: dict[str, bool] = {}  # call id → clear its input too
+    out = list(messages)
+    for i in old:
+        m = messages[i]
+        name = names.get(m.tool_call_id or "", "")
+        if name in excluded or m.content == CLEARED_RESULT:
+            continue
+        out[i] = msgspec.structs.replace(m, content=CLEARED_RESULT)
+        cleared[m.tool_call_id or ""] = inputs is True or (
+            isinstance(inputs, list) and name in inputs
+        )
+    for i, m in enumerate(out):
+        if any(cleared.get(c.id) for c in m.tool_calls):
+            calls = tuple(
+                msgspec.structs.replace(c, arguments="{}") if cleared.get(c.id) else c
+                for c in m.tool_calls
+            )
+            out[i] = msgspec.structs.replace(m, tool_calls=calls)
+    return tuple(out), len(cleared)
+
+
+async def edit_context(
+    req: ChatRequest,
+    edits: list[wire.ClearToolUses],
+    count: Callable[[ChatRequest], Awaitable[int]],
+) -> tuple[ChatRequest, list[dict], int | None]:
+    """Apply ``clear_tool_uses`` edits: (the request, the applied edits, the prompt tokens
+    before any edit; None when nothing was counted). ``count`` renders and counts a request."""
+    applied: list[dict] = []
+    original: int | None = None
+    for edit in edits:
+        trigger = edit.trigger or wire.TokenCount(type="input_tokens", value=TRIGGER_TOKENS)
+        uses = sum(m.role == "tool" for m in req.messages)
+        if trigger.type == "tool_uses" and uses <= trigger.value:
+            continue
+        before = await count(req)
+        original = before if original is None else original
+        if trigger.type == "input_tokens" and before <= trigger.value:
+            continue
+        messages, n = clear_tool_results(req.messages, edit)
+        if not n:
+            continue
+        edited = msgspec.structs.replace(req, messages=messages)
+        after = await count(edited)
+        least = edit.clear_at_least.value if edit.clear_at_least else 0
+        if before - after < least:
+            continue
+        req = edited
+        applied.append(
+            {
+                "type": "clear_tool_uses_20250919",
+                "cleared_tool_uses": n,
+                "cleared_input_tokens": before - after,
+            }
+        )
+    return req, applied, original
+
+
+# ---- the answer ------------------------------------------------------------------------------
 
 
 def stop_reason(f: Finished) -> str:
@@ -258,26 +564,61 @@ def _input(arguments: str) -> dict:
     return value if isinstance(value, dict) else {"_raw": arguments}
 
 
+def tool_use_id(call_id: str) -> str:
+    """Anthropic's ``toolu_`` spelling of an mlxd call id (``call_<hex>``)."""
+    return "toolu_" + call_id.removeprefix("call_")
+
+
+def signature(thinking: str) -> str:
+    """A thinking block's signature: opaque to clients, a digest of its text here."""
+    return hashlib.sha256(thinking.encode()).hexdigest()
+
+
 def usage(u: Usage) -> wire.Usage:
-    return wire.Usage(input_tokens=u.prompt, output_tokens=u.completion)
+    """Anthropic's split: ``input_tokens`` + ``cache_read_input_tokens`` = the prompt."""
+    return wire.Usage(
+        input_tokens=u.prompt - u.cached,
+        output_tokens=u.completion,
+        cache_read_input_tokens=u.cached,
+    )
 
 
-def message_body(rid: str, model: str, c: Choice) -> wire.Message:
+@dataclass(frozen=True)
+class Shaping:
+    """What the answer's shape depends on besides the output: the model id the client
+    named, whether thinking text is shown, the applied context edits (None: none asked)."""
+
+    model: str
+    omit_thinking: bool = False
+    edits: list[dict] | None = None
+
+    def context_management(self) -> dict | None:
+        return None if self.edits is None else {"applied_edits": self.edits}
+
+
+def message_body(rid: str, shaping: Shaping, c: Choice) -> wire.Message:
     assert c.finished is not None
     content: list = []
     if c.reasoning:
-        content.append(wire.OutThinking(thinking=c.reasoning))
+        shown = "" if shaping.omit_thinking else c.reasoning
+        content.append(wire.OutThinking(thinking=shown, signature=signature(c.reasoning)))
     if c.text:
         content.append(wire.OutText(text=c.text))
-    content += [wire.OutToolUse(id=t.id, name=t.name, input=_input(t.arguments)) for t in c.calls]
+    content += [
+        wire.OutToolUse(id=tool_use_id(t.id), name=t.name, input=_input(t.arguments))
+        for t in c.calls
+    ]
     f = c.finished
     return wire.Message(
         id=rid,
-        model=model,
+        type="message",
+        role="assistant",
+        model=shaping.model,
         content=content,
         stop_reason=stop_reason(f),
         stop_sequence=f.stop_string,
         usage=usage(usage_of([c])),
+        context_management=shaping.context_management(),
     )
 
 
@@ -290,23 +631,27 @@ class MessageStream:
 
     terminator = b""
 
-    def __init__(self, rid: str, model: str):
-        self.rid, self.model = rid, model
+    def __init__(self, rid: str, shaping: Shaping):
+        self.rid, self.shaping = rid, shaping
         self.index = -1
         self.open: str | None = None  # kind of the open block
+        self.thought = hashlib.sha256()  # the open thinking block's text so far
         self.end: Finished | None = None
 
     def opening(self) -> list[bytes]:
         return []
 
     def started(self, i: int, started: Started) -> list[bytes]:
+        u = Usage(prompt=started.prompt_tokens, cached=started.cached_tokens)
         message = wire.Message(
             id=self.rid,
-            model=self.model,
+            type="message",
+            role="assistant",
+            model=self.shaping.model,
             content=[],
             stop_reason=None,
             stop_sequence=None,
-            usage=wire.Usage(input_tokens=started.prompt_tokens, output_tokens=0),
+            usage=usage(u),
         )
         return [
             sse_event("message_start", {"type": "message_start", "message": message}),
@@ -323,10 +668,14 @@ class MessageStream:
     def _close(self) -> list[bytes]:
         if self.open is None:
             return []
+        out = []
+        if self.open == "thinking":
+            sig = {"type": "signature_delta", "signature": self.thought.hexdigest()}
+            out.append(self._delta(sig))
+            self.thought = hashlib.sha256()
         self.open = None
-        return [
-            sse_event("content_block_stop", {"type": "content_block_stop", "index": self.index})
-        ]
+        stop = {"type": "content_block_stop", "index": self.index}
+        return out + [sse_event("content_block_stop", stop)]
 
     def _delta(self, delta: dict) -> bytes:
         body = {"type": "content_block_delta", "index": self.index, "delta": delta}
@@ -339,16 +688,17 @@ class MessageStream:
                 out += self._block(
                     "thinking", {"type": "thinking", "thinking": "", "signature": ""}
                 )
-            out.append(self._delta({"type": "thinking_delta", "thinking": event.reasoning}))
+            self.thought.update(event.reasoning.encode())
+            if not self.shaping.omit_thinking:
+                out.append(self._delta({"type": "thinking_delta", "thinking": event.reasoning}))
         if event.text:
             if self.open != "text":
-                out += self._block("text", {"type": "text", "text": ""})
+                out += self._block("text", {"type": "text", "text": "", "citations": None})
             out.append(self._delta({"type": "text_delta", "text": event.text}))
         for c in event.tool_calls:
             if c.id is not None:
-                out += self._block(
-                    "tool_use", {"type": "tool_use", "id": c.id, "name": c.name, "input": {}}
-                )
+                block = {"type": "tool_use", "id": tool_use_id(c.id), "name": c.name, "input": {}}
+                out += self._block("tool_use", block)
             if c.arguments:
                 out.append(self._delta({"type": "input_json_delta", "partial_json": c.arguments}))
         return out
@@ -360,11 +710,11 @@ class MessageStream:
     def closing(self, u: Usage) -> list[bytes]:
         assert self.end is not None
         delta = {"stop_reason": stop_reason(self.end), "stop_sequence": self.end.stop_string}
+        body: dict = {"type": "message_delta", "delta": delta, "usage": usage(u)}
+        if self.shaping.edits is not None:
+            body["context_management"] = self.shaping.context_management()
         return [
-            sse_event(
-                "message_delta",
-                {"type": "message_delta", "delta": delta, "usage": {"output_tokens": u.completion}},
-            ),
+            sse_event("message_delta", body),
             sse_event("message_stop", {"type": "message_stop"}),
         ]
 
@@ -413,29 +763,63 @@ def install(
 
 def _routes(app: Blueprint, pipeline: Pipeline, v: Validator, select: Select) -> None:
     gate = CountGate(v)
+    billing_logged = False
+
+    def billing() -> None:
+        nonlocal billing_logged
+        if not billing_logged:
+            billing_logged = True
+            log.debug("the x-anthropic-billing-header system line is dropped (logged once)")
+
+    def build(w: wire.CountTokensRequest, rid: str, mv: Validator) -> ChatRequest:
+        return chat_request(w, rid, mv, billing)
+
+    async def count(req: ChatRequest) -> int:
+        try:
+            return await pipeline.count_tokens(req)
+        except PromptError as exc:
+            raise ApiError(exc.reason, str(exc), param=exc.param) from exc
+        except ModelUnavailable as exc:
+            f = exc.failed
+            raise ApiError(f.reason, f.message, retry_after=f.retry_after) from exc
+
+    async def edited(w: wire.CountTokensRequest, req: ChatRequest, model: str):
+        """The request after its context edits, the edits applied (None: none asked) and
+        the prompt tokens before them (None: not counted)."""
+        edits = context_edits(w)
+        if w.context_management is None:
+            return req, None, None
+        if not edits:
+            return req, [], None
+        async with gate.enter():
+            req = msgspec.structs.replace(req, model=model)
+            return await edit_context(req, edits, count)
 
     @app.post("/v1/messages")
     async def messages() -> Response:
         w = v.decode(wire.messages_decoder, await request.get_data(cache=False))
         model, mv = select(w.model)
         rid = f"msg_{uuid.uuid4().hex}"
-        first, rest = await start(pipeline, [chat_request(w, rid, mv)], model)
+        req, applied, _ = await edited(w, build(w, rid, mv), model)
+        omit = w.thinking is not None and w.thinking.display == "omitted"
+        shaping = Shaping(model=w.model or model, omit_thinking=omit, edits=applied)
+        first, rest = await start(pipeline, [req], model)
         if w.stream:
-            return sse.stream(MessageStream(rid, model), first, rest)
+            return sse.stream(MessageStream(rid, shaping), first, rest)
         (choice,) = await collect(1, first, rest)
-        return json_response(message_body(rid, model, choice))
+        return json_response(message_body(rid, shaping, choice))
 
     @app.post("/v1/messages/count_tokens")
     async def count_tokens() -> Response:
         async with gate.enter():
             w = v.decode(wire.count_decoder, await request.get_data(cache=False))
             model, mv = select(w.model)
-            req = chat_request(w, f"count_{uuid.uuid4().hex}", mv)
-            try:
-                n = await pipeline.count_tokens(msgspec.structs.replace(req, model=model))
-            except PromptError as exc:
-                raise ApiError(exc.reason, str(exc), param=exc.param) from exc
-            except ModelUnavailable as exc:
-                f = exc.failed
-                raise ApiError(f.reason, f.message, retry_after=f.retry_after) from exc
-        return json_response({"input_tokens": n})
+            req = build(w, f"count_{uuid.uuid4().hex}", mv)
+            req = msgspec.structs.replace(req, model=model)
+            edits = context_edits(w)
+            req, _, original = await edit_context(req, edits, count)
+            n = await count(req)
+        body: dict = {"input_tokens": n}
+        if w.context_management is not None:
+            body["context_management"] = {"original_input_tokens": original or n}
+        return json_response(body)
