@@ -1,9 +1,12 @@
-"""OpenAI Responses API wire structs (``POST /v1/responses``, stateless).
+"""OpenAI Responses API wire structs (``/v1/responses``).
 
 ``input`` is a string or a list of items; an item without ``type`` but with a
 ``role`` is a message (the API's "easy input message"). Items and content
 parts are tagged unions on ``type``: an unknown type is a 400 naming its path.
-The answer is a ``Response`` whose ``output`` is a list of output items.
+``tools`` stay raw objects here (hosted tools carry fields of their own); the
+handler reads each one as a ``FunctionTool``, ``NamespaceTool`` or ``CustomTool``
+by its ``type``. The answer is a ``Response`` whose ``output`` is a list of
+output items; it echoes the request's own settings.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ class InputText(msgspec.Struct, tag="input_text", tag_field="type", kw_only=True
 class OutputText(msgspec.Struct, tag="output_text", tag_field="type", kw_only=True):
     text: str
     annotations: list[Any] = []
+    logprobs: list[Any] = []  # filled only with include "message.output_text.logprobs"
 
 
 class InputImage(msgspec.Struct, tag="input_image", tag_field="type", kw_only=True):
@@ -34,12 +38,14 @@ Part = InputText | OutputText | InputImage
 class MessageItem(msgspec.Struct, tag="message", tag_field="type", kw_only=True):
     role: str
     content: str | list[Part]
+    id: str | None = None
 
 
 class FunctionCallItem(msgspec.Struct, tag="function_call", tag_field="type", kw_only=True):
     call_id: str
     name: str
     arguments: str = "{}"
+    namespace: str | None = None  # a call to a tool of a ``namespace`` tool
     id: str | None = None
 
 
@@ -50,29 +56,83 @@ class FunctionCallOutputItem(
     output: str | list[Part]
 
 
+class CustomToolCallItem(msgspec.Struct, tag="custom_tool_call", tag_field="type", kw_only=True):
+    call_id: str
+    name: str
+    input: str
+    id: str | None = None
+
+
+class CustomToolCallOutputItem(
+    msgspec.Struct, tag="custom_tool_call_output", tag_field="type", kw_only=True
+):
+    call_id: str
+    output: str | list[Part]
+
+
 class ReasoningItem(msgspec.Struct, tag="reasoning", tag_field="type", kw_only=True):
+    """An earlier reasoning item sent back; ``encrypted_content`` must be mlxd's own."""
+
     id: str | None = None
     summary: list[Any] = []
     content: list[Any] | None = None
+    encrypted_content: str | None = None
 
 
-InputItem = MessageItem | FunctionCallItem | FunctionCallOutputItem | ReasoningItem
+InputItem = (
+    MessageItem
+    | FunctionCallItem
+    | FunctionCallOutputItem
+    | CustomToolCallItem
+    | CustomToolCallOutputItem
+    | ReasoningItem
+)
+
+
+# ---- tools --------------------------------------------------------------------------------
 
 
 class FunctionTool(msgspec.Struct, kw_only=True):
-    type: str
-    name: str = ""
-    description: str = ""
+    type: str = "function"
+    name: str
+    description: str | None = None
     parameters: dict[str, Any] | None = None
     strict: bool | None = None
 
 
-class NamedFunction(msgspec.Struct, kw_only=True):
-    type: str
+class NamespaceTool(msgspec.Struct, kw_only=True):
+    """A named group of function tools; a call to one names it and its ``namespace``."""
+
+    type: str = "namespace"
     name: str
+    description: str | None = None
+    tools: list[FunctionTool] = []
 
 
-class TextFormat(msgspec.Struct, kw_only=True):
+class CustomFormat(msgspec.Struct, kw_only=True):
+    type: str = "text"  # text | grammar
+    syntax: str | None = None  # lark | regex
+    definition: str | None = None
+
+
+class CustomTool(msgspec.Struct, kw_only=True):
+    """A free-form tool: its call carries one string, ``input``."""
+
+    type: str = "custom"
+    name: str
+    description: str | None = None
+    format: CustomFormat | None = None
+
+
+class NamedTool(msgspec.Struct, kw_only=True):
+    """``tool_choice`` naming one tool: ``function`` (optionally in a namespace) or ``custom``."""
+
+    type: str
+    name: str | None = None
+    namespace: str | None = None
+
+
+class TextFormat(msgspec.Struct, kw_only=True, omit_defaults=True):
     type: str = "text"
     name: str | None = None
     schema: dict[str, Any] | None = None
@@ -80,33 +140,49 @@ class TextFormat(msgspec.Struct, kw_only=True):
     description: str | None = None
 
 
-class TextConfig(msgspec.Struct, kw_only=True):
-    format: TextFormat | None = None
+class TextConfig(msgspec.Struct, kw_only=True, omit_defaults=True):
+    format: TextFormat = msgspec.field(default_factory=TextFormat)
+    verbosity: str | None = None  # echoed; a hint mlxd has no way to follow
 
 
 class ReasoningConfig(msgspec.Struct, kw_only=True):
     effort: str | None = None
-    summary: str | None = None  # the reasoning text is returned whole; there is no summarizer
+    # No summarizer: any value puts the whole reasoning text in the item's ``summary``.
+    summary: str | None = None
+    generate_summary: str | None = None  # the older name of ``summary``
 
 
 class ResponsesRequest(msgspec.Struct, kw_only=True):
     input: str | list[dict[str, Any]]
     model: str | None = None
     instructions: str | None = None
-    tools: list[FunctionTool] | None = None
-    tool_choice: str | NamedFunction | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | NamedTool | None = None
     parallel_tool_calls: bool = True
+    max_tool_calls: int | None = None
     max_output_tokens: int | None = None
     temperature: float = 1.0
     top_p: float = 1.0
+    top_logprobs: int | None = None
     stream: bool = False
     text: TextConfig | None = None
     reasoning: ReasoningConfig | None = None
-    previous_response_id: str | None = None  # refused: mlxd keeps no state
-    store: bool | None = None  # accepted; nothing is ever stored
-    include: list[str] | None = None  # accepted; nothing extra (e.g. encrypted reasoning) exists
+    include: list[str] | None = None
+    previous_response_id: str | None = None
+    store: bool = True  # kept in the daemon's bounded store ([responses] settings)
+    prompt_cache_key: str | None = None
+    truncation: str | None = None
     user: str | None = None
+    safety_identifier: str | None = None
+    service_tier: str | None = None
     metadata: dict[str, Any] | None = None
+    client_metadata: dict[str, Any] | None = None
+    # Refused with a 400: mlxd answers synchronously, has no Conversations API, no
+    # stored prompt templates, and the chat template is the server's.
+    background: bool | None = None
+    conversation: Any | None = None
+    prompt: Any | None = None
+    chat_template: Any | None = None
 
 
 # ---- the answer ----------------------------------------------------------------------
@@ -116,12 +192,19 @@ class ReasoningText(msgspec.Struct, tag="reasoning_text", tag_field="type", kw_o
     text: str
 
 
+class SummaryText(msgspec.Struct, tag="summary_text", tag_field="type", kw_only=True):
+    text: str
+
+
 class OutReasoning(msgspec.Struct, tag="reasoning", tag_field="type", kw_only=True):
-    """The whole reasoning text, in ``content`` (there is no summarizer)."""
+    """The whole reasoning text: in ``content``, or in ``summary`` when one was asked for
+    (there is no summarizer); ``encrypted_content`` only when included."""
 
     id: str
-    summary: list[Any] = []
-    content: list[ReasoningText] = []
+    status: str = "completed"
+    summary: list[SummaryText] = []
+    content: list[ReasoningText] | None = None
+    encrypted_content: str | None = None
 
 
 class OutMessage(msgspec.Struct, tag="message", tag_field="type", kw_only=True):
@@ -131,15 +214,26 @@ class OutMessage(msgspec.Struct, tag="message", tag_field="type", kw_only=True):
     content: list[OutputText] = []
 
 
-class OutFunctionCall(msgspec.Struct, tag="function_call", tag_field="type", kw_only=True):
+class OutFunctionCall(
+    msgspec.Struct, tag="function_call", tag_field="type", kw_only=True, omit_defaults=True
+):
+    id: str
+    call_id: str
+    name: str  # the tool's own name; a namespace's tool also names its ``namespace``
+    arguments: str
+    status: str
+    namespace: str | None = None
+
+
+class OutCustomToolCall(msgspec.Struct, tag="custom_tool_call", tag_field="type", kw_only=True):
     id: str
     call_id: str
     name: str
-    arguments: str
+    input: str
     status: str = "completed"
 
 
-OutputItem = OutReasoning | OutMessage | OutFunctionCall
+OutputItem = OutReasoning | OutMessage | OutFunctionCall | OutCustomToolCall
 
 
 class InputTokensDetails(msgspec.Struct, kw_only=True):
@@ -180,15 +274,32 @@ class Response(msgspec.Struct, kw_only=True):
     incomplete_details: IncompleteDetails | None = None
     instructions: str | None = None
     max_output_tokens: int | None = None
+    max_tool_calls: int | None = None
     temperature: float = 1.0
     top_p: float = 1.0
+    top_logprobs: int = 0
     parallel_tool_calls: bool = True
-    tool_choice: str | NamedFunction = "auto"
-    tools: list[FunctionTool] = []
-    text: TextConfig | dict[str, Any] = {}
-    object: str = "response"
-    store: bool = False
+    tool_choice: str | NamedTool = "auto"
+    tools: list[dict[str, Any]] = []
+    text: TextConfig = msgspec.field(default_factory=TextConfig)
+    reasoning: ReasoningConfig = msgspec.field(default_factory=ReasoningConfig)
+    truncation: str = "disabled"
+    store: bool = True
+    background: bool = False
     previous_response_id: str | None = None
+    prompt_cache_key: str | None = None
+    user: str | None = None
+    safety_identifier: str | None = None
+    service_tier: str = "default"
+    metadata: dict[str, Any] = {}
+    client_metadata: dict[str, Any] | None = None
+    object: str = "response"
+
+
+class Deleted(msgspec.Struct, kw_only=True):
+    id: str
+    object: str = "response.deleted"
+    deleted: bool = True
 
 
 encoder = msgspec.json.Encoder()

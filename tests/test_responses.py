@@ -44,7 +44,9 @@ async def test_string_input():
     assert body["object"] == "response" and body["status"] == "completed"
     (item,) = body["output"]
     assert item["type"] == "message" and item["role"] == "assistant"
-    assert item["content"] == [{"type": "output_text", "text": "HELLO", "annotations": []}]
+    assert item["content"] == [
+        {"type": "output_text", "text": "HELLO", "annotations": [], "logprobs": []}
+    ]
     assert body["usage"]["output_tokens"] == 5
 
 
@@ -123,7 +125,30 @@ async def test_max_output_tokens_is_incomplete():
             {"input": "x", "text": {"format": {"type": "json_schema", "schema": {"type": "nope"}}}},
             "text.format",
         ),
-        ({"input": "x", "tools": [{"type": "web_search"}]}, "tools"),
+        ({"input": "x", "tools": [{"type": "teleport"}]}, "tools[0]"),
+        ({"input": "x", "tools": [{"type": "function"}]}, "tools[0]"),
+        ({"input": "x", "background": True}, "background"),
+        ({"input": "x", "conversation": "conv_1"}, "conversation"),
+        ({"input": "x", "prompt": {"id": "pmpt_1"}}, "prompt"),
+        ({"input": "x", "chat_template": "{{ x }}"}, "chat_template"),
+        ({"input": "x", "include": ["file_search_call.results", "bogus"]}, "include[1]"),
+        ({"input": "x", "truncation": "middle"}, "truncation"),
+        ({"input": "x", "max_tool_calls": 0}, "max_tool_calls"),
+        ({"input": "x", "reasoning": {"summary": "verbose"}}, "reasoning.summary"),
+        ({"input": "x", "reasoning": {"effort": "extreme"}}, "reasoning.effort"),
+        ({"input": "x", "tool_choice": {"type": "web_search"}}, "tool_choice"),
+        (
+            {"input": "x", "tools": TOOLS, "tool_choice": {"type": "function", "name": "nope"}},
+            "tool_choice",
+        ),
+        ({"input": "x", "top_logprobs": 99}, "top_logprobs"),
+        (
+            {
+                "input": "x",
+                "tools": [{"type": "custom", "name": "c", "format": {"type": "regexp"}}],
+            },
+            "tools[0].format",
+        ),
         ({"input": [{"type": "mystery"}]}, "input[0]"),
         ({"input": "x", "max_output_tokens": 0}, "max_output_tokens"),
     ],

@@ -1,44 +1,62 @@
-"""OpenAI Responses API (stateless): ``POST /v1/responses``.
+"""OpenAI Responses API: ``POST /v1/responses``, ``GET`` / ``DELETE /v1/responses/{id}``.
 
-``input`` items become the same ``ChatRequest`` as OpenAI chat:
-``instructions`` and ``developer`` turns → the system turn, ``function_call``
-items → assistant tool calls, ``function_call_output`` → ``tool`` turns
-(earlier ``reasoning`` items are not sent back to the template). The answer
-is a list of output items (``reasoning``, ``message``, ``function_call``);
-streaming sends the Responses event types (``response.created``,
-``response.output_item.added``, ``response.output_text.delta``, …,
-``response.completed``), each with a ``sequence_number``.
-``previous_response_id`` is a 400: nothing is stored.
+``input`` items become the same ``ChatRequest`` as OpenAI chat: ``instructions``
+and ``developer`` turns → the system turn, ``function_call`` /
+``custom_tool_call`` items → assistant tool calls, their outputs → ``tool``
+turns (earlier ``reasoning`` items are checked, not sent back to the template).
+Tools: ``function`` tools as they are, a ``namespace``'s tools flattened into
+function tools (a call names the tool and its ``namespace``), ``custom`` tools as
+a function with one string argument whose call comes back as a
+``custom_tool_call``; hosted tools mlxd cannot run are left out (or refused, with
+``responses.strict_hosted_tools``). The output items and stream events come from
+``responses_output.OutputBuilder``. ``store: true`` responses go to a bounded
+in-memory store (``response_store.py``), which ``previous_response_id`` and the
+``/v1/responses/{id}`` routes read.
 """
 
 from __future__ import annotations
 
+import json
+import logging
 import time
-import uuid
+from collections import Counter
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 from typing import Any
 
 import msgspec
 from mlxd.daemon.api import sse
 from mlxd.daemon.api.common import (
-    Choice,
+    ChoiceEvent,
     Select,
     Usage,
     Validator,
     check,
-    collect,
     json_constraint,
     json_response,
+    reasoning_kwargs,
     start,
     tool_choice,
-    usage_of,
 )
 from mlxd.daemon.api.errors import ApiError, OnError, install_errors
 from mlxd.daemon.api.openai import ERRORS as OPENAI_ERRORS
+from mlxd.daemon.api.reasoning_seal import ReasoningSeal
+from mlxd.daemon.api.response_store import ResponseStore
+from mlxd.daemon.api.responses_output import (
+    Event,
+    OutputBuilder,
+    OutputOptions,
+    Target,
+    history_of,
+    new_id,
+)
 from mlxd.daemon.pipeline import Pipeline
+from mlxd.daemon.settings import ResponsesSettings
 from mlxd.protocol import responses as wire
 from mlxd.protocol.messages import (
     ChatRequest,
     ContentPart,
+    Failed,
     Finished,
     ImagePart,
     Message,
@@ -55,21 +73,181 @@ from quart_trio import QuartTrio
 # HTTP errors are OpenAI's error object, with OpenAI's types; in a stream the type is
 # the ``code`` of the ``error`` event and of the failed response.
 ERRORS = OPENAI_ERRORS
+log = logging.getLogger("mlxd.responses")
 
-_THINKING_OFF = ("none", "minimal")
+# Tools OpenAI runs on its side; mlxd has none of them.
+HOSTED_TOOLS = frozenset(
+    (
+        "web_search",
+        "web_search_preview",
+        "web_search_2025_08_26",
+        "web_search_preview_2025_03_11",
+        "file_search",
+        "code_interpreter",
+        "computer_use",
+        "computer_use_preview",
+        "image_generation",
+        "mcp",
+        "local_shell",
+        "shell",
+        "apply_patch",
+        "tool_search",
+    )
+)
+_INCLUDE_LOGPROBS = "message.output_text.logprobs"
+_INCLUDE_REASONING = "reasoning.encrypted_content"
+# Includes about hosted tools' calls and input images, which an answer of mlxd never has.
+_INCLUDE_NO_OPS = frozenset(
+    (
+        "web_search_call.results",
+        "web_search_call.action.sources",
+        "file_search_call.results",
+        "code_interpreter_call.outputs",
+        "computer_call_output.output.image_url",
+        "message.input_image.image_url",
+    )
+)
+_SUMMARIES = ("auto", "concise", "detailed")
+# A custom (free-form) tool as the model sees it: a function of one string.
+CUSTOM_PARAMETERS = {
+    "type": "object",
+    "properties": {"input": {"type": "string", "description": "The tool's whole input."}},
+    "required": ["input"],
+    "additionalProperties": False,
+}
 
 
-def _items(raw: str | list[dict[str, Any]]) -> list[wire.InputItem]:
+class CodedError(ApiError):
+    """An invalid request with OpenAI's own ``code`` for it (e.g. previous_response_not_found)."""
+
+    def __init__(self, code: str, message: str, param: str | None):
+        super().__init__("invalid_request", message, param=param)
+        self._code = code
+
+    @property
+    def code(self) -> str | None:
+        return self._code
+
+
+# ---- tools ----------------------------------------------------------------------------
+
+
+def qualified(namespace: str, name: str) -> str:
+    """A namespace's tool under a name no other tool has (``mcp__srv__`` + ``x`` →
+    ``mcp__srv__x``, ``agents`` + ``x`` → ``agents__x``)."""
+    return f"{namespace.rstrip('_')}__{name}"
+
+
+def _convert(raw: dict, kind: type, param: str) -> Any:
+    try:
+        return msgspec.convert(raw, type=kind)
+    except msgspec.ValidationError as exc:
+        raise ApiError("invalid_request", f"invalid tool: {exc}", param=param) from exc
+
+
+def _custom_description(t: wire.CustomTool, param: str) -> str:
+    """The description, and the grammar its input follows (told, not enforced)."""
+    text = t.description or ""
+    fmt = t.format
+    if fmt is None or fmt.type == "text":
+        return text
+    check(
+        fmt.type == "grammar" and bool(fmt.definition),
+        f"{param}.format",
+        "a custom tool's format is {type: text} or {type: grammar, syntax, definition}",
+    )
+    return f"{text}\n\nThe input follows this {fmt.syntax or 'lark'} grammar:\n{fmt.definition}"
+
+
+class ToolSet:
+    """The request's tools as the model sees them, and what each offered name stands for.
+
+    A namespace's tool is offered under its own name unless another tool has that
+    name too; then under ``qualified(namespace, name)``.
+    """
+
+    def __init__(self, raw: list[dict[str, Any]], strict_hosted: bool):
+        declared: list[tuple[Target, str, dict]] = []  # (target, description, parameters)
+        self.hosted: list[str] = []
+        for i, t in enumerate(raw):
+            declared += self._read(t, f"tools[{i}]", strict_hosted)
+        counts = Counter(target.name for target, _, _ in declared)
+        self.targets: dict[str, Target] = {}
+        self.names: dict[tuple[str | None, str], str] = {}  # (namespace, name) → offered
+        tools = []
+        for target, description, parameters in declared:
+            offered = target.name
+            if target.namespace is not None and counts[target.name] > 1:
+                offered = qualified(target.namespace, target.name)
+            self.targets[offered] = target
+            self.names[(target.namespace, target.name)] = offered
+            tools.append(Tool(name=offered, description=description, parameters=parameters))
+        self.tools = tuple(tools)
+
+    def _read(self, t: dict, param: str, strict_hosted: bool) -> list[tuple[Target, str, dict]]:
+        kind = t.get("type")
+        if kind == "function":
+            f = _convert(t, wire.FunctionTool, param)
+            return [(Target(f.name), f.description or "", f.parameters or {})]
+        if kind == "namespace":
+            ns = _convert(t, wire.NamespaceTool, param)
+            for j, f in enumerate(ns.tools):
+                check(f.type == "function", f"{param}.tools[{j}]", "a namespace holds functions")
+            return [
+                (Target(f.name, ns.name), f.description or "", f.parameters or {}) for f in ns.tools
+            ]
+        if kind == "custom":
+            c = _convert(t, wire.CustomTool, param)
+            return [(Target(c.name, custom=True), _custom_description(c, param), CUSTOM_PARAMETERS)]
+        check(isinstance(kind, str) and kind in HOSTED_TOOLS, param, f"unknown tool type {kind!r}")
+        check(
+            not strict_hosted,
+            param,
+            f"{kind} is a hosted tool, which mlxd cannot run (responses.strict_hosted_tools)",
+        )
+        self.hosted.append(str(kind))
+        return []
+
+    def offered(self, name: str, namespace: str | None = None) -> str:
+        """The name an earlier call to ``name`` (of ``namespace``) has in this prompt."""
+        found = self.names.get((namespace, name))
+        if found is not None:
+            return found
+        return name if namespace is None else qualified(namespace, name)
+
+    def choice(self, w: wire.ResponsesRequest, tools: tuple[Tool, ...]):
+        """(tool choice for the template, forcing constraint or None)."""
+        c = w.tool_choice
+        if not isinstance(c, wire.NamedTool):
+            return tool_choice(c, tools, None, "tool_choice")
+        check(
+            c.type in ("function", "custom") and bool(c.name),
+            "tool_choice",
+            "a named tool_choice is {type: function | custom, name}",
+        )
+        return tool_choice(None, tools, self.offered(c.name or "", c.namespace), "tool_choice")
+
+
+# ---- input items ------------------------------------------------------------------------
+
+
+def raw_items(raw: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The input as item objects (a string is one user message; a ``role`` without a
+    ``type`` is a message)."""
     if isinstance(raw, str):
-        return [wire.MessageItem(role="user", content=raw)]
+        return [{"type": "message", "role": "user", "content": raw}]
+    return [item if "type" in item else {**item, "type": "message"} for item in raw]
+
+
+def decode_items(raw: list[dict[str, Any]], offset: int) -> list[wire.InputItem]:
+    """Typed items; ``raw[offset:]`` is the request's own input (before it: stored history)."""
     items = []
     for i, item in enumerate(raw):
-        typed = item if "type" in item else {**item, "type": "message"}
         try:
-            items.append(msgspec.convert(typed, type=wire.InputItem))
+            items.append(msgspec.convert(item, type=wire.InputItem))
         except msgspec.ValidationError as exc:
             raise ApiError(
-                "invalid_request", f"invalid input item: {exc}", param=f"input[{i}]"
+                "invalid_request", f"invalid input item: {exc}", param=f"input[{i - offset}]"
             ) from exc
     return items
 
@@ -87,53 +265,118 @@ def _content(content: str | list[wire.Part], param: str) -> str | tuple[ContentP
     return tuple(_part(p, f"{param}[{i}]") for i, p in enumerate(content))
 
 
-def messages_of(w: wire.ResponsesRequest) -> tuple[Message, ...]:
-    out = [Message(role="system", content=w.instructions)] if w.instructions else []
-    for i, item in enumerate(_items(w.input)):
+@dataclass(frozen=True)
+class Conversation:
+    """What turns items into messages: the request's tools and the reasoning seal."""
+
+    tools: ToolSet
+    seal: ReasoningSeal
+
+    def message(self, item: wire.InputItem, param: str) -> Message | None:
         match item:
             case wire.MessageItem():
-                content = _content(item.content, f"input[{i}].content")
-                out.append(Message(role=item.role, content=content))
+                return Message(role=item.role, content=_content(item.content, f"{param}.content"))
             case wire.FunctionCallItem():
-                call = ToolCall(id=item.call_id, name=item.name, arguments=item.arguments)
-                out.append(Message(role="assistant", content="", tool_calls=(call,)))
-            case wire.FunctionCallOutputItem():
-                out.append(
-                    Message(
-                        role="tool",
-                        tool_call_id=item.call_id,
-                        content=_content(item.output, f"input[{i}].output"),
-                    )
-                )
+                name = self.tools.offered(item.name, item.namespace)
+                return _call(ToolCall(id=item.call_id, name=name, arguments=item.arguments))
+            case wire.CustomToolCallItem():
+                arguments = json.dumps({"input": item.input}, ensure_ascii=False)
+                name = self.tools.offered(item.name)
+                return _call(ToolCall(id=item.call_id, name=name, arguments=arguments))
+            case wire.FunctionCallOutputItem() | wire.CustomToolCallOutputItem():
+                output = _content(item.output, f"{param}.output")
+                return Message(role="tool", tool_call_id=item.call_id, content=output)
+            case wire.ReasoningItem():
+                self.check_reasoning(item, param)
+                return None
+
+    def check_reasoning(self, item: wire.ReasoningItem, param: str) -> None:
+        """An ``encrypted_content`` must be one this daemon made (its text is not used)."""
+        if item.encrypted_content is not None and self.seal.open(item.encrypted_content) is None:
+            raise CodedError(
+                "invalid_encrypted_content",
+                "the reasoning item's encrypted_content was not made by this mlxd "
+                "(or was changed); with responses.reasoning_key_file unset the key is new "
+                "at every start",
+                param=f"{param}.encrypted_content",
+            )
+
+
+def _call(call: ToolCall) -> Message:
+    return Message(role="assistant", content="", tool_calls=(call,))
+
+
+def messages_of(
+    instructions: str | None, items: list[wire.InputItem], offset: int, conv: Conversation
+) -> tuple[Message, ...]:
+    out = [Message(role="system", content=instructions)] if instructions else []
+    for i, item in enumerate(items):
+        message = conv.message(item, f"input[{i - offset}]")
+        if message is not None:
+            out.append(message)
     return tuple(out)
 
 
-def _tools(w: wire.ResponsesRequest, v: Validator):
-    defs = w.tools or []
-    check(all(t.type == "function" for t in defs), "tools", "only function tools are supported")
-    tools = v.tools(
-        tuple(
-            Tool(name=t.name, description=t.description, parameters=t.parameters or {})
-            for t in defs
-        )
+# ---- the request ------------------------------------------------------------------------
+
+
+def refuse_unsupported(w: wire.ResponsesRequest) -> None:
+    """Fields mlxd cannot honour: a 400 naming each."""
+    check(not w.background, "background", "mlxd answers synchronously; background is not supported")
+    check(w.conversation is None, "conversation", "mlxd has no Conversations API")
+    check(w.prompt is None, "prompt", "mlxd has no stored prompt templates")
+    check(
+        w.chat_template is None,
+        "chat_template",
+        "requests cannot set the chat template; the server's (model.chat_template) or the "
+        "model's own is used",
     )
-    named = w.tool_choice.name if isinstance(w.tool_choice, wire.NamedFunction) else None
-    plain = w.tool_choice if isinstance(w.tool_choice, str) else None
-    return tools, *tool_choice(plain, tools, named, "tool_choice")
+    check(
+        w.truncation in (None, "disabled", "auto"),
+        "truncation",
+        "truncation must be disabled or auto",
+    )
+    check(
+        w.max_tool_calls is None or w.max_tool_calls >= 1,
+        "max_tool_calls",
+        "max_tool_calls must be at least 1",
+    )
+    for i, name in enumerate(w.include or ()):
+        known = name in (_INCLUDE_LOGPROBS, _INCLUDE_REASONING) or name in _INCLUDE_NO_OPS
+        check(known, f"include[{i}]", f"unknown include value {name[:80]!r}")
+    summary = _summary(w)
+    check(summary in (None, *_SUMMARIES), "reasoning.summary", "must be auto, concise or detailed")
 
 
-def chat_request(w: wire.ResponsesRequest, rid: str, v: Validator) -> ChatRequest:
-    check(w.previous_response_id is None, "previous_response_id", "mlxd is stateless")
-    tools, choice, forced = _tools(w, v)
-    fmt = w.text.format if w.text and w.text.format else None
+def _summary(w: wire.ResponsesRequest) -> str | None:
+    r = w.reasoning
+    return None if r is None else r.summary or r.generate_summary
+
+
+def _logprobs(w: wire.ResponsesRequest) -> bool:
+    return _INCLUDE_LOGPROBS in (w.include or ()) or bool(w.top_logprobs)
+
+
+def chat_request(
+    w: wire.ResponsesRequest,
+    rid: str,
+    v: Validator,
+    tools: ToolSet,
+    messages: tuple[Message, ...],
+) -> ChatRequest:
+    offered = v.tools(tools.tools)
+    choice, forced = tools.choice(w, offered)
+    fmt = w.text.format if w.text else None
     constraint = json_constraint(fmt.type, fmt.schema, "text.format") if fmt else None
     check(constraint is None or forced is None, "text.format", "cannot combine with a forced call")
     effort = w.reasoning.effort if w.reasoning else None
-    kwargs = {} if effort is None else {"enable_thinking": effort not in _THINKING_OFF}
     sampling = SamplingParams(
-        max_tokens=w.max_output_tokens, temperature=w.temperature, top_p=w.top_p
+        max_tokens=w.max_output_tokens,
+        temperature=w.temperature,
+        top_p=w.top_p,
+        logprobs=_logprobs(w),
+        top_logprobs=w.top_logprobs or 0,
     )
-    messages = messages_of(w)
     v.messages(len(messages), "input")
     v.history(messages, "input")
     return ChatRequest(
@@ -141,71 +384,37 @@ def chat_request(w: wire.ResponsesRequest, rid: str, v: Validator) -> ChatReques
         messages=messages,
         sampling=v.sampling(sampling, max_tokens_param="max_output_tokens"),
         arrival=time.time(),
-        tools=tools,
+        tools=offered,
         tool_choice=choice,
-        parallel_tool_calls=w.parallel_tool_calls,
-        template_kwargs=kwargs,
+        parallel_tool_calls=w.parallel_tool_calls and w.max_tool_calls != 1,
+        template_kwargs=reasoning_kwargs(effort, {}, "reasoning.effort"),
         constraint=constraint or forced,
+        cache_key=w.prompt_cache_key or "",
     )
 
 
-# ---- output items ------------------------------------------------------------------------
+# ---- the response object ------------------------------------------------------------------
 
 
-def _id(prefix: str) -> str:
-    return f"{prefix}_{uuid.uuid4().hex}"
-
-
-def reasoning_item(item_id: str, text: str) -> wire.OutReasoning:
-    content = [wire.ReasoningText(text=text)] if text else []
-    return wire.OutReasoning(id=item_id, content=content)
-
-
-def message_item(item_id: str, text: str | None, status: str = "completed") -> wire.OutMessage:
-    content = [] if text is None else [wire.OutputText(text=text)]
-    return wire.OutMessage(id=item_id, status=status, content=content)
-
-
-def call_item(
-    item_id: str, call: ToolCall, arguments: str, status: str = "completed"
-) -> wire.OutFunctionCall:
-    return wire.OutFunctionCall(
-        id=item_id, call_id=call.id, name=call.name, arguments=arguments, status=status
-    )
-
-
-def output_items(c: Choice) -> list[wire.OutputItem]:
-    items: list[wire.OutputItem] = [reasoning_item(_id("rs"), c.reasoning)] if c.reasoning else []
-    if c.text or not c.calls:
-        items.append(message_item(_id("msg"), c.text))
-    items += [call_item(_id("fc"), call, call.arguments) for call in c.calls]
-    return items
-
-
-def usage(u: Usage) -> wire.Usage:
+def usage(u: Usage, reasoning_tokens: int) -> wire.Usage:
     return wire.Usage(
         input_tokens=u.prompt,
         output_tokens=u.completion,
         total_tokens=u.total,
         input_tokens_details=wire.InputTokensDetails(cached_tokens=u.cached),
+        output_tokens_details=wire.OutputTokensDetails(reasoning_tokens=reasoning_tokens),
     )
 
 
 class Envelope:
-    """The response object around the output items."""
+    """The response object around the output items; the request's settings echoed."""
 
     def __init__(self, rid: str, model: str, w: wire.ResponsesRequest):
         self.rid, self.model, self.w = rid, model, w
         self.created = int(time.time())
 
-    def body(
-        self,
-        status: str,
-        output: list[wire.OutputItem],
-        f: Finished | None = None,
-        u: Usage | None = None,
-    ) -> wire.Response:
-        if f is not None and f.finish_reason == "length":
+    def body(self, status: str, out: OutputBuilder, u: Usage | None = None) -> wire.Response:
+        if out.end is not None and out.end.finish_reason == "length":
             status = "incomplete"
         w = self.w
         return wire.Response(
@@ -213,42 +422,55 @@ class Envelope:
             created_at=self.created,
             status=status,
             model=self.model,
-            output=output,
-            usage=usage(u) if u is not None else None,
+            output=list(out.output),
+            usage=usage(u, out.reasoning_tokens) if u is not None else None,
             incomplete_details=wire.IncompleteDetails(reason="max_output_tokens")
             if status == "incomplete"
             else None,
             instructions=w.instructions,
             max_output_tokens=w.max_output_tokens,
+            max_tool_calls=w.max_tool_calls,
             temperature=w.temperature,
             top_p=w.top_p,
+            top_logprobs=w.top_logprobs or 0,
             parallel_tool_calls=w.parallel_tool_calls,
             tool_choice=w.tool_choice or "auto",
             tools=w.tools or [],
-            text=w.text or {"format": {"type": "text"}},
+            text=w.text or wire.TextConfig(),
+            reasoning=w.reasoning or wire.ReasoningConfig(),
+            truncation=w.truncation or "disabled",
+            store=w.store,
+            previous_response_id=w.previous_response_id,
+            prompt_cache_key=w.prompt_cache_key,
+            user=w.user,
+            safety_identifier=w.safety_identifier,
+            metadata=w.metadata or {},
+            client_metadata=w.client_metadata,
         )
 
 
+OnDone = Callable[[wire.Response, OutputBuilder], None]
+
+
 class ResponseStream:
-    """Responses streaming events; one output item open at a time."""
+    """The Responses event stream: the builder's events, each with a ``sequence_number``."""
 
     terminator = b""
 
-    def __init__(self, env: Envelope):
-        self.env = env
+    def __init__(self, env: Envelope, out: OutputBuilder, on_done: OnDone):
+        self.env, self.out, self.on_done = env, out, on_done
         self.seq = 0
-        self.output: list[wire.OutputItem] = []
-        self.open: wire.OutputItem | None = None  # the item being streamed
-        self.text = ""
-        self.end: Finished | None = None
 
     def sse(self, kind: str, data: dict) -> bytes:
         body = {"type": kind, "sequence_number": self.seq, **data}
         self.seq += 1
         return sse.frame(wire.encoder.encode(body), kind)
 
+    def frames(self, events: list[Event]) -> list[bytes]:
+        return [self.sse(kind, data) for kind, data in events]
+
     def opening(self) -> list[bytes]:
-        response = self.env.body("in_progress", [])
+        response = self.env.body("in_progress", self.out)
         return [
             self.sse("response.created", {"response": response}),
             self.sse("response.in_progress", {"response": response}),
@@ -257,109 +479,156 @@ class ResponseStream:
     def started(self, i: int, event: Started) -> list[bytes]:
         return []
 
-    def _where(self) -> dict:
-        assert self.open is not None
-        return {"item_id": self.open.id, "output_index": len(self.output)}
-
-    def _open(self, item: wire.OutputItem) -> list[bytes]:
-        out = self._close()
-        self.open, self.text = item, ""
-        added = self.sse(
-            "response.output_item.added", {"output_index": len(self.output), "item": item}
-        )
-        if not isinstance(item, wire.OutMessage):
-            return out + [added]
-        part = {**self._where(), "content_index": 0, "part": wire.OutputText(text="")}
-        return out + [added, self.sse("response.content_part.added", part)]
-
-    def _close(self) -> list[bytes]:
-        item = self.open
-        if item is None:
-            return []
-        where, out = self._where(), []
-        match item:
-            case wire.OutFunctionCall():
-                args = {**where, "arguments": self.text}
-                out.append(self.sse("response.function_call_arguments.done", args))
-                item = msgspec.structs.replace(item, arguments=self.text, status="completed")
-            case wire.OutMessage():
-                done = {**where, "content_index": 0}
-                text = {**done, "text": self.text, "logprobs": []}
-                out.append(self.sse("response.output_text.done", text))
-                part = {**done, "part": wire.OutputText(text=self.text)}
-                out.append(self.sse("response.content_part.done", part))
-                item = message_item(item.id, self.text)
-            case wire.OutReasoning():
-                done = {**where, "content_index": 0, "text": self.text}
-                out.append(self.sse("response.reasoning_text.done", done))
-                item = reasoning_item(item.id, self.text)
-        done_item = {"output_index": len(self.output), "item": item}
-        out.append(self.sse("response.output_item.done", done_item))
-        self.output.append(item)
-        self.open = None
-        return out
-
     def delta(self, i: int, event: TextDelta) -> list[bytes]:
-        out: list[bytes] = []
-        if event.reasoning:
-            if not isinstance(self.open, wire.OutReasoning):
-                out += self._open(reasoning_item(_id("rs"), ""))
-            self.text += event.reasoning
-            data = {**self._where(), "content_index": 0, "delta": event.reasoning}
-            out.append(self.sse("response.reasoning_text.delta", data))
-        if event.text:
-            if not isinstance(self.open, wire.OutMessage):
-                out += self._open(message_item(_id("msg"), None, "in_progress"))
-            self.text += event.text
-            data = {**self._where(), "content_index": 0, "delta": event.text, "logprobs": []}
-            out.append(self.sse("response.output_text.delta", data))
-        for c in event.tool_calls:
-            if c.id is not None:
-                call = ToolCall(id=c.id, name=c.name or "", arguments="")
-                out += self._open(call_item(_id("fc"), call, "", "in_progress"))
-            if c.arguments:
-                self.text += c.arguments
-                data = {**self._where(), "delta": c.arguments}
-                out.append(self.sse("response.function_call_arguments.delta", data))
-        return out
+        return self.frames(self.out.delta(event))
 
     def finished(self, i: int, event: Finished) -> list[bytes]:
-        self.end = event
-        return self._close()
+        return self.frames(self.out.finish(event))
 
     def closing(self, u: Usage) -> list[bytes]:
-        response = self.env.body("completed", self.output, self.end, u)
+        response = self.env.body("completed", self.out, u)
+        self.on_done(response, self.out)
         kind = "response.incomplete" if response.status == "incomplete" else "response.completed"
         return [self.sse(kind, {"response": response})]
 
     def failed(self, error: ApiError) -> list[bytes]:
         code, message = ERRORS.type_of(error), str(error)
-        response = self.env.body("failed", self.output)
+        response = self.env.body("failed", self.out)
         response.error = wire.ErrorInfo(code=code, message=message)
         event = {"code": code, "message": message, "param": error.param}
         return [self.sse("error", event), self.sse("response.failed", {"response": response})]
 
 
-def install(
-    app: QuartTrio, pipeline: Pipeline, v: Validator, select: Select, on_error: OnError
+async def run_to_end(
+    out: OutputBuilder, first: list[ChoiceEvent], rest: AsyncIterator[list[ChoiceEvent]]
 ) -> None:
-    """Register the Responses route on the app, its errors in OpenAI's format."""
+    """Feed the request's events to ``out`` until it finishes (a failure raises)."""
+    batch: list[ChoiceEvent] | None = first
+    try:
+        while batch is not None:
+            for _, event in batch:
+                match event:
+                    case TextDelta():
+                        out.delta(event)
+                    case Finished():
+                        out.finish(event)
+                    case Failed():
+                        raise ApiError.from_failed(event)
+            batch = await anext(rest, None)
+    finally:
+        await rest.aclose()  # type: ignore[attr-defined]
+    if out.end is None:
+        raise ApiError("internal_error", "the request ended without a result")
+
+
+# ---- routes -----------------------------------------------------------------------------
+
+
+class Responses:
+    """The routes' state: settings, the store and the reasoning seal."""
+
+    def __init__(self, pipeline: Pipeline, select: Select, settings: ResponsesSettings):
+        self.pipeline, self.select, self.settings = pipeline, select, settings
+        self.store = ResponseStore(
+            settings.store_max_entries, settings.store_max_bytes, settings.store_ttl_s
+        )
+        self.seal = ReasoningSeal.from_key_file(settings.reasoning_key_file)
+
+    def history(self, w: wire.ResponsesRequest) -> list[dict[str, Any]]:
+        """The stored history ``previous_response_id`` names ([] when none is named)."""
+        if w.previous_response_id is None:
+            return []
+        stored = self.store.get(w.previous_response_id)
+        if stored is None:
+            raise CodedError(
+                "previous_response_not_found",
+                f"Previous response with id {w.previous_response_id[:100]!r} not found "
+                "(never stored, expired, evicted or deleted; see [responses] store_*)",
+                param="previous_response_id",
+            )
+        return stored.history
+
+    def options(self, w: wire.ResponsesRequest, tools: ToolSet) -> OutputOptions:
+        return OutputOptions(
+            targets=tools.targets,
+            summary=_summary(w) is not None,
+            seal=self.seal if _INCLUDE_REASONING in (w.include or ()) else None,
+            logprobs=_logprobs(w),
+            max_tool_calls=w.max_tool_calls,
+        )
+
+    def keeper(self, w: wire.ResponsesRequest, inputs: list[dict[str, Any]]) -> OnDone:
+        """What to do with the finished response: keep it when ``store`` is true."""
+
+        def keep(response: wire.Response, out: OutputBuilder) -> None:
+            if w.store and response.status in ("completed", "incomplete"):
+                body = wire.encoder.encode(response)
+                if not self.store.put(response.id, body, inputs + history_of(out.output)):
+                    log.info("response %s is larger than responses.store_max_bytes", response.id)
+
+        return keep
+
+    async def create(self, w: wire.ResponsesRequest) -> Response:
+        refuse_unsupported(w)
+        model, mv = self.select(w.model)
+        rid = new_id("resp")
+        previous = self.history(w)
+        inputs = previous + raw_items(w.input)
+        tools = ToolSet(w.tools or [], self.settings.strict_hosted_tools)
+        if tools.hosted:
+            log.info("%s: hosted tools left out of the prompt: %s", rid, ", ".join(tools.hosted))
+        conv = Conversation(tools, self.seal)
+        items = decode_items(inputs, len(previous))
+        messages = messages_of(w.instructions, items, len(previous), conv)
+        first, rest = await start(self.pipeline, [chat_request(w, rid, mv, tools, messages)], model)
+        env, out = Envelope(rid, model, w), OutputBuilder(self.options(w, tools))
+        keep = self.keeper(w, inputs)
+        if w.stream:
+            return sse.stream(ResponseStream(env, out, keep), first, rest)
+        await run_to_end(out, first, rest)
+        body = env.body("completed", out, Usage.of([out.end]))
+        keep(body, out)
+        return json_response(body)
+
+    def get(self, rid: str) -> Response:
+        stored = self.store.get(rid)
+        if stored is None:
+            raise ApiError("not_found", f"No response with id {rid[:100]!r} is stored")
+        return Response(stored.body, content_type="application/json")
+
+    def delete(self, rid: str) -> Response:
+        if not self.store.delete(rid):
+            raise ApiError("not_found", f"No response with id {rid[:100]!r} is stored")
+        return json_response(wire.Deleted(id=rid))
+
+
+def install(
+    app: QuartTrio,
+    pipeline: Pipeline,
+    v: Validator,
+    select: Select,
+    on_error: OnError,
+    settings: ResponsesSettings,
+) -> Responses:
+    """Register the Responses routes on the app, their errors in OpenAI's format."""
     api = Blueprint("responses", __name__)
-    _routes(api, pipeline, v, select)
+    state = Responses(pipeline, select, settings)
+    _routes(api, state, v)
     install_errors(api, ERRORS, on_error, v.max_body_bytes)
     app.register_blueprint(api)
+    return state
 
 
-def _routes(app: Blueprint, pipeline: Pipeline, v: Validator, select: Select) -> None:
+def _routes(app: Blueprint, state: Responses, v: Validator) -> None:
     @app.post("/v1/responses")
-    async def responses() -> Response:
+    async def create() -> Response:
         w = v.decode(wire.decoder, await request.get_data(cache=False))
-        model, mv = select(w.model)
-        rid = _id("resp")
-        env = Envelope(rid, model, w)
-        first, rest = await start(pipeline, [chat_request(w, rid, mv)], model)
-        if w.stream:
-            return sse.stream(ResponseStream(env), first, rest)
-        (choice,) = await collect(1, first, rest)
-        body = env.body("completed", output_items(choice), choice.finished, usage_of([choice]))
-        return json_response(body)
+        return await state.create(w)
+
+    @app.get("/v1/responses/<rid>")
+    async def get(rid: str) -> Response:
+        return state.get(rid)
+
+    @app.delete("/v1/responses/<rid>")
+    async def delete(rid: str) -> Response:
+        return state.delete(rid)
