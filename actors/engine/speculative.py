@@ -34,7 +34,7 @@ from typing import Any
 
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
-from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
+from mlxd.actors.engine.sampling import scaled_logits
 from mlxd.protocol.messages import SamplingParams
 
 
@@ -96,17 +96,6 @@ class Emitted:
 
 
 # ---- sampling -------------------------------------------------------------------------
-
-
-def scaled_logits(logprobs: mx.array, params: SamplingParams) -> mx.array:
-    """The sampler's distribution (as logits) for a sampled request: filters, temperature."""
-    if 0.0 < params.top_p < 1.0:
-        logprobs = apply_top_p(logprobs, params.top_p)
-    if params.min_p > 0.0:
-        logprobs = apply_min_p(logprobs, params.min_p)
-    if params.top_k > 0:
-        logprobs = apply_top_k(logprobs, params.top_k)
-    return logprobs * (1.0 / params.temperature)
 
 
 def sample(logits: mx.array, key: mx.array | None) -> int:
