@@ -129,6 +129,17 @@ TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "ob
         ({"messages": deep_arguments(50_000)}, "messages[1].tool_calls[0].function.arguments"),
         ({"messages": deep_arguments(65)}, "messages[1].tool_calls[0].function.arguments"),
         ({"messages": long_call_name()}, "messages[1].tool_calls[0]"),
+        ({"messages": [{"role": "user", "content": "x"}, {"role": "banana"}]}, "messages[1].role"),
+        ({"messages": [{"role": "User", "content": "x"}]}, "messages[0].role"),
+        ({"reasoning_effort": "extreme"}, "reasoning_effort"),
+        (
+            {"reasoning_effort": "high", "chat_template_kwargs": {"enable_thinking": False}},
+            "reasoning_effort",
+        ),
+        ({"modalities": ["text", "audio"]}, "modalities"),
+        ({"audio": {"voice": "alloy", "format": "wav"}}, "audio"),
+        ({"web_search_options": {}}, "web_search_options"),
+        ({"verbosity": "low"}, "verbosity"),
     ],
 )
 async def test_chat_fields_out_of_range_are_400_naming_the_field(extra, param):
@@ -147,6 +158,10 @@ async def test_chat_fields_out_of_range_are_400_naming_the_field(extra, param):
         {"messages": deep_arguments(60)},
         {"repetition_penalty": 10},
         {"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "object"}}}},
+        {"messages": [{"role": "developer", "content": "x"}, {"role": "user", "content": "y"}]},
+        {"temperature": 1e-320},  # 1/T overflows: greedy (test_a_tiny_temperature_is_greedy)
+        {"reasoning_effort": "none"},
+        {"reasoning_effort": "xhigh"},
     ],
 )
 async def test_chat_fields_at_the_edge_of_their_range_are_served(extra):
@@ -482,3 +497,26 @@ async def test_an_unpaired_surrogate_escape_is_a_400_not_a_tokenizer_error(path,
         r = await c.post(path, data=body, headers={"Content-Type": "application/json"})
         error = await openai_error(r, 400)
     assert error["code"] != "internal_error", error
+
+
+def test_a_tiny_temperature_is_greedy():
+    """Below 1e-5 (GREEDY_BELOW) the sampler's 1/T could overflow to inf: such a temperature
+    is 0, greedy decoding, on every API (they all go through ``Validator.sampling``)."""
+    from mlxd.daemon.api.common import GREEDY_BELOW, Validator
+    from mlxd.protocol.messages import SamplingParams
+
+    v = Validator(load_settings())
+    for tiny, expected in ((1e-320, 0.0), (5e-324, 0.0), (GREEDY_BELOW / 2, 0.0), (0.1, 0.1)):
+        assert v.sampling(SamplingParams(temperature=tiny)).temperature == expected
+
+
+async def test_a_tiny_temperature_is_served_greedily_on_every_api():
+    tiny = {"temperature": 1e-320}
+    async with client() as (c, _):
+        answers = [
+            await c.post(CHAT, json={**chat(), **tiny}),
+            await c.post(MESSAGES, json={**anthropic(), **tiny}),
+            await c.post(RESPONSES, json={"input": "x", **tiny}),
+        ]
+    for r in answers:
+        assert r.status_code == 200, await r.get_data()

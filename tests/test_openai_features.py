@@ -238,3 +238,116 @@ async def test_several_models_an_unknown_id_is_404_unless_forced_and_the_header_
         r = await c.post(CHAT, json=ask("gpt-4o"))
     assert r.status_code == 200 and r.headers["mlxd-model"] == "a"
     assert json.loads(await r.get_data())["model"] == "a"
+
+
+# ---- legacy function calling, reasoning_effort, refused and metadata-only fields --------------
+
+FUNCTIONS = [t["function"] for t in TOOLS]
+
+
+async def test_legacy_functions_answer_with_function_call_streaming_and_not():
+    req = user("!" + CALL, functions=FUNCTIONS)
+    async with client() as (c, _, _):
+        body = await post_json(c, CHAT, req)
+        chunks = await post_stream(c, CHAT, req)
+    choice = body["choices"][0]
+    assert choice["finish_reason"] == "function_call"
+    message = choice["message"]
+    assert "tool_calls" not in message and message["content"] is None
+    assert message["function_call"]["name"] == "get_weather"
+    assert json.loads(message["function_call"]["arguments"]) == {"city": "Paris"}
+    deltas = [ch["choices"][0]["delta"] for ch in chunks if ch["choices"]]
+    assert not any("tool_calls" in d for d in deltas)
+    pieces = [d["function_call"] for d in deltas if "function_call" in d]
+    assert [p.get("name") for p in pieces if "name" in p] == ["get_weather"]
+    assert json.loads("".join(p["arguments"] for p in pieces)) == {"city": "Paris"}
+    assert chunks[-1]["choices"][0]["finish_reason"] == "function_call"
+
+
+async def test_legacy_function_call_choice_and_history():
+    history = [
+        {"role": "user", "content": "weather?"},
+        {
+            "role": "assistant",
+            "content": None,
+            "function_call": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+        },
+        {"role": "function", "name": "get_weather", "content": "sunny"},
+    ]
+    async with client() as (c, _, _):
+        answered = await post_json(
+            c, CHAT, {"messages": history, "functions": FUNCTIONS, "temperature": 0}
+        )
+        off = await post_json(c, CHAT, user("!" + CALL, functions=FUNCTIONS, function_call="none"))
+        forced = await post_json(
+            c, CHAT, user("!" + CALL, functions=FUNCTIONS, function_call={"name": "get_weather"})
+        )
+        unknown = await c.post(
+            CHAT, json=user("x", functions=FUNCTIONS, function_call={"name": "g"})
+        )
+        both = await c.post(CHAT, json=user("x", functions=FUNCTIONS, tools=TOOLS))
+    # the fake template has no tool support: the call and its result went in as text
+    assert "SUNNY" in answered["choices"][0]["message"]["content"]
+    assert off["choices"][0]["message"]["content"] == CALL
+    assert forced["choices"][0]["message"]["function_call"]["name"] == "get_weather"
+    assert json.loads(await unknown.get_data())["error"]["param"] == "function_call"
+    assert json.loads(await both.get_data())["error"]["param"] == "functions"
+
+
+def test_legacy_history_pairs_the_function_turn_with_its_call():
+    from mlxd.daemon.api.openai import _messages
+    from mlxd.protocol.openai import WireFunctionCall, WireMessage
+
+    call = WireFunctionCall(name="f", arguments="{}")
+    turns = [
+        WireMessage(role="assistant", function_call=call),
+        WireMessage(role="function", name="f", content="42"),
+    ]
+    assistant, result = _messages(turns)
+    (tool_call,) = assistant.tool_calls
+    assert (tool_call.name, result.role, result.tool_call_id) == ("f", "tool", tool_call.id)
+
+
+async def test_reasoning_effort_sets_enable_thinking():
+    async with client() as (c, _, _):
+        plain = await post_json(c, CHAT, user("hi"))
+        on = await post_json(c, CHAT, user("hi", reasoning_effort="high"))
+        off = await post_json(c, CHAT, user("hi", reasoning_effort="minimal"))
+        agree = await post_json(
+            c,
+            CHAT,
+            user("hi", reasoning_effort="none", chat_template_kwargs={"enable_thinking": False}),
+        )
+    # the fake template renders each extra variable into the prompt
+    prompt = plain["usage"]["prompt_tokens"]
+    assert on["usage"]["prompt_tokens"] == prompt + len("<enable_thinking=True>")
+    assert off["usage"]["prompt_tokens"] == prompt + len("<enable_thinking=False>")
+    assert agree["usage"]["prompt_tokens"] == off["usage"]["prompt_tokens"]
+
+
+def test_prompt_cache_key_reaches_the_request():
+    from mlxd.daemon.api.common import Validator
+    from mlxd.daemon.api.openai import chat_requests
+    from mlxd.daemon.settings import load_settings
+    from mlxd.protocol.openai import chat_decoder
+
+    w = chat_decoder.decode(json.dumps(user("x", prompt_cache_key="agent-7")).encode())
+    (request,) = chat_requests(w, "r", Validator(load_settings()))
+    assert request.cache_key == "agent-7"
+
+
+async def test_metadata_fields_are_accepted_and_change_nothing():
+    meta = {
+        "store": True,
+        "metadata": {"a": "b"},
+        "service_tier": "auto",
+        "safety_identifier": "u1",
+        "user": "u1",
+        "prompt_cache_key": "k",
+        "prediction": {"type": "content", "content": "HI"},
+        "modalities": ["text"],
+        "verbosity": "medium",
+    }
+    async with client() as (c, _, _):
+        body = await post_json(c, CHAT, user("hi", **meta))
+    assert body["choices"][0]["message"]["content"] == "HI"
