@@ -2,11 +2,18 @@
 token-by-token recurrence: the same outputs and final state within float32 rounding, for
 any length (partial last chunk included), a carried-in state, grouped heads and strong
 decay; a model whose GatedDeltaNet layers use it gives the same logits and the same
-greedy answers through the engine, with the prefix cache resuming mid-prompt."""
+greedy answers through the engine, with the prefix cache resuming mid-prompt. It is
+installed only where its contract with mlx-lm holds (the layer's attributes, the tested
+mlx-lm range); otherwise the layers keep mlx-lm's path and one log line says why."""
 
 from __future__ import annotations
 
+import logging
+import subprocess
+import sys
+
 import mlx.core as mx
+import mlx.nn as nn
 import pytest
 from mlx_lm.models import qwen3_5
 from mlx_lm.models.cache import make_prompt_cache
@@ -121,7 +128,82 @@ def test_engine_answers_equal_with_and_without_chunked_prefill(tiny_models):
         return out, runner
 
     chunked, runner = answers(True)
-    assert any(type(m) is la.ChunkedGatedDeltaNet for _, m in runner.model.named_modules())
+    assert any(isinstance(m, la.ChunkedPrefill) for _, m in runner.model.named_modules())
     plain, runner = answers(False)
-    assert not any(type(m) is la.ChunkedGatedDeltaNet for _, m in runner.model.named_modules())
+    assert not any(isinstance(m, la.ChunkedPrefill) for _, m in runner.model.named_modules())
     assert chunked == plain
+
+
+# ---- the contract with mlx-lm -------------------------------------------------------------
+
+
+class GatedDeltaNet(nn.Module):
+    """Named as mlx-lm's layer and claiming its module, but missing ``in_proj_qkv``."""
+
+    __module__ = la.LAYER_CLASS[0]
+
+    def __init__(self):
+        super().__init__()
+        for name in la.LAYER_ATTRIBUTES:
+            if name != "in_proj_qkv":
+                setattr(self, name, None)
+
+
+class Holder(nn.Module):
+    def __init__(self, layer):
+        super().__init__()
+        self.layers = [layer]
+
+
+def _refusals(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if "keep mlx-lm's own prefill" in r.getMessage()]
+
+
+def test_a_layer_missing_an_attribute_is_left_alone(caplog):
+    model = Holder(GatedDeltaNet())
+    with caplog.at_level(logging.INFO, logger="mlxd.runner"):
+        assert la.install(model, mlx_lm_version=la.TESTED_MLX_LM[0]) == 0
+    assert type(model.layers[0]) is GatedDeltaNet
+    (line,) = _refusals(caplog)
+    assert "in_proj_qkv" in line
+
+
+@pytest.mark.parametrize("version", ["0.33.0", "0.32.1", "1.0", "0.33.0rc1"])
+def test_an_mlx_lm_outside_the_tested_range_is_left_alone(tiny_models, caplog, version):
+    model = _model(tiny_models("qwen3_5"))
+    with caplog.at_level(logging.INFO, logger="mlxd.runner"):
+        assert la.install(model, mlx_lm_version=version) == 0
+    assert not any(isinstance(m, la.ChunkedPrefill) for _, m in model.named_modules())
+    (line,) = _refusals(caplog)
+    assert version in line and ">=0.32.2,<0.33" in line
+
+
+def test_the_installed_mlx_lm_is_in_the_tested_range(tiny_models, caplog):
+    """The real tiny Qwen3.5 gets it with the mlx-lm this project installs, silently."""
+    model = _model(tiny_models("qwen3_5"))
+    layers = [m for _, m in model.named_modules() if type(m) is qwen3_5.GatedDeltaNet]
+    with caplog.at_level(logging.INFO, logger="mlxd.runner"):
+        assert layers and la.install(model) == len(layers)
+    assert not _refusals(caplog)
+    assert all(
+        isinstance(m, la.ChunkedPrefill) and isinstance(m, qwen3_5.GatedDeltaNet) for m in layers
+    )
+
+
+def test_release_parsing():
+    assert la._release("0.32.2") == (0, 32, 2)
+    assert la._release("0.33") == la._release("0.33.0") == (0, 33, 0)
+    assert la._release("0.32.2.dev1") == (0, 32, 2)  # pre-release parts are dropped
+    assert la._release("0.33.0rc1") == (0, 33, 0)
+
+
+def test_the_loader_imports_no_architecture_module():
+    """Loading the engine imports no model architecture's module of mlx-lm or mlx-vlm:
+    each arrives when a model of that architecture loads."""
+    code = (
+        "import sys, mlxd.actors.engine.loading\n"
+        "print(sorted(m for m in sys.modules if m.startswith(('mlx_lm.models.', "
+        "'mlx_vlm.models.')) and m.rsplit('.', 1)[1] not in ('base', 'cache')))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout

@@ -23,22 +23,51 @@ triangular (one triangular solve per chunk, for all chunks at once). Then
 
 Decay ratios are exp of differences of cumulative log-decays, never above 1.
 
-``install(model)`` gives the model's own GatedDeltaNet instances this subclass, whose
-``__call__`` takes the chunked path for prefill on the CPU (several tokens, no padding
-mask, no batch lengths, not sharded) and defers to mlx-lm's for everything else (decode
-steps, padded batches, GPU streams: MLX's triangular solve is a CPU op). The library's
-modules are not changed. Equal to mlx-lm's recurrence within float32 rounding
-(``tests/test_linear_attention.py``).
+``install(model)`` gives the model's own GatedDeltaNet instances a subclass of their
+class (``ChunkedPrefill`` mixed in), whose ``__call__`` takes the chunked path for
+prefill on the CPU (several tokens, no padding mask, no batch lengths, not sharded) and
+defers to mlx-lm's for everything else (decode steps, padded batches, GPU streams: MLX's
+triangular solve is a CPU op). The library's modules are not changed, nor imported here:
+the layers are found by their class's module and name. Equal to mlx-lm's recurrence
+within float32 rounding (``tests/test_linear_attention.py``).
+
+The contract with mlx-lm: ``_prefill`` is a copy of mlx-lm 0.32.2's GatedDeltaNet
+prefill, reading the layer attributes in ``LAYER_ATTRIBUTES``, the cache's in
+``CACHE_ATTRIBUTES`` and ``mlx_lm.models.gated_delta.normalize_qk``. ``install`` swaps
+only where all of them are there and the installed mlx-lm is in ``TESTED_MLX_LM``;
+otherwise the layers keep mlx-lm's own path and one log line says why.
 """
 
 from __future__ import annotations
 
+import functools
+import importlib
+import importlib.metadata
+import logging
+import re
 from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models import qwen3_5
-from mlx_lm.models.gated_delta import normalize_qk
+from mlx_lm.models.cache import ArraysCache
+
+log = logging.getLogger("mlxd.runner")
+
+# The mlx-lm releases whose GatedDeltaNet ``_prefill`` was checked against (it copies
+# 0.32.2's): at least the first, below the second. Outside it mlx-lm's own path runs.
+TESTED_MLX_LM = ("0.32.2", "0.33")
+# The layer class that gets the chunked prefill: its module and name in mlx-lm.
+LAYER_CLASS = ("mlx_lm.models.qwen3_5", "GatedDeltaNet")
+# What ``ChunkedPrefill`` reads of each such layer.
+LAYER_ATTRIBUTES = (
+    "in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "conv1d", "norm", "out_proj",
+    "A_log", "dt_bias", "num_k_heads", "num_v_heads", "head_k_dim", "head_v_dim",
+    "key_dim", "conv_dim", "conv_kernel_size", "sharding_group",
+)  # fmt: skip
+# ... of the layer's cache (an ``ArraysCache``: conv state in [0], SSM state in [1]) ...
+CACHE_ATTRIBUTES = ("lengths", "advance", "__getitem__", "__setitem__")
+# ... and of mlx-lm's shared gated-delta helpers.
+LIBRARY_FUNCTIONS = (("mlx_lm.models.gated_delta", "normalize_qk"),)
 
 # Tokens per chunk. Measured on the hybrid of ``scripts/bench_agents.py`` (512 new tokens,
 # 2 prefill streams): 64 took 1.3 s where 32 took 2.3 s (alone, 32 was a little faster,
@@ -142,10 +171,11 @@ def _log_decay(A_log: mx.array, a: mx.array, dt_bias: mx.array) -> mx.array:
     return -mx.exp(A_log.astype(mx.float32)) * nn.softplus(a + dt_bias).astype(mx.float32)
 
 
-class ChunkedGatedDeltaNet(qwen3_5.GatedDeltaNet):
-    """mlx-lm's Qwen3.5 GatedDeltaNet whose prefill runs ``chunked_gated_delta``."""
+class ChunkedPrefill:
+    """Mixed into mlx-lm's Qwen3.5 GatedDeltaNet by ``install``: its prefill runs
+    ``chunked_gated_delta``; everything else is mlx-lm's own ``__call__``."""
 
-    def __call__(self, inputs: mx.array, mask: Any = None, cache: Any = None) -> mx.array:
+    def __call__(self: Any, inputs: mx.array, mask: Any = None, cache: Any = None) -> mx.array:
         steps = inputs.shape[1]
         plain = (
             steps < MIN_TOKENS
@@ -159,7 +189,9 @@ class ChunkedGatedDeltaNet(qwen3_5.GatedDeltaNet):
             return super().__call__(inputs, mask=mask, cache=cache)
         return self._prefill(inputs, cache)
 
-    def _prefill(self, x: mx.array, cache: Any) -> mx.array:
+    def _prefill(self: Any, x: mx.array, cache: Any) -> mx.array:
+        from mlx_lm.models.gated_delta import normalize_qk  # checked by ``install``
+
         batch, steps, _ = x.shape
         mixed = self.in_proj_qkv(x)
         gate = self.in_proj_z(x).reshape(batch, steps, self.num_v_heads, self.head_v_dim)
@@ -193,12 +225,63 @@ def applies() -> bool:
     return not mx.metal.is_available() and mx.default_device() == mx.cpu
 
 
-def install(model: nn.Module) -> int:
+def install(model: nn.Module, mlx_lm_version: str | None = None) -> int:
     """Give every mlx-lm Qwen3.5 GatedDeltaNet in ``model`` the chunked prefill; return
-    how many layers now have it (0: the model has none)."""
-    swapped = 0
-    for _, module in model.named_modules():
-        if type(module) is qwen3_5.GatedDeltaNet:
-            module.__class__ = ChunkedGatedDeltaNet
-            swapped += 1
-    return swapped
+    how many layers now have it (0: the model has none, or the contract does not hold:
+    then one log line says why). ``mlx_lm_version``: the installed one unless given."""
+    layers = [m for _, m in model.named_modules() if _is_layer(m)]
+    if not layers:
+        return 0
+    why = unsupported(layers, mlx_lm_version or installed_mlx_lm())
+    if why is not None:
+        log.warning("GatedDeltaNet layers keep mlx-lm's own prefill: %s", why)
+        return 0
+    for layer in layers:
+        layer.__class__ = _chunked(type(layer))
+    return len(layers)
+
+
+def _is_layer(module: nn.Module) -> bool:
+    cls = type(module)
+    return (cls.__module__, cls.__name__) == LAYER_CLASS
+
+
+def unsupported(layers: list[nn.Module], mlx_lm_version: str) -> str | None:
+    """Why the chunked prefill cannot take over ``layers`` (None: it can)."""
+    low, high = TESTED_MLX_LM
+    if not _release(low) <= _release(mlx_lm_version) < _release(high):
+        return f"mlx-lm {mlx_lm_version} is outside the tested range >={low},<{high}"
+    for layer in layers:
+        missing = [name for name in LAYER_ATTRIBUTES if not hasattr(layer, name)]
+        if missing:
+            return f"{type(layer).__name__} has no {', '.join(missing)}"
+    cache = ArraysCache(2)
+    missing = [name for name in CACHE_ATTRIBUTES if not hasattr(cache, name)]
+    if missing:
+        return f"ArraysCache has no {', '.join(missing)}"
+    for module, name in LIBRARY_FUNCTIONS:
+        try:
+            found = hasattr(importlib.import_module(module), name)
+        except ImportError:
+            found = False
+        if not found:
+            return f"{module}.{name} is missing"
+    return None
+
+
+def installed_mlx_lm() -> str:
+    return importlib.metadata.version("mlx-lm")
+
+
+def _release(version: str) -> tuple[int, ...]:
+    """``"0.32.2"`` → ``(0, 32, 2)``; pre-release and local parts are dropped, missing
+    parts are 0 (``"0.33"`` == ``"0.33.0"``)."""
+    match = re.match(r"\d+(?:\.\d+)*", version)
+    parts = tuple(int(p) for p in match.group().split(".")) if match else (0,)
+    return parts + (0,) * (3 - len(parts))
+
+
+@functools.cache
+def _chunked(base: type) -> type:
+    """``base`` (mlx-lm's layer class) with ``ChunkedPrefill`` mixed in, made once."""
+    return type(f"Chunked{base.__name__}", (ChunkedPrefill, base), {"__module__": __name__})
