@@ -86,6 +86,18 @@ LLAMA = {
 }
 LLAMA_DRAFT = {**LLAMA, "num_hidden_layers": 1}
 
+# Agent clients (tests/test_clients.py): Claude Code's first prompt is ~21k tokens, so a
+# long context, and one small layer so that prefilling it stays cheap on a CPU.
+LLAMA_LONG = {
+    **LLAMA,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 1,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 1,
+    "max_position_embeddings": 65536,
+}
+
 # Plain attention whose head counts divide by 2: tensor parallel over two ranks.
 QWEN3 = {
     "model_type": "qwen3",
