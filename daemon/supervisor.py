@@ -236,20 +236,14 @@ async def run_actors(
     settings: Settings,
     factory: Factories | None = None,
     *,
-    monitor: Monitor | None = None,
     task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Start the actors in dependency order; ``started`` once the preloaded models are
-    loaded. ``factory``: one per model id, or one for the one model; None: the real ones.
-
-    ``monitor``: a task watching something outside the graph (the other ranks of a
-    distributed group, ``daemon/ranks.py``) that may fail every open request."""
+    loaded. ``factory``: one per model id, or one for the one model; None: the real ones."""
     s, pipeline, mailboxes = settings, graph.pipeline, graph.pipeline.mailboxes
     options, specs = engine_options(s, pipeline.publish), model_specs(s, factory)
     prompts = [tokenizer_options(s, entry) for entry in s.model_entries()]  # files read now
     async with trio.open_nursery() as nursery:
-        if monitor is not None:
-            nursery.start_soon(monitor, pipeline)
         infos = await nursery.start(engine.run, graph.engine[1], graph.steps[0], specs, options)
         # A preloaded model with no id took its own name: the engine's ids are final.
         ids = [spec.id or next(iter(infos)) for spec in specs]
@@ -416,5 +410,13 @@ def _exit_past_stuck_writes() -> NoReturn:
 async def _run_in_scope(
     scope: trio.CancelScope, graph: Graph, settings: Settings, factory, monitor
 ) -> None:
-    with scope:
-        await run_actors(graph, settings, factory, monitor=monitor)
+    """The actors under ``scope``. ``monitor``: a task watching something outside the
+    graph (the other ranks of a distributed group, ``daemon/ranks.py``) that may fail
+    every open request; it runs outside ``scope`` and keeps watching while the actors
+    shut down (a generation thread stuck on a lost rank never returns), until they have."""
+    async with trio.open_nursery() as nursery:
+        if monitor is not None:
+            nursery.start_soon(monitor, graph.pipeline)
+        with scope:
+            await run_actors(graph, settings, factory)
+        nursery.cancel_scope.cancel()

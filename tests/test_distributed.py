@@ -295,6 +295,46 @@ def test_a_follower_that_dies_mid_stream_fails_requests_with_503_and_rank_0_exit
     assert code == 3
 
 
+def _rank_pids(launcher: subprocess.Popen) -> dict[int, int]:
+    """The ranks ``mlx.launch`` started (in its process group): {rank: pid}."""
+    found = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == launcher.pid:
+            continue
+        try:
+            if os.getpgid(int(entry.name)) != launcher.pid:
+                continue
+            environ = (entry / "environ").read_bytes().split(b"\0")
+        except (OSError, ProcessLookupError):
+            continue
+        ranks_of = [int(e[len(b"MLX_RANK=") :]) for e in environ if e.startswith(b"MLX_RANK=")]
+        if ranks_of and b"mlxd" in (entry / "cmdline").read_bytes():
+            found[ranks_of[0]] = int(entry.name)
+    return found
+
+
+@pytest.mark.skipif(not Path("/proc").is_dir(), reason="finds the ranks through /proc")
+def test_under_mlx_launch_rank_0_exits_after_a_follower_dies_mid_stream(models, tmp_path):
+    """``mlx.launch`` sends SIGTERM to the other ranks about a second after one dies,
+    inside rank 0's ``exit_grace_s``: rank 0 still exits (its shutdown used to cancel the
+    monitor, and then wait forever for its parked generation thread)."""
+    with launched(tmp_path, models["qwen3"], "tensor") as d:
+        launcher = d.procs[0]
+        pids = _rank_pids(launcher)
+        assert sorted(pids) == [0, 1], pids
+        body = {"prompt": PROMPTS[0], "max_tokens": 4000, "temperature": 0, "stream": True}
+        with httpx.stream("POST", f"{d.url}/v1/completions", json=body, timeout=30) as reply:
+            lines = reply.iter_lines()
+            for n, _ in enumerate(lines):
+                if n == 3:
+                    os.kill(pids[1], signal.SIGKILL)
+                    break
+            rest = list(lines)
+        assert any("group of machines serving this model broke" in x for x in rest), rest
+        launcher.wait(timeout=60)  # TimeoutExpired: rank 0 hangs, and mlx.launch with it
+        assert not Path(f"/proc/{pids[0]}").exists()
+
+
 def test_pipeline_parallel_hybrid_equals_mlx_lm_sharded(models, reference, tmp_path):
     with launched(tmp_path, models["qwen3_5"], "pipeline") as d:
         _check_serving(d, reference["qwen3_5"])

@@ -250,6 +250,17 @@ async def test_the_monitor_fails_open_requests_then_exits_when_a_rank_is_lost(au
     assert 6.0 <= trio.current_time() < 6.5  # loss seen within a poll, then the grace
 
 
+async def test_a_shutdown_during_the_grace_still_exits(autojump_clock):
+    """``mlx.launch`` sends SIGTERM about a second after a rank died: the shutdown that
+    cancels the monitor must not leave the process waiting for its parked thread."""
+    watch, exits = Watch(), []
+    watch.lose("rank 1 is gone")
+    with trio.move_on_after(0.5):
+        await monitor(watch, lambda why: 0, exit_grace_s=10.0, exit=exits.append)
+    assert exits == [EXIT_PEER_LOST]
+    assert trio.current_time() < 1.0
+
+
 def test_a_broadcast_or_call_past_its_deadline_counts_as_lost():
     class Stuck(Pipe):
         def send(self, payload: bytes) -> None:

@@ -10,6 +10,9 @@ polls the watch on the trio thread; a loss, or a deadline passed, fails
 every open request with a 503, gives those answers ``exit_grace_s`` to reach their
 clients, and ends the process with ``EXIT_PEER_LOST``: the generation thread may be
 stuck inside a collective that nothing can cancel, so no orderly shutdown could finish.
+The monitor runs outside the actors' cancel scope and keeps watching while a SIGTERM
+(``mlx.launch`` sends one to every rank once one has died) shuts them down; a shutdown
+during the grace ends the process at once.
 """
 
 from __future__ import annotations
@@ -84,7 +87,9 @@ async def monitor(
         await trio.sleep(poll_s)
     failed = fail_all(reason)
     log.error("distributed group lost: %s; %d open requests failed with 503", reason, failed)
-    await trio.sleep(exit_grace_s)
-    log.error("exiting (status %d)", EXIT_PEER_LOST)
-    logging.shutdown()
-    exit(EXIT_PEER_LOST)
+    try:
+        await trio.sleep(exit_grace_s)
+    finally:  # a shutdown (SIGTERM) cuts the grace short: it cannot end the parked thread
+        log.error("exiting (status %d)", EXIT_PEER_LOST)
+        logging.shutdown()
+        exit(EXIT_PEER_LOST)
