@@ -121,6 +121,7 @@ def _load(settings: Settings, group: Any, *, leader: bool):
     )
     replica.lockstep_cache(runner, group, leader=leader)
     seed = replica.shared_seed(group)
+    runner.share_seed(seed)  # a row guard's re-seed must be the same on every rank too
     log.info("rank %d: model loaded and sharded; random seed %d", group.rank(), seed)
     if s.speculative.enabled:
         runner.spec_stats = SpecStats(notes=[_SPEC_OFF])

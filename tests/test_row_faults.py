@@ -106,3 +106,27 @@ def test_a_step_that_raises_is_bisected_and_innocent_rows_go_on_unchanged(
     assert set(failed) == {"boom"} and failed["boom"].reason == "internal_error"
     assert {rid: tokens[rid] for rid in expected} == expected
     assert runner.decoding == 0 and runner.prefilling_count == 0
+
+
+def _draws_after_a_fault(base: int, before: int) -> list[int]:
+    """The global key's next draws after a row's sampler raised under a guard with ``base``."""
+    import mlx.core as mx
+    from mlxd.actors.engine.guards import RowGuard
+
+    def broken(logprobs):
+        raise ValueError("this row's sampler fails")
+
+    mx.random.seed(before)  # the process's key before the fault: each rank its own
+    RowGuard(base).sampler("req-1", broken)(mx.zeros((1, 8)))
+    return mx.random.randint(0, 1 << 30, (4,)).tolist()
+
+
+def test_a_row_fault_reseeds_the_global_key_alike_on_every_rank(smollm):
+    """The ranks of a group share the guard's base (``ranks.py``): after the same fault,
+    their unseeded draws stay the same (a random re-seed would desync the followers)."""
+    runner, _ = smollm
+    first = _draws_after_a_fault(base=42, before=1234)
+    assert _draws_after_a_fault(base=42, before=999) == first
+    assert _draws_after_a_fault(base=43, before=1234) != first
+    runner.share_seed(42)
+    assert runner._guard.base == 42

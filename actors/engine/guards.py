@@ -14,7 +14,9 @@ draw fails too. Three layers keep a request's options its own business:
 - ``bias_processor`` replaces mlx-lm's logit-bias processor with one that checks
   its token ids against the logits it is given, on every call.
 - ``RowGuard`` wraps each row's sampler and processors: an exception is recorded
-  against that row, the global random key is re-seeded, and the row gets a
+  against that row, the global random key is re-seeded (from the guard's base
+  seed, the row's id and a count: every rank of a group re-seeds alike, since
+  they share the base and see the same faults), and the row gets a
   harmless stand-in (its logits unchanged, a greedy token) so the step
   completes for every other row, token for token as if the row were not there.
   The engine then fails that row alone (``Runner.faults``).
@@ -24,6 +26,7 @@ No trio here; the checks import no mlx, the guards do.
 
 from __future__ import annotations
 
+import hashlib
 import math
 import secrets
 from collections.abc import Callable
@@ -87,8 +90,11 @@ def bias_processor(bias: dict[int, float]) -> Callable[[Any, Any], Any]:
 class RowGuard:
     """Per-row sampler and processors that cannot fail a batched step; faults kept by row."""
 
-    def __init__(self) -> None:
+    def __init__(self, base: int | None = None) -> None:
         self._faults: dict[str, Exception] = {}
+        # Where re-seeds start from: secret to this process unless ranks share one.
+        self.base = secrets.randbits(63) if base is None else base
+        self._reseeds = 0
 
     def take(self) -> dict[str, Exception]:
         """The rows whose own code failed since the last call (first error of each)."""
@@ -101,7 +107,13 @@ class RowGuard:
         self._faults.setdefault(request_id, exc)
         # A compiled sampler that raised may leave the global key a placeholder that
         # cannot be evaluated; unseeded draws need a fresh key (seeded ones keep their own).
-        mx.random.seed(secrets.randbits(63))
+        mx.random.seed(self.next_seed(request_id))
+
+    def next_seed(self, request_id: str) -> int:
+        """The next re-seed: the same on every rank with the same base and faults."""
+        self._reseeds += 1
+        text = f"{self.base}:{request_id}:{self._reseeds}".encode()
+        return int.from_bytes(hashlib.blake2b(text, digest_size=8).digest(), "little") >> 1
 
     def sampler(self, request_id: str, sample: Callable[[Any], Any]) -> Callable[[Any], Any]:
         import mlx.core as mx

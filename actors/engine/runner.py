@@ -514,6 +514,10 @@ class MlxRunner:
     def faults(self) -> dict[str, Exception]:
         return self._guard.take()
 
+    def share_seed(self, seed: int) -> None:
+        """Ranks of a group: the row guard re-seeds from ``seed``, the same on every rank."""
+        self._guard.base = seed
+
     def decode(self) -> list[Decoded]:
         if not self._rid_to_uid:
             return []
