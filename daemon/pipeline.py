@@ -172,6 +172,7 @@ class Pipeline:
     mailboxes: Mailboxes
     timeouts: Timeouts = field(default_factory=Timeouts)
     retry_after_s: float = 1.0  # a queue timeout's Retry-After
+    keepalive_s: float = 0.0  # a started request quiet this long gets an empty batch (0: never)
     expired: int = 0  # requests failed by their queue timeout
     state: ServerState = ServerState.LOADING
     models: ModelRegistry | None = None  # the served models (set once the actors run)

@@ -721,6 +721,9 @@ class MessageStream:
     def failed(self, error: ApiError) -> list[bytes]:
         return [sse_event("error", ERRORS.error(error))]
 
+    def keepalive(self) -> list[bytes]:
+        return [sse_event("ping", {"type": "ping"})]
+
 
 class CountGate:
     """Bounds ``count_tokens``, which skips admission: ``tokenizer.workers`` requests read,

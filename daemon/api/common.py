@@ -17,6 +17,7 @@ from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass, field
 
 import msgspec
+import trio
 from mlxd.actors.mailbox import Bell
 from mlxd.actors.tokenizer import RESERVED_TEMPLATE_KWARGS
 from mlxd.daemon.api.body import json_depth, valid_utf8
@@ -377,8 +378,13 @@ def both_constraints(a: Constraint | None, b: Constraint | None) -> Constraint |
 # ---- running the request ------------------------------------------------------------------
 
 
-async def _events(sessions: list[Session], bell: Bell) -> AsyncIterator[list[ChoiceEvent]]:
-    """The choices' events as they come, merged; every session closed at the end."""
+async def _events(
+    sessions: list[Session], bell: Bell, idle_s: float = 0.0
+) -> AsyncIterator[list[ChoiceEvent]]:
+    """The choices' events as they come, merged; every session closed at the end. An
+    empty batch says nothing came for ``idle_s`` seconds (0: never), so a stream can send
+    its keep-alive. Waiting here for the bell drops nothing: events stay in the sessions'
+    mailboxes until a pass takes them."""
     done: set[int] = set()
     try:
         while len(done) < len(sessions):
@@ -394,8 +400,11 @@ async def _events(sessions: list[Session], bell: Bell) -> AsyncIterator[list[Cho
                     await session.close()
             if batch:
                 yield batch
-            else:
+                continue
+            with trio.move_on_after(idle_s or math.inf) as quiet:
                 await bell.wait()  # timeouts arrive as events (the pipeline's timer)
+            if quiet.cancelled_caught:
+                yield []
     finally:
         for session in sessions:
             await session.close()
@@ -445,7 +454,7 @@ async def start(
         for session in sessions:
             await session.close()
         raise
-    events = _events(sessions, bell)
+    events = _events(sessions, bell, pipeline.keepalive_s)
     first: list[ChoiceEvent] = []
     try:
         while {i for i, _ in first} != set(range(len(requests))):

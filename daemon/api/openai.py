@@ -393,6 +393,9 @@ class _Stream:
     def failed(self, error: ApiError) -> list[bytes]:
         return [sse.frame(ERRORS.body(error))]
 
+    def keepalive(self) -> list[bytes]:
+        return [sse.KEEPALIVE_COMMENT]
+
 
 class ChatStream(_Stream):
     """Chat completion chunks for one request's merged choice events; ``legacy``: calls as

@@ -498,6 +498,9 @@ class ResponseStream:
         event = {"code": code, "message": message, "param": error.param}
         return [self.sse("error", event), self.sse("response.failed", {"response": response})]
 
+    def keepalive(self) -> list[bytes]:
+        return [sse.KEEPALIVE_COMMENT]  # the Responses API defines no keep-alive event
+
 
 async def run_to_end(
     out: OutputBuilder, first: list[ChoiceEvent], rest: AsyncIterator[list[ChoiceEvent]]

@@ -3,9 +3,11 @@
 A ``Shape`` turns the request's events into one API's frames: ``opening`` before
 anything, ``started`` / ``delta`` / ``finished`` per choice event, ``closing``
 (with the request's ``Usage``) once every choice has finished, ``failed`` for an
-error after the first frame (which ends the stream), and ``terminator`` last in
-every case (OpenAI's ``data: [DONE]``; empty for the others). The driver closes
-the request's sessions however the stream ends, a client that leaves included.
+error after the first frame (which ends the stream), ``keepalive`` whenever nothing
+has come for ``streaming.keepalive_s`` (a long prompt prefilling: clients and proxies
+that time out a quiet connection keep it), and ``terminator`` last in every case
+(OpenAI's ``data: [DONE]``; empty for the others). The driver closes the request's
+sessions however the stream ends, a client that leaves included.
 """
 
 from __future__ import annotations
@@ -36,6 +38,12 @@ class Shape(Protocol):
 
     def failed(self, error: ApiError) -> list[bytes]: ...
 
+    def keepalive(self) -> list[bytes]: ...
+
+
+# An SSE comment: every SSE parser skips it, so it keeps a connection busy and means nothing.
+KEEPALIVE_COMMENT = b": keep-alive\n\n"
+
 
 def frame(data: bytes, event: str | None = None) -> bytes:
     """One SSE frame: ``data`` (JSON, already encoded) under an optional ``event`` name."""
@@ -62,6 +70,9 @@ async def _body(
             yield data
         batch: list[ChoiceEvent] | None = first
         while batch is not None:
+            if not batch:  # nothing for streaming.keepalive_s
+                for data in shape.keepalive():
+                    yield data
             for i, event in batch:
                 if isinstance(event, Failed):
                     for data in shape.failed(ApiError.from_failed(event)):
