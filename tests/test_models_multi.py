@@ -279,6 +279,31 @@ async def test_a_model_that_fails_to_load_fails_its_requests_only():
     assert status["state"] == "failed" and "no weights here" in status["error"]
 
 
+async def test_a_retry_of_a_failed_load_unloads_no_healthy_model_until_it_loads():
+    models = {"a": FakeModel(), "b": FakeModel(), "broken": FakeModel(error=OSError("gone"))}
+    settings = multi_settings("a", "b", "broken", max_loaded=2, failed_retry_s=0)
+    async with served(settings, models) as (c, _):
+        await answer(c, "a")
+        await answer(c, "b")
+        first = await c.post(CHAT, json=ask("broken"))  # a first load makes room: a goes
+        assert first.status_code == 500
+        await answer(c, "a")
+        for _ in range(3):  # its retries leave a and b loaded
+            assert (await c.post(CHAT, json=ask("broken"))).status_code == 500
+        loaded = {m for m, s in (await states(c)).items() if s["state"] == "loaded"}
+        assert loaded == {"a", "b"}
+        models["broken"].error = None  # it loads now: then the least recently used goes
+        await answer(c, "broken")
+        now = await states(c)
+    assert {m: s["state"] for m, s in now.items()} == {
+        "a": "loaded",
+        "b": "unloaded",
+        "broken": "loaded",
+    }
+    assert now["b"]["last_unload_reason"] == "lru"
+    assert [m.loads for m in models.values()] == [2, 1, 5]
+
+
 async def test_requests_waiting_on_a_loading_model_are_bounded_503_retry_after():
     b = FakeModel(gate=threading.Event())
     settings = multi_settings("a", "b", max_waiting=1, load_timeout_s=0.3)

@@ -14,7 +14,10 @@ each load). Room is made by unloading the least recently used model that is idle
 request whose ``Submit`` has not come yet). While no model can make room, the
 wanted one waits; its requests wait with it, bounded by their queue timeout. A
 model idle for ``idle_unload_s`` is unloaded. A load that raises fails the
-requests submitted to that model (``model_load_failed``) and nothing else.
+requests submitted to that model (``model_load_failed``) and nothing else. A model
+whose last load failed unloads nothing for its next try: room is made once that
+load has succeeded (meanwhile one model more than ``max_loaded`` may be loaded), so
+a broken model cannot evict a healthy one again and again.
 """
 
 from __future__ import annotations
@@ -100,6 +103,7 @@ class ModelPool:
     owner: dict[str, str] = field(default_factory=dict)  # request id → model
     events: list[ModelEvent] = field(default_factory=list)  # news not yet published
     weights_seen: dict[str, int] = field(default_factory=dict)  # model → weights at last load
+    failed: set[str] = field(default_factory=set)  # models whose last load raised
     _last: str = ""  # the model stepped last (round-robin goes on after it)
 
     @classmethod
@@ -210,8 +214,10 @@ class ModelPool:
         return self._load(model, strict=False)
 
     def loading(self, model: str) -> None:
-        """Record that ``model`` is about to load (published before the slow part)."""
-        self._make_room(model)
+        """Record that ``model`` is about to load (published before the slow part); room
+        is made now, unless its last load failed (then once this one has succeeded)."""
+        if model not in self.failed:
+            self._make_room(model)
         self.events.append(ModelEvent(model=model, state="loading"))
 
     def _load(self, model: str, *, strict: bool) -> EngineStep | None:
@@ -235,11 +241,14 @@ class ModelPool:
         )
         for request in self.queued.pop(model, []):
             slot.core.submit(request)
+        self.failed.discard(model)
+        self._fit_count(keep=model)
         self._fit_memory(keep=model)
         return None
 
     def _failed(self, model: str, exc: Exception) -> EngineStep:
         log.error("model %s failed to load", model, exc_info=exc)
+        self.failed.add(model)
         self.free_memory()  # whatever the failed load had allocated
         message = f"model {model!r} could not be loaded: {type(exc).__name__}: {exc}"
         self.events.append(ModelEvent(model=model, state="failed", message=message))
@@ -297,6 +306,13 @@ class ModelPool:
             if len(self.loaded) < self.limits.max_loaded and (not cap or held + need <= cap):
                 return
             self.unload(victim, "lru" if len(self.loaded) >= self.limits.max_loaded else "memory")
+
+    def _fit_count(self, keep: str) -> None:
+        """After a load that made no room first (a retry): unload idle others past the count."""
+        for victim in [m for m in self.loaded if m != keep and self._evictable(m)]:
+            if len(self.loaded) <= self.limits.max_loaded:
+                return
+            self.unload(victim, "lru")
 
     def _fit_memory(self, keep: str) -> None:
         """After a load measured its weights: unload idle others while over the cap."""
