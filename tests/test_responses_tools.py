@@ -378,3 +378,17 @@ async def test_max_output_tokens_above_the_cap_is_clamped():
     async with client() as (c, _):
         body = await post(c, {"input": "hi", "max_output_tokens": cap * 10})
     assert body["status"] == "completed" and body["max_output_tokens"] == cap * 10
+
+
+async def test_no_max_output_tokens_means_up_to_the_cap():
+    """OpenAI's default: limited by the context only; here by engine.max_tokens_cap too,
+    shrunk to the context left after the prompt, not engine.default_max_tokens."""
+    settings = settings_with(engine={"default_max_tokens": 16, "max_tokens_cap": 1000})
+    async with client(settings) as (c, runner):
+        seen = recording(runner)
+        await post(c, {"input": "hi"})
+        await post(c, {"input": "hi", "max_output_tokens": 7})
+        big = await post(c, {"input": "hi", "instructions": "x" * 3500})
+    assert [r.sampling.max_tokens for r in seen[:2]] == [1000, 7]
+    assert seen[2].sampling.max_tokens == 4096 - len(seen[2].prompt_tokens)
+    assert big["status"] == "completed"

@@ -357,6 +357,15 @@ def _logprobs(w: wire.ResponsesRequest) -> bool:
     return _INCLUDE_LOGPROBS in (w.include or ()) or bool(w.top_logprobs)
 
 
+def _max_output_tokens(w: wire.ResponsesRequest, v: Validator) -> int | None:
+    """None in OpenAI's API means up to the context: here ``engine.max_tokens_cap``, which
+    the tokenizer shrinks to the context and memory left (``engine.default_max_tokens``,
+    meant for chat clients, would cut agents' long turns short)."""
+    if w.max_output_tokens is None and v.engine.max_tokens_overflow == "clamp":
+        return v.engine.max_tokens_cap
+    return w.max_output_tokens
+
+
 def chat_request(
     w: wire.ResponsesRequest,
     rid: str,
@@ -371,7 +380,7 @@ def chat_request(
     check(constraint is None or forced is None, "text.format", "cannot combine with a forced call")
     effort = w.reasoning.effort if w.reasoning else None
     sampling = SamplingParams(
-        max_tokens=w.max_output_tokens,
+        max_tokens=_max_output_tokens(w, v),
         temperature=w.temperature,
         top_p=w.top_p,
         logprobs=_logprobs(w),
