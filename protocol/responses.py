@@ -124,7 +124,7 @@ class CustomTool(msgspec.Struct, kw_only=True):
     format: CustomFormat | None = None
 
 
-class NamedTool(msgspec.Struct, kw_only=True):
+class NamedTool(msgspec.Struct, kw_only=True, omit_defaults=True):
     """``tool_choice`` naming one tool: ``function`` (optionally in a namespace) or ``custom``."""
 
     type: str

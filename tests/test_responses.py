@@ -128,6 +128,7 @@ async def test_max_output_tokens_is_incomplete():
         ({"input": "x", "tools": [{"type": "teleport"}]}, "tools[0]"),
         ({"input": "x", "tools": [{"type": "function"}]}, "tools[0]"),
         ({"input": "x", "background": True}, "background"),
+        ({"input": [{"role": "tool", "content": "x"}]}, "input[0].role"),
         ({"input": "x", "conversation": "conv_1"}, "conversation"),
         ({"input": "x", "prompt": {"id": "pmpt_1"}}, "prompt"),
         ({"input": "x", "chat_template": "{{ x }}"}, "chat_template"),

@@ -32,6 +32,7 @@ from mlxd.daemon.api.common import (
     Usage,
     Validator,
     check,
+    check_role,
     json_constraint,
     json_response,
     reasoning_kwargs,
@@ -108,6 +109,7 @@ _INCLUDE_NO_OPS = frozenset(
     )
 )
 _SUMMARIES = ("auto", "concise", "detailed")
+_ROLES = ("user", "assistant", "system", "developer")
 # A custom (free-form) tool as the model sees it: a function of one string.
 CUSTOM_PARAMETERS = {
     "type": "object",
@@ -275,6 +277,7 @@ class Conversation:
     def message(self, item: wire.InputItem, param: str) -> Message | None:
         match item:
             case wire.MessageItem():
+                check_role(item.role, _ROLES, f"{param}.role")
                 return Message(role=item.role, content=_content(item.content, f"{param}.content"))
             case wire.FunctionCallItem():
                 name = self.tools.offered(item.name, item.namespace)
