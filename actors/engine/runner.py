@@ -209,6 +209,8 @@ class MlxRunner:
         self._stream = mx.new_stream(mx.default_device())
         self._prefill_streams = [self._stream]  # see ``use_prefill_streams``
         self._openblas = OpenBlas.loaded() if mx.default_device() == mx.cpu else None
+        if self._openblas is not None:  # shared by every model: waits for this one's steps
+            self._openblas.watch(self, self._stream)
         self.generator = self._new_generator()
         self._pending: dict[str, Pending] = {}
         self._uid_to_rid: dict[int, str] = {}
@@ -343,12 +345,11 @@ class MlxRunner:
 
     def _blas_for(self, n: int) -> AbstractContextManager[None]:
         """While a chunk of ``n`` tokens runs split over k streams, OpenBLAS gets at most
-        1/k of its threads (``openblas.py`` says why). The decode step still in flight on
-        this runner's stream is waited for first: no matmul runs while the count changes."""
+        1/k of its threads (``openblas.py`` says why). The decode steps still in flight on
+        every model's runner are waited for first: no matmul runs while the count changes."""
         k = len(pieces(n, len(self._prefill_streams)))
         if k < 2 or self._openblas is None:
             return contextlib.nullcontext()
-        mx.synchronize(self._stream)
         return self._openblas.at_most(max(1, self._openblas.threads // k))
 
     def _prefilled(self, pending: Pending, n: int) -> int:
