@@ -64,6 +64,9 @@ def test_the_last_breakpoints_are_kept_up_to_the_limit():
     _, _, marks = b.render_chat(chat("a", TURNS, breakpoints=[0, 1, 2, 3, 99, -1]))
     assert end_of(b, TURNS[:4]) in marks and end_of(b, TURNS[:3]) in marks
     assert end_of(b, TURNS[:2]) not in marks  # the third from last: over the limit
+    under = builder(vocab_size=0x110000, max_breakpoints=4)
+    marks = under.render_chat(chat("a", TURNS, breakpoints=[1, 2, 3]))[2]
+    assert {end_of(b, TURNS[: i + 1]) for i in (1, 2, 3)} <= set(marks)
     off = builder(vocab_size=0x110000, max_breakpoints=0)
     assert (
         off.render_chat(chat("a", TURNS, breakpoints=[2]))[2]
