@@ -142,3 +142,17 @@ async def test_a_request_sharing_the_conversation_up_to_a_breakpoint_reuses_exac
         assert await cached(chat("hint-2", other, key="k")) == position
         assert position > system_end
         assert runner.prefix_cache._newest["k"]  # the key reached the cache
+
+
+def test_counting_tokens_probes_no_checkpoints():
+    calls = []
+
+    class Counting(CharTokenizer):
+        def encode(self, text, add_special_tokens=True):
+            calls.append(text)
+            return super().encode(text, add_special_tokens)
+
+    b = builder(Counting(), vocab_size=0x110000)
+    request = chat("a", TURNS, breakpoints=[2])
+    assert b.tokens(request) == b.render_chat(request)[1]
+    assert len(calls) == 1 + 4  # the count: one encode; the build: the prompt and 3 marks
