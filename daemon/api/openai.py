@@ -3,7 +3,9 @@
 Chat answers carry ``reasoning_content`` (a leading ``<think>`` block),
 ``tool_calls`` (parsed from the model's markup; streamed as one delta per
 complete call) and ``logprobs``; ``n`` choices run as ``n`` sequences of the
-batch and are merged here, in the order their output arrives.
+batch and are merged here, in the order their output arrives. Legacy function
+calling (``functions`` / ``function_call``) runs as tools with one call at most,
+answered as ``function_call``; fields mlxd cannot honour (audio, web search) are a 400.
 """
 
 from __future__ import annotations
@@ -180,10 +182,15 @@ def _messages(wire_messages: list[wire.WireMessage]) -> tuple[Message, ...]:
     return tuple(out)
 
 
+def is_legacy(w: wire.ChatCompletionRequest) -> bool:
+    """Legacy function calling: answered with ``function_call``, not ``tool_calls``."""
+    return w.functions is not None or w.function_call is not None
+
+
 def _tools(w: wire.ChatCompletionRequest, v: Validator):
     """(tools, choice for the template, forcing constraint or None), from ``tools`` and
     ``tool_choice`` or their legacy names ``functions`` and ``function_call``."""
-    legacy = w.functions is not None or w.function_call is not None
+    legacy = is_legacy(w)
     check(
         not legacy or (w.tools is None and w.tool_choice is None),
         "functions",
@@ -231,11 +238,6 @@ def _unsupported(w: wire.ChatCompletionRequest) -> None:
         "verbosity",
         "verbosity other than 'medium' is not available; ask for brevity in the prompt",
     )
-
-
-def is_legacy(w: wire.ChatCompletionRequest) -> bool:
-    """Legacy function calling: answered with ``function_call``, not ``tool_calls``."""
-    return w.functions is not None or w.function_call is not None
 
 
 def chat_requests(w: wire.ChatCompletionRequest, rid: str, v: Validator) -> list[ChatRequest]:
