@@ -4,8 +4,9 @@
 (with the request's tools and template variables), tokenize, check the prompt
 against the context window and, with the model's memory estimate, against the
 memory budget (the first stage that knows the token count: a request that could
-never fit is refused here with the numbers, and a defaulted ``max_tokens``
-shrinks to what fits), mark prefix-cache checkpoints, compile the request's
+never fit is refused here with the numbers, and a ``max_tokens`` shrinks to
+what fits: a default always, a named one unless ``engine.max_tokens_overflow``
+is ``refuse``), mark prefix-cache checkpoints, compile the request's
 output constraint (JSON schema, forced tool call) and decide how the streamer
 parses the output. There is one per served model (``Builders``, the model
 registry in ``actors/models.py``): each request is built with its model's
@@ -61,6 +62,8 @@ log = logging.getLogger("mlxd")
 
 # A user turn unlike any real one, to find where the system prompt's rendering ends.
 _PROBE = "\u2063probe\u2063"
+# What a template may raise on a partial conversation (checkpoints then skip that mark).
+_TEMPLATE_ERRORS = (jinja2.TemplateError, ValueError, TypeError, KeyError)
 
 
 def _shared_prefix(a: list[int], b: list[int]) -> int:
@@ -105,8 +108,10 @@ class TokenizerOptions:
 
     workers: int = 2  # threads that build prompts
     default_max_tokens: int = 512  # when a request names none (shrunk to fit)
+    clamp_max_tokens: bool = True  # a named max_tokens that does not fit: shrunk (else a 400)
     max_prompt_tokens: int = 0  # 0: the model's context
     checkpoints: bool = True  # mark where the system prompt and the previous turn end
+    max_breakpoints: int = 4  # and the ends of the last this many client cache breakpoints
     tool_format: str = "auto"  # tool-call markup, or "auto": from the chat template
     reasoning_tags: str = "auto"  # "auto", "none" or "<open>,<close>"
     image_limits: ImageLimits | None = None  # None: a text model's (no images)
@@ -136,9 +141,11 @@ class PromptBuilder:
             info.tokenizer,
             info.context_length,
             default_max_tokens=o.default_max_tokens,
+            clamp_max_tokens=o.clamp_max_tokens,
             max_prompt_tokens=o.max_prompt_tokens,
             vocab_size=info.vocab_size,
             checkpoints=o.checkpoints,
+            max_breakpoints=o.max_breakpoints,
             processor=info.processor,
             image_limits=o.image_limits,
             memory=info.memory,
@@ -153,8 +160,10 @@ class PromptBuilder:
         *,
         default_max_tokens: int,
         vocab_size: int,
+        clamp_max_tokens: bool = True,
         max_prompt_tokens: int = 0,
         checkpoints: bool = True,
+        max_breakpoints: int = 4,
         processor: Any = None,
         image_limits: ImageLimits | None = None,
         memory: MemoryModel | None = None,
@@ -163,9 +172,11 @@ class PromptBuilder:
     ):
         self.tokenizer = tokenizer
         self.want_checkpoints = checkpoints
+        self.max_breakpoints = max_breakpoints
         self.vision = VisionProcessor(processor) if processor is not None else None
         self.image_limits = image_limits
         self.default_max_tokens = default_max_tokens
+        self.clamp_max_tokens = clamp_max_tokens
         self.context_length = context_length
         self.max_prompt_tokens = max_prompt_tokens or context_length
         self.vocab_size = vocab_size
@@ -202,36 +213,82 @@ class PromptBuilder:
     def _encode(self, text: str, param: str = "messages") -> list[int]:
         return self.tokenizer.encode(utf8_text(text, param), add_special_tokens=False)
 
-    def render_chat(self, request: ChatRequest) -> tuple[str, list[int], tuple[int, ...]]:
-        """The rendered conversation, its tokens and its prefix-cache checkpoints."""
+    def render_chat(
+        self, request: ChatRequest, marks: bool = True
+    ) -> tuple[str, list[int], tuple[int, ...]]:
+        """The rendered conversation, its tokens and (``marks``) its prefix-cache checkpoints."""
         messages, extra = self._template_input(request)
         try:
             text = self._render(messages, True, extra)
         except (jinja2.TemplateError, ValueError, TypeError, KeyError) as exc:
             raise PromptError(f"chat template error: {exc}", "messages") from exc
         tokens = self._encode(text)
-        marks = self.checkpoints(messages, tokens, extra) if self.want_checkpoints else ()
-        return text, tokens, marks
+        prefixes = self.breakpoint_prefixes(request) if marks else []
+        if not marks or not (self.want_checkpoints or prefixes):
+            return text, tokens, ()
+        return text, tokens, self.checkpoints(messages, tokens, extra, text, prefixes)
 
-    def checkpoints(self, messages: list[dict], tokens: list[int], extra: dict) -> tuple[int, ...]:
-        """Where the system prompt ends and where the previous turn ends, in ``tokens``.
+    def breakpoint_prefixes(self, request: ChatRequest) -> list[list[dict]]:
+        """The template input of the conversation up to each of the request's last
+        ``max_breakpoints`` cache breakpoints (a breakpoint is an index into ``messages``)."""
+        n = len(request.messages)
+        ends = sorted({i for i in request.cache_breakpoints if 0 <= i < n})
+        prefixes = []
+        for i in ends[-self.max_breakpoints :] if self.max_breakpoints else ():
+            upto = msgspec.structs.replace(request, messages=request.messages[: i + 1])
+            try:
+                prefixes.append(self._template_input(upto)[0])
+            except PromptError:
+                continue  # a prefix that does not normalize on its own: no snapshot there
+        return prefixes
+
+    def checkpoints(
+        self,
+        messages: list[dict],
+        tokens: list[int],
+        extra: dict,
+        text: str = "",
+        prefixes: list[list[dict]] | None = None,
+    ) -> tuple[int, ...]:
+        """Where the system prompt ends and where the previous turn ends (unless
+        ``checkpoints`` is off), and where each of ``prefixes`` (the conversation up to a
+        client's cache breakpoint) ends, in ``tokens``.
 
         The system boundary is where this conversation's rendering stops agreeing
         with the rendering of the same system prompt and a different user turn, so
         it holds for any template (ChatML, Llama 3, Gemma, ...) without knowing its markers.
+        A prefix's end counts only where the full prompt's tokens start with that prefix's
+        own tokens (rendered without a generation prompt), so a snapshot there is exact.
         """
+        marks, ends = set(), []
+        if self.want_checkpoints:
+            marks.add(self._system_end(messages, tokens, extra))
+            ends = [messages[:-1]] if len(messages) > 1 else []
+        ends += [p for p in prefixes or () if p not in ends]
+        marks |= {self._prefix_end(end, tokens, extra, text) for end in ends}
+        return tuple(sorted(m for m in marks if 0 < m < len(tokens) - 1))
+
+    def _system_end(self, messages: list[dict], tokens: list[int], extra: dict) -> int:
         system = [m for m in messages if m["role"] == "system"]
-        marks = set()
         try:
             probe = self._render([*system, {"role": "user", "content": _PROBE}], True, extra)
-            marks.add(_shared_prefix(tokens, self._encode(probe)))
-            if len(messages) > 1:
-                previous = self._encode(self._render(messages[:-1], False, extra))
-                if tokens[: len(previous)] == previous:
-                    marks.add(len(previous))
-        except (jinja2.TemplateError, ValueError, TypeError, KeyError):
-            pass  # a template that needs a full conversation: no extra snapshots
-        return tuple(sorted(m for m in marks if 0 < m < len(tokens) - 1))
+        except _TEMPLATE_ERRORS:
+            return 0  # a template that needs a full conversation: no snapshot there
+        return _shared_prefix(tokens, self._encode(probe))
+
+    def _prefix_end(self, messages: list[dict], tokens: list[int], extra: dict, text: str) -> int:
+        """How many of ``tokens`` the rendering of ``messages`` is, if they start with it
+        (else 0). A rendering that is not a prefix of the prompt's ``text`` is not encoded
+        (its tokens would not match, unless the tokenizer normalizes text: then a mark is
+        missed, never misplaced)."""
+        try:
+            rendered = self._render(messages, False, extra)
+            if text and not text.startswith(rendered):
+                return 0
+            prefix = self._encode(rendered)
+        except _TEMPLATE_ERRORS:
+            return 0  # a template that needs a full conversation: no snapshot there
+        return len(prefix) if tokens[: len(prefix)] == prefix else 0
 
     def vision_chat(self, request: ChatRequest) -> _Prompt:
         """A vision model's prompt: the whole conversation through its processor.
@@ -271,6 +328,9 @@ class PromptBuilder:
         return _Prompt("", list(request.prompt))
 
     def tokens(self, request: AdmittedRequest) -> list[int]:
+        """The prompt's tokens alone (count_tokens): no checkpoint probes."""
+        if isinstance(request, ChatRequest) and self.vision is None:
+            return self.render_chat(request, marks=False)[1]
         return self.prompt(request).tokens
 
     def output_spec(self, request: AdmittedRequest, prompt: str) -> OutputSpec:
@@ -308,6 +368,7 @@ class PromptBuilder:
             prompt_tokens=tuple(p.tokens),
             sampling=msgspec.structs.replace(sampling, max_tokens=max_tokens),
             checkpoints=p.checkpoints,
+            cache_key=request.cache_key if isinstance(request, ChatRequest) else "",
             vision=p.vision,
             priority=request.priority,
             output=self.output_spec(request, p.text),
@@ -315,7 +376,9 @@ class PromptBuilder:
         )
 
     def _max_tokens(self, prompt: int, asked: int | None) -> int:
-        """The client's max_tokens if it fits the context; a default shrinks to fit (memory too)."""
+        """The client's max_tokens, shrunk to the context and memory left after the prompt
+        (``clamp_max_tokens``; else refused when it does not fit the context); a default
+        always shrinks to fit."""
         if prompt > self.max_prompt_tokens or prompt >= self.context_length:
             limit = min(self.max_prompt_tokens, self.context_length - 1)
             raise PromptError(
@@ -323,9 +386,10 @@ class PromptBuilder:
                 "(engine.max_prompt_tokens, or the model's context)",
                 "messages",
             )
-        if asked is None:
-            default = min(self.default_max_tokens, self.context_length - prompt)
-            fits = self.memory.max_tokens_fitting(prompt, default) if self.memory else default
+        if asked is None or self.clamp_max_tokens:
+            wanted = self.default_max_tokens if asked is None else asked
+            limit = min(wanted, self.context_length - prompt)
+            fits = self.memory.max_tokens_fitting(prompt, limit) if self.memory else limit
             return max(fits, 1)  # 1 that does not fit is refused by _check_memory
         max_tokens = asked
         if prompt + max_tokens > self.context_length:

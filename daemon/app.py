@@ -28,7 +28,7 @@ from mlxd.daemon.settings import Settings
 from mlxd.daemon.telemetry import request_log, status_snapshot
 from mlxd.protocol.messages import ClearCache
 from prometheus_client import CONTENT_TYPE_LATEST
-from quart import Response, request
+from quart import Response, g, request
 from quart_trio import QuartTrio
 
 __all__ = ["ApiError", "create_app"]
@@ -57,6 +57,7 @@ def create_app(pipeline: Pipeline, settings: Settings) -> QuartTrio:
                 param="model",
             )
         info = models.info(model)
+        g.mlxd_model = model  # the served id, for the response's mlxd-model header
         return model, validator.for_model(info.vocab_size if info else None)
 
     def on_error(error: ApiError, path: str) -> None:
@@ -66,8 +67,9 @@ def create_app(pipeline: Pipeline, settings: Settings) -> QuartTrio:
 
     max_body = settings.server.max_body_bytes
     install_errors(app, openai.ERRORS, on_error, max_body)  # unrouted: OpenAI's format
-    for api in (openai, anthropic, responses):
+    for api in (openai, anthropic):
         api.install(app, pipeline, validator, select, on_error)
+    responses.install(app, pipeline, validator, select, on_error, settings.responses)
 
     @app.get("/health")
     async def health() -> Response:
@@ -201,4 +203,7 @@ def _install_guards(app: QuartTrio, settings: Settings) -> None:
         origin = request.headers.get("Origin")
         if cors.allows(origin):
             response.headers.update(cors.headers(origin or ""))
+        model = g.get("mlxd_model")
+        if model is not None:  # the model that served it, whatever id the request named
+            response.headers["mlxd-model"] = model
         return response

@@ -51,7 +51,9 @@ class ServerSettings(_Section):
 class ModelSettings(_Section):
     path: str = ""
     served_id: str = ""
-    accept_other_ids: bool = False
+    # a request's unknown ``model`` id: served by the first model (true), a 404 (false);
+    # "auto": true when one model is served, false with several ``[[models]]``
+    accept_other_ids: bool | Literal["auto"] = "auto"
     cache_dir: str = "~/.cache/mlxd"
     dequantize_on_cpu: bool = True
     kind: Literal["auto", "text", "vision"] = "auto"
@@ -138,6 +140,9 @@ class EngineSettings(_Section):
     chunked_linear_attention: bool | Literal["auto"] = "auto"
     default_max_tokens: Positive = 512
     max_tokens_cap: Positive = 4096
+    # a request's max_tokens above what fits (this cap, the context left after the prompt,
+    # the memory budget): "clamp" lowers it to fit, "refuse" answers 400
+    max_tokens_overflow: Literal["clamp", "refuse"] = "clamp"
     max_prompt_tokens: NonNegative = 0
     max_stop_strings: NonNegative = 16
     max_stop_length: Positive = 256
@@ -152,6 +157,11 @@ class PrefixCacheSettings(_Section):
     block_size: Positive = 64
     max_bytes: int = 0
     memory_fraction: float = 0.1
+    # client breakpoints (Anthropic cache_control) snapshotted per request, the last ones
+    # kept; each costs a render and an encode of the prompt up to it
+    max_breakpoints: NonNegative = 4
+    # cache keys (Responses prompt_cache_key) whose newest snapshot outlives keyless ones
+    affinity_keys: NonNegative = 16
 
 
 class SpeculativeSettings(_Section):
@@ -188,9 +198,27 @@ class VisionSettings(_Section):
     remote_timeout_s: float = 10.0
 
 
+class ResponsesSettings(_Section):
+    """The OpenAI Responses API (``/v1/responses``)."""
+
+    # hosted tools mlxd cannot run (web_search, file_search, ...): false = left out of the
+    # prompt with a log line, true = a 400
+    strict_hosted_tools: bool = False
+    # the store of ``store: true`` responses (for previous_response_id and GET/DELETE):
+    # the oldest go first past either cap; entries expire this long after they are stored
+    store_max_entries: Positive = 1024
+    store_max_bytes: Positive = 268_435_456
+    store_ttl_s: Seconds = 86_400.0  # 0 = no expiry
+    # the key that signs reasoning items' encrypted_content: "" = random per start (items
+    # from before a restart are then refused), else a file keeping it (made if missing)
+    reasoning_key_file: str = ""
+
+
 class StreamingSettings(_Section):
     engine_outbox: Positive = 4
     max_unread_bytes: NonNegative = 4_194_304
+    # a stream quiet this long (a long prefill) gets its API's keep-alive frame; 0: never
+    keepalive_s: Seconds = 10.0
 
 
 _LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
@@ -275,6 +303,7 @@ class Settings(_Section):
     spec_prefill: SpecPrefillSettings = msgspec.field(default_factory=SpecPrefillSettings)
     vision: VisionSettings = msgspec.field(default_factory=VisionSettings)
     streaming: StreamingSettings = msgspec.field(default_factory=StreamingSettings)
+    responses: ResponsesSettings = msgspec.field(default_factory=ResponsesSettings)
     logging: LoggingSettings = msgspec.field(default_factory=LoggingSettings)
     distributed: DistributedSettings = msgspec.field(default_factory=DistributedSettings)
     models: list[ModelEntry] = []
