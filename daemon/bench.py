@@ -267,29 +267,19 @@ def _engine_level(core, requests: list, mode: str = "engine") -> LevelResult:
 
 
 def run_engine(levels: list[int], max_tokens: int, config: Path | None) -> list[LevelResult]:
-    from mlxd.actors.engine.core import EngineCore
-    from mlxd.actors.engine.loading import load_runner
+    """The engine as ``serve`` builds it from the same settings (``load_options`` and
+    ``engine_options``: every loader, feature and engine option), without HTTP."""
+    from mlxd.actors.engine.actor import core_for
+    from mlxd.actors.engine.loading import load_served
     from mlxd.daemon import blas
     from mlxd.daemon.settings import load_settings
-    from mlxd.daemon.supervisor import auto_or, prefill_streams
+    from mlxd.daemon.supervisor import engine_options, load_options
 
     settings = load_settings(config)
-    m, e = settings.model, settings.engine
-    blas.set_threads(e.blas_threads)
-    runner, info = load_runner(
-        m.path,
-        Path(m.cache_dir).expanduser(),
-        dequantize_on_cpu=m.dequantize_on_cpu,
-        max_batch=e.max_batch,
-        prefill_streams=prefill_streams(settings),
-        chunked_linear_attention=auto_or(e.chunked_linear_attention),
-    )
-    core = EngineCore(
-        runner,
-        max_batch=e.max_batch,
-        prefill_chunk_tokens=e.prefill_chunk_tokens,
-        batch_prefill=auto_or(e.batch_prefill),
-    )
+    blas.set_threads(settings.engine.blas_threads)
+    runner, info = load_served(load_options(settings))
+    entry = settings.model_entries()[0]
+    core = core_for(runner, info, entry.max_batch, engine_options(settings, None))
     _engine_level(core, _tokenized(info.tokenizer, 1, max_tokens, "warmup"))
     return [_engine_level(core, _tokenized(info.tokenizer, c, max_tokens, f"c{c}")) for c in levels]
 

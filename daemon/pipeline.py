@@ -28,6 +28,7 @@ import math
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
+import msgspec
 import trio
 from mlxd.actors.admission import AdmissionPolicy
 from mlxd.actors.engine.actor import EngineNews
@@ -382,14 +383,10 @@ def _sum_stats(stats: list[EngineStats]) -> EngineStats:
         return stats[0]
     if not stats:
         return EngineStats()
-    added = (
-        "steps", "decode_steps", "waiting", "prefilling", "decoding", "batch_size",
-        "batch_tokens_total", "kv_reserved", "kv_budget", "failed_steps",
-    )  # fmt: skip
-    totals = {name: sum(getattr(s, name) for s in stats) for name in added}
-    return EngineStats(
-        **totals,
-        memory_active=max(s.memory_active for s in stats),
-        memory_peak=max(s.memory_peak for s in stats),
-        counters=stats[0].counters,
-    )
+    largest = ("memory_active", "memory_peak")
+    totals = {
+        f.name: (max if f.name in largest else sum)(getattr(s, f.name) for s in stats)
+        for f in msgspec.structs.fields(EngineStats)
+        if f.name != "counters"
+    }
+    return EngineStats(**totals, counters=stats[0].counters)

@@ -15,21 +15,21 @@ random state with one shared draw. Speculative decoding and SpecPrefill stay off
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import logging
-from pathlib import Path
 from typing import Any
 
 import msgspec
 import trio
 from mlxd.actors.engine.distributed import EXIT_PEER_LOST, Watch, monitor
-from mlxd.actors.engine.options import MemoryOptions, PrefixCacheOptions
+from mlxd.actors.engine.options import LoadOptions
 from mlxd.daemon.pipeline import Pipeline, ServerState
 from mlxd.daemon.settings import DistributedSettings, Settings
-from mlxd.daemon.supervisor import feature_options, options_from
+from mlxd.daemon.supervisor import load_options
 from mlxd.daemon.supervisor import serve as serve_forever
-from mlxd.protocol.messages import Failed
+from mlxd.protocol.messages import Failed, SpecPrefillCounters, SpeculativeCounters
 
 log = logging.getLogger("mlxd.distributed")
 
@@ -97,37 +97,32 @@ def _follow(settings: Settings, group: Any) -> int:
 def _load(settings: Settings, group: Any, *, leader: bool):
     """This rank's runner: fingerprints compared, the model loaded and sharded, seeded."""
     from mlxd.actors.engine import replica
-    from mlxd.actors.engine.loading import load_runner, resolve_model_dir
-    from mlxd.actors.engine.spec_prefill import SpecPrefillStats
-    from mlxd.actors.engine.speculative import SpecStats
+    from mlxd.actors.engine.loading import load_served, resolve_model_dir
 
-    s, m = settings, settings.model
-    cache_dir = Path(m.cache_dir).expanduser()
+    s, options = settings, rank_options(settings)
     _, model_dir = resolve_model_dir(
-        m.path, cache_dir, log.info, dequantize_on_cpu=m.dequantize_on_cpu
+        options.path, options.cache_dir, log.info, dequantize_on_cpu=options.dequantize_on_cpu
     )
     fingerprints = {"model": replica.model_fingerprint(model_dir), "settings": _settings_of(s)}
     replica.check_same(group, fingerprints)
-    runner, info = load_runner(
-        m.path,
-        cache_dir,
-        dequantize_on_cpu=m.dequantize_on_cpu,
-        max_batch=s.engine.max_batch,
-        kind=m.kind,
-        prefix_cache=feature_options(s.prefix_cache, PrefixCacheOptions),
-        memory=options_from(s.memory, MemoryOptions),
-        shard=replica.sharder(s.distributed.parallel, group),
-        prefill_streams=1,  # collectives on two streams could run in different orders per rank
-    )
+    runner, info = load_served(options, replica.sharder(s.distributed.parallel, group))
     replica.lockstep_cache(runner, group, leader=leader)
     seed = replica.shared_seed(group)
     runner.share_seed(seed)  # a row guard's re-seed must be the same on every rank too
     log.info("rank %d: model loaded and sharded; random seed %d", group.rank(), seed)
     if s.speculative.enabled:
-        runner.spec_stats = SpecStats(notes=[_SPEC_OFF])
+        runner.spec_stats = SpeculativeCounters(notes=(_SPEC_OFF,))
     if s.spec_prefill.enabled:
-        runner.spec_prefill_stats = SpecPrefillStats(enabled=False, notes=[_SPEC_PREFILL_OFF])
+        runner.spec_prefill_stats = SpecPrefillCounters(notes=(_SPEC_PREFILL_OFF,))
     return runner, info
+
+
+def rank_options(settings: Settings) -> LoadOptions:
+    """The served model's load options (``supervisor.load_options``), less what every rank
+    would have to do in step (drafting, scoring) and one prefill stream: collectives on
+    two streams could run in different orders per rank."""
+    options = load_options(settings)
+    return dataclasses.replace(options, speculative=None, spec_prefill=None, prefill_streams=1)
 
 
 def _settings_of(s: Settings) -> bytes:

@@ -4,7 +4,8 @@ Nothing here runs on the hot path (the engine step and the SSE loop):
 
 - the engine publishes an ``EngineStats`` snapshot after each step (one
   attribute write on the trio thread), with copies of the prefix-cache,
-  speculation and SpecPrefill counters taken on the engine thread; when
+  speculation and SpecPrefill counters taken on the engine thread (each set is one
+  type from the engine to the wire, encoded as it arrives); when
   ``/metrics`` or ``/v1/status`` is read, the pipeline hands over a ``Live``
   view (that snapshot, the admission counts, the open requests' traces) and
   nothing here reads an actor's or the runner's live objects;
@@ -36,7 +37,6 @@ from mlxd.protocol.messages import (
     Finished,
     MailboxEvent,
     PrefixCacheCounters,
-    SpecPrefillCounters,
     SpeculativeCounters,
     Started,
     TextDelta,
@@ -370,46 +370,12 @@ def _spec_metrics(model: str, stats: SpeculativeCounters | None) -> Iterator[Met
     yield rate
 
 
-def spec_status(stats: SpeculativeCounters | None) -> list[wire.SpeculativeStatus]:
-    """The engine's speculation counters as ``/v1/status`` rows."""
-    if stats is None:
-        return []
-    return [
-        wire.SpeculativeStatus(
-            drafter=stats.drafter,
-            enabled=stats.enabled,
-            acceptance_rate=stats.acceptance_rate,
-            drafted=stats.drafted,
-            accepted=stats.accepted,
-            emitted=stats.emitted,
-            steps=stats.steps,
-            plain_steps=stats.plain_steps,
-            num_draft_tokens=stats.num_draft_tokens,
-            max_batch=stats.max_batch,
-            notes=list(stats.notes),
-        )
-    ]
-
-
-def _spec_prefill(stats: SpecPrefillCounters | None) -> wire.SpecPrefillStatus | None:
-    if stats is None:
-        return None
-    return wire.SpecPrefillStatus(
-        scorer=stats.scorer,
-        enabled=stats.enabled,
-        requests=stats.requests,
-        suffix_tokens=stats.suffix_tokens,
-        skipped_tokens=stats.skipped_tokens,
-        notes=list(stats.notes),
-    )
-
-
 # ---- /v1/status ---------------------------------------------------------------------------
 
 
 def status_snapshot(live: Live, t: Telemetry, settings: Settings, now: float) -> wire.Status:
     """A snapshot of the server for ``/v1/status``; ``now`` on the sessions' (trio) clock."""
-    s = live.engine
+    s, c = live.engine, live.engine.counters
     running, waiting = [], []
     for trace, queued in live.requests:
         row = _request_row(trace, "queued" if queued else None, now)
@@ -430,18 +396,18 @@ def status_snapshot(live: Live, t: Telemetry, settings: Settings, now: float) ->
             kv_bytes_per_token=live.kv_bytes_per_token,
             state_bytes_per_request=live.state_bytes,
         ),
-        cache=_cache(t, s.counters.prefix_cache),
-        speculative=spec_status(s.counters.speculative),
-        spec_prefill=_spec_prefill(s.counters.spec_prefill),
+        cache=_cache(t, c.prefix_cache),
+        speculative=[] if c.speculative is None else [c.speculative],  # one per drafter
+        spec_prefill=c.spec_prefill,
         settings=settings_summary(settings),
     )
 
 
 def _cache(t: Telemetry, prefix: PrefixCacheCounters | None) -> wire.CacheStatus:
     counters = {}
-    if prefix is not None:
-        counters = {k: getattr(prefix, k) for k in ("hits", "misses", "evictions", "entries")}
-        counters |= {"bytes": prefix.bytes, "max_bytes": prefix.max_bytes, "enabled": True}
+    if prefix is not None:  # its own cached_tokens: the requests' total stands in its place
+        counters = msgspec.structs.asdict(prefix) | {"enabled": True}
+        del counters["cached_tokens"]
     return wire.CacheStatus(
         prompt_tokens=t.prompt_total, cached_tokens=t.cached_total, hit_rate=t.hit_rate, **counters
     )

@@ -342,8 +342,11 @@ class EngineStep(msgspec.Struct, frozen=True, kw_only=True):
     failed: tuple[Failed, ...] = ()
 
 
-class PrefixCacheCounters(msgspec.Struct, frozen=True, kw_only=True):
-    """The prefix cache's counters: lookups, tokens served, snapshots held and evicted."""
+class PrefixCacheCounters(msgspec.Struct, kw_only=True):
+    """The prefix cache's counters: lookups, tokens served, snapshots held and evicted.
+
+    One type from the engine to the wire: the cache counts into its own (``PrefixCache.stats``),
+    the engine publishes copies, ``/v1/cache`` and ``/v1/status`` encode them."""
 
     hits: int = 0
     misses: int = 0
@@ -354,8 +357,14 @@ class PrefixCacheCounters(msgspec.Struct, frozen=True, kw_only=True):
     max_bytes: int = 0
 
 
-class SpeculativeCounters(msgspec.Struct, frozen=True, kw_only=True):
-    """One drafter's counters; ``notes`` say where speculation is off (``off: ...``)."""
+class SpeculativeCounters(msgspec.Struct, kw_only=True):
+    """One drafter's counters: ``acceptance_rate`` = accepted ÷ drafted tokens.
+
+    ``enabled`` is false when speculation is configured but off for this model (``notes``
+    say why: ``off: ...``); ``plain_steps`` are steps decoded without drafts. One type from
+    the engine to the wire: the speculative batch counts into the runner's
+    (``spec_stats``), the engine publishes copies, ``/v1/speculative``, ``/v1/status`` and
+    ``/metrics`` encode them."""
 
     drafter: str = ""
     enabled: bool = False
@@ -363,26 +372,44 @@ class SpeculativeCounters(msgspec.Struct, frozen=True, kw_only=True):
     max_batch: int = 0
     steps: int = 0  # speculative steps (one verify pass each)
     plain_steps: int = 0  # steps decoded without drafts (batch above max_batch)
-    drafted: int = 0
-    accepted: int = 0
+    drafted: int = 0  # draft tokens proposed, summed over rows
+    accepted: int = 0  # of them, accepted
     emitted: int = 0  # tokens emitted by speculative steps (accepted + bonus)
     acceptance_rate: float = 0.0
-    notes: tuple[str, ...] = ()
+    notes: tuple[str, ...] = ()  # what speculation does not cover
+
+    def count(self, drafted: int, accepted: int, emitted: int) -> None:
+        """One verify step."""
+        self.steps += 1
+        self.drafted += drafted
+        self.accepted += accepted
+        self.emitted += emitted
+        self.acceptance_rate = self.accepted / self.drafted if self.drafted else 0.0
+
+    def reset(self) -> None:
+        """Zero the step counts (a benchmark counts its timed runs only)."""
+        self.steps = self.plain_steps = self.drafted = self.accepted = self.emitted = 0
+        self.acceptance_rate = 0.0
 
 
-class SpecPrefillCounters(msgspec.Struct, frozen=True, kw_only=True):
-    """SpecPrefill's counters: requests sparse-prefilled and the prompt tokens it skipped."""
+class SpecPrefillCounters(msgspec.Struct, kw_only=True):
+    """SpecPrefill: requests sparse-prefilled, their uncached prompt tokens and how many of
+    those the target skipped. ``notes`` say why it is off, or what it does to a hybrid
+    model's SSM layers (they see only the kept tokens). One type from the engine to the
+    wire: SpecPrefill counts into its own (``SpecPrefill.stats``), the engine publishes
+    copies, ``/v1/status`` encodes them."""
 
     scorer: str = ""
     enabled: bool = False
     requests: int = 0
-    suffix_tokens: int = 0
-    skipped_tokens: int = 0
+    suffix_tokens: int = 0  # uncached prompt tokens of those requests
+    skipped_tokens: int = 0  # of them, never prefilled by the target
     notes: tuple[str, ...] = ()
 
 
 class RunnerCounters(msgspec.Struct, frozen=True, kw_only=True):
-    """Copies of the runner's feature counters (None: the feature is not configured)."""
+    """Copies of the runner's feature counters, taken on the engine thread after a step
+    (None: the feature is not configured); nothing reads them but to encode them."""
 
     prefix_cache: PrefixCacheCounters | None = None
     speculative: SpeculativeCounters | None = None

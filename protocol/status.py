@@ -1,6 +1,10 @@
 """Wire structs of ``GET /v1/status``: what the server is doing right now, as JSON.
 
-Byte figures are bytes, ages and durations seconds. Nothing here imports trio or mlx.
+Byte figures are bytes, ages and durations seconds. The engine's counter sets
+(``EngineStats``, ``SpeculativeCounters``, ``SpecPrefillCounters``) are encoded as the
+engine published them: one type each, from the engine to the wire (``messages.py``).
+``CacheStatus`` joins the requests' prompt-token totals with the prefix cache's counters.
+Nothing here imports trio or mlx.
 """
 
 from __future__ import annotations
@@ -8,7 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 import msgspec
-from mlxd.protocol.messages import EngineStats
+from mlxd.protocol.messages import EngineStats, SpecPrefillCounters, SpeculativeCounters
 
 
 class RequestStatus(msgspec.Struct, kw_only=True):
@@ -49,6 +53,10 @@ class MemoryStatus(msgspec.Struct, kw_only=True):
 
 
 class CacheStatus(msgspec.Struct, kw_only=True):
+    """The requests' prompt tokens since start and how many came from a cache
+    (``hit_rate``: cached ÷ prompt), then the prefix cache's own counters
+    (``PrefixCacheCounters`` but its ``cached_tokens``; ``enabled`` false: none follow)."""
+
     prompt_tokens: int
     cached_tokens: int
     hit_rate: float
@@ -59,39 +67,6 @@ class CacheStatus(msgspec.Struct, kw_only=True):
     entries: int = 0
     bytes: int = 0
     max_bytes: int = 0
-
-
-class SpeculativeStatus(msgspec.Struct, kw_only=True):
-    """One drafter's counters: ``acceptance_rate`` = accepted ÷ drafted tokens.
-
-    ``enabled`` is false when speculation is configured but off for this model
-    (``notes`` say why); ``plain_steps`` are steps decoded without drafts.
-    """
-
-    drafter: str
-    enabled: bool
-    acceptance_rate: float
-    drafted: int
-    accepted: int
-    emitted: int
-    steps: int
-    plain_steps: int
-    num_draft_tokens: int
-    max_batch: int
-    notes: list[str]
-
-
-class SpecPrefillStatus(msgspec.Struct, kw_only=True):
-    """SpecPrefill: requests sparse-prefilled, their uncached prompt tokens and how many of
-    those the target skipped. ``notes`` say why it is off, or what it does to a hybrid
-    model's SSM layers (they see only the kept tokens)."""
-
-    scorer: str
-    enabled: bool
-    requests: int
-    suffix_tokens: int
-    skipped_tokens: int
-    notes: list[str]
 
 
 class ModelStatus(msgspec.Struct, kw_only=True):
@@ -135,6 +110,6 @@ class Status(msgspec.Struct, kw_only=True):
     engine: EngineStats
     memory: MemoryStatus
     cache: CacheStatus
-    speculative: list[SpeculativeStatus]  # one per drafter; [] when speculation is not configured
-    spec_prefill: SpecPrefillStatus | None  # None when SpecPrefill is not configured
+    speculative: list[SpeculativeCounters]  # one per drafter; [] when speculation is not configured
+    spec_prefill: SpecPrefillCounters | None  # None when SpecPrefill is not configured
     settings: dict[str, Any]

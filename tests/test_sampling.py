@@ -33,10 +33,11 @@ def _logprobs():
 def _batch(params: SamplingParams):
     """A speculative batch of one row whose verifier can be called without a model."""
     import mlx.core as mx
-    from mlxd.actors.engine.speculative import Drafter, SpecRow, SpecStats, SpeculativeBatch
+    from mlxd.actors.engine.speculative import Drafter, SpecRow, SpeculativeBatch
+    from mlxd.protocol.messages import SpeculativeCounters
 
     batch = SpeculativeBatch(
-        None, Drafter(), num_draft=0, max_batch=1, stop_tokens=(), stats=SpecStats()
+        None, Drafter(), num_draft=0, max_batch=1, stop_tokens=(), stats=SpeculativeCounters()
     )
     row = SpecRow("r", [1], 10**6, params, key=mx.random.key(params.seed))
     batch.rows = [row]

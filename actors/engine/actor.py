@@ -171,7 +171,9 @@ class _Loop:
         return failures
 
 
-def _make_core(runner: Runner, info: ModelInfo, max_batch: int, options: EngineOptions):
+def core_for(runner: Runner, info: ModelInfo, max_batch: int, options: EngineOptions):
+    """A loaded model's engine core (``max_batch``: the model's own, 0: the engine's);
+    ``mlxd bench --engine`` builds its core here too."""
     return EngineCore(
         runner,
         max_batch=max_batch or options.max_batch,
@@ -196,7 +198,7 @@ def _engine_loop(
     task_status: trio.TaskStatus[dict[str, ModelInfo]],
 ) -> None:
     def make_core(runner: Runner, info: ModelInfo, max_batch: int) -> EngineCore:
-        return _make_core(runner, info, max_batch, options)
+        return core_for(runner, info, max_batch, options)
 
     pool = ModelPool.of(specs, options.limits, make_core, free_memory=options.free_memory)
     infos = pool.preload()

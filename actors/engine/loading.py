@@ -30,6 +30,7 @@ from mlxd.actors.engine.lookup import LookupDrafter
 from mlxd.actors.engine.memory import MemoryModel, kv_budget
 from mlxd.actors.engine.mtp import MTPDrafter, load_mtp
 from mlxd.actors.engine.options import (
+    LoadOptions,
     MemoryOptions,
     PrefixCacheOptions,
     SpecPrefillOptions,
@@ -38,12 +39,13 @@ from mlxd.actors.engine.options import (
 from mlxd.actors.engine.prefix_cache import PrefixCache
 from mlxd.actors.engine.runner import MlxRunner
 from mlxd.actors.engine.sources import hub_snapshot, model_source
-from mlxd.actors.engine.spec_prefill import SpecPrefill, SpecPrefillStats, unsupported_layers
+from mlxd.actors.engine.spec_prefill import SpecPrefill, unsupported_layers
 from mlxd.actors.engine.spec_runner import make_speculative_runner
-from mlxd.actors.engine.speculative import SpecStats, UnsupportedForSpeculation
+from mlxd.actors.engine.speculative import UnsupportedForSpeculation
 from mlxd.actors.engine.types import ModelInfo, model_kind
 from mlxd.actors.engine.vlm_mtp import VlmMtpRunner
 from mlxd.actors.engine.vlm_runner import VlmRunner
+from mlxd.protocol.messages import SpecPrefillCounters, SpeculativeCounters
 
 log = logging.getLogger("mlxd.runner")
 
@@ -187,25 +189,25 @@ def make_prefix_cache(options: PrefixCacheOptions | None) -> PrefixCache | None:
     )
 
 
-def _off(reason: str) -> SpecStats:
-    return SpecStats(notes=[f"off: {reason}"])
+def _off(reason: str) -> SpeculativeCounters:
+    return SpeculativeCounters(enabled=False, notes=(f"off: {reason}",))
 
 
-def _prefill_off(reason: str) -> SpecPrefillStats:
-    return SpecPrefillStats(enabled=False, notes=[f"off: {reason}"])
+def _prefill_off(reason: str) -> SpecPrefillCounters:
+    return SpecPrefillCounters(enabled=False, notes=(f"off: {reason}",))
 
 
 def make_spec_prefill(
     model: nn.Module, scorer: tuple[nn.Module, str], options: SpecPrefillOptions
 ) -> SpecPrefill:
     """SpecPrefill for this model, or (its stats saying why) off for its cache layout."""
-    stats = SpecPrefillStats(scorer=scorer[1])
+    stats = SpecPrefillCounters(scorer=scorer[1], enabled=True)
     why = unsupported_layers(make_prompt_cache(model), options.hybrid)
     if why is not None:
         log.warning("SpecPrefill is off for this model: %s", why)
-        stats.enabled, stats.notes = False, [f"off: {why}"]
+        stats.enabled, stats.notes = False, (f"off: {why}",)
     elif any(not hasattr(c, "keys") for c in make_prompt_cache(model)):
-        stats.notes.append("hybrid model: SSM layers see only the kept tokens")
+        stats.notes = ("hybrid model: SSM layers see only the kept tokens",)
     return SpecPrefill(scorer[0], options, stats)
 
 
@@ -325,11 +327,13 @@ def load_mtp_drafter(model: nn.Module, model_dir: Path, config: dict, dequantize
     return MTPDrafter(head, model, name="mtp")
 
 
-def _helpers(model, model_id, cache_dir, dequantize_on_cpu, speculative, spec_prefill, where):
+def _helpers(model, model_id, options: LoadOptions, where):
     """The drafter (speculation) and the SpecPrefill scorer, sharing one load when they can.
 
     ``where``: the model's directory and config (an MTP head is read from there).
     """
+    speculative, spec_prefill = options.speculative, options.spec_prefill
+    cache_dir, dequantize_on_cpu = options.cache_dir, options.dequantize_on_cpu
     draft, drafter, off = None, "", None
     if speculative is not None and speculative.drafter == "lookup":
         draft = lookup_drafter(speculative)
@@ -358,51 +362,44 @@ def _helpers(model, model_id, cache_dir, dequantize_on_cpu, speculative, spec_pr
 
 
 def load_runner(
-    path: str,
-    cache_dir: Path,
-    *,
-    dequantize_on_cpu: bool,
-    max_batch: int,
-    kind: str = "auto",
-    prefix_cache: PrefixCacheOptions | None = None,
-    memory: MemoryOptions | None = None,
-    speculative: SpeculativeOptions | None = None,
-    spec_prefill: SpecPrefillOptions | None = None,
-    shard: Shard | None = None,
-    adapter_path: Path | None = None,
-    prefill_streams: int | None = None,
-    chunked_linear_attention: bool | None = None,
+    path: str, cache_dir: Path, *, shard: Shard | None = None, **options: Any
 ) -> tuple[MlxRunner, ModelInfo]:
+    """``load_served`` with the options as keyword arguments (``LoadOptions``' fields)."""
+    return load_served(LoadOptions(path=path, cache_dir=cache_dir, **options), shard)
+
+
+def load_served(options: LoadOptions, shard: Shard | None = None) -> tuple[MlxRunner, ModelInfo]:
     """Load the model for serving; call on the generation thread.
 
-    The kind (text or vision) comes from the model's config unless ``kind`` names it.
-    Each feature is off where its options are None; without ``memory`` (the memory
-    estimate and budget) the engine has no memory gate. ``shard``: this rank's part
-    of a model served over a distributed group (text models only). ``adapter_path``:
-    a LoRA adapter applied at load (text models only). ``prefill_streams``: MLX streams
-    a prefill chunk is split across (``MlxRunner.use_prefill_streams``; None: as
-    ``auto_prefill_streams`` says). ``chunked_linear_attention``: Qwen3.5 GatedDeltaNet
-    layers prefill chunk by chunk (``linear_attention.py``; None: where it applies).
+    The kind (text or vision) comes from the model's config unless ``options.kind``
+    names it. Each feature is off where its options are None; without ``memory`` (the
+    memory estimate and budget) the engine has no memory gate. ``shard``: this rank's
+    part of a model served over a distributed group (text models only). An adapter is
+    applied at load (text models only). ``prefill_streams``: MLX streams a prefill chunk
+    is split across (``MlxRunner.use_prefill_streams``; None: as ``auto_prefill_streams``
+    says). ``chunked_linear_attention``: Qwen3.5 GatedDeltaNet layers prefill chunk by
+    chunk (``linear_attention.py``; None: where it applies).
     """
+    o = options
     model_id, model_dir = resolve_model_dir(
-        path, cache_dir, log.info, dequantize_on_cpu=dequantize_on_cpu
+        o.path, o.cache_dir, log.info, dequantize_on_cpu=o.dequantize_on_cpu
     )
     config = json.loads((model_dir / "config.json").read_text())
-    kind = model_kind(config, kind)
+    kind = model_kind(config, o.kind)
     log.info("loading %s model %s from %s (MLX backend: %s)", kind, model_id, model_dir, backend())
     if kind == "vision" and shard is not None:
         raise ValueError(f"{model_id}: vision models cannot be served over several ranks yet")
-    if kind == "vision" and adapter_path is not None:
+    if kind == "vision" and o.adapter_path is not None:
         raise ValueError(f"{model_id}: LoRA adapters are applied to text models only")
     if kind == "vision":
-        extras = {"memory": memory, "speculative": speculative, "spec_prefill": spec_prefill}
-        return _load_vision(model_id, model_dir, max_batch, dequantize_on_cpu, extras)
+        extras = {"memory": o.memory, "speculative": o.speculative, "spec_prefill": o.spec_prefill}
+        return _load_vision(model_id, model_dir, o.max_batch, o.dequantize_on_cpu, extras)
     model, tokenizer, config = load_model(
-        model_dir, dequantize_on_cpu=dequantize_on_cpu, shard=shard, adapter_path=adapter_path
+        model_dir, dequantize_on_cpu=o.dequantize_on_cpu, shard=shard, adapter_path=o.adapter_path
     )
-    if adapter_path is not None:
-        log.info("LoRA adapter applied: %s", adapter_path)
-    _chunk_linear_attention(model, chunked_linear_attention)
+    if o.adapter_path is not None:
+        log.info("LoRA adapter applied: %s", o.adapter_path)
+    _chunk_linear_attention(model, o.chunked_linear_attention)
     info = ModelInfo(
         model_id=model_id,
         model_dir=model_dir,
@@ -411,23 +408,21 @@ def load_runner(
         tokenizer=tokenizer,
         backend=backend(),
     )
-    cache = make_prefix_cache(prefix_cache)
+    cache = make_prefix_cache(o.prefix_cache)
     stops = sorted(tokenizer.eos_token_ids)
-    where = (model_dir, config)
-    helpers = (model, model_id, cache_dir, dequantize_on_cpu, speculative, spec_prefill, where)
-    draft, drafter, sparse, off = _helpers(*helpers)
+    draft, drafter, sparse, off = _helpers(model, model_id, o, (model_dir, config))
     on = sparse if sparse is not None and sparse.stats.enabled else None
     runner: MlxRunner
     if draft is not None:
         runner = make_speculative_runner(
-            model, draft, stops, max_batch, speculative, cache, drafter, spec_prefill=on
+            model, draft, stops, o.max_batch, o.speculative, cache, drafter, spec_prefill=on
         )
     else:
-        runner = MlxRunner(model, stops, max_batch, prefix_cache=cache, spec_prefill=on)
+        runner = MlxRunner(model, stops, o.max_batch, prefix_cache=cache, spec_prefill=on)
     runner.spec_stats = runner.spec_stats or off
     runner.spec_prefill_stats = sparse.stats if sparse is not None else None
-    _split_prefill(runner, prefill_streams or auto_prefill_streams())
-    return runner, dataclasses.replace(info, memory=memory_model(runner, memory))
+    _split_prefill(runner, o.prefill_streams or auto_prefill_streams())
+    return runner, dataclasses.replace(info, memory=memory_model(runner, o.memory))
 
 
 def _chunk_linear_attention(model: nn.Module, wanted: bool | None) -> None:

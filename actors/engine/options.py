@@ -1,14 +1,16 @@
-"""The typed options of the model's features, for ``loading.load_runner``.
+"""The typed options of a served model's load, for ``loading.load_served``.
 
-The supervisor maps the settings tree onto these (``daemon/supervisor.py``);
-nothing in ``actors/`` reads a settings section. A feature is off where its
-options are None. No mlx here: the daemon imports this module before any model
-code loads.
+``LoadOptions`` holds everything the loader takes from the settings; one function
+maps the settings tree onto it (``daemon/supervisor.load_options``), for ``serve``,
+the ranks of ``serve --parallel`` and ``bench --engine`` alike. Nothing in
+``actors/`` reads a settings section. A feature is off where its options are None.
+No mlx here: the daemon imports this module before any model code loads.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Literal
 
 
@@ -55,3 +57,22 @@ class SpecPrefillOptions:
     chunk_tokens: int = 64
     scorer_model: str = ""  # "": the draft model when speculating, else the served model
     hybrid: bool = False  # also on models with SSM layers (they see only kept tokens)
+
+
+@dataclass(frozen=True, kw_only=True)
+class LoadOptions:
+    """How one served model loads: where from, its batch, the engine's loader options
+    and each feature's options (None: off)."""
+
+    path: str  # model dir, .gguf file or Hugging Face id; "": the default model
+    cache_dir: Path  # converted GGUF files and Hub downloads
+    dequantize_on_cpu: bool
+    max_batch: int
+    kind: str = "auto"  # text or vision; auto: from the model's config
+    adapter_path: Path | None = None  # an mlx-lm LoRA adapter applied at load
+    prefill_streams: int | None = None  # MLX streams a prefill chunk is split over (None: auto)
+    chunked_linear_attention: bool | None = None  # Qwen3.5 GatedDeltaNet (None: where it pays)
+    prefix_cache: PrefixCacheOptions | None = None
+    memory: MemoryOptions | None = None  # None: no memory estimate, no memory gate
+    speculative: SpeculativeOptions | None = None
+    spec_prefill: SpecPrefillOptions | None = None

@@ -31,6 +31,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from mlxd.protocol.messages import PrefixCacheCounters
+
 
 @dataclass
 class Entry:
@@ -46,17 +48,6 @@ class Hit:
 
     entry: Entry
     length: int
-
-
-@dataclass
-class CacheStats:
-    hits: int = 0
-    misses: int = 0
-    cached_tokens: int = 0  # prompt tokens served from the cache, summed over hits
-    evictions: int = 0
-    entries: int = 0
-    bytes: int = 0
-    max_bytes: int = 0
 
 
 def block_hashes(tokens: Sequence[int], block_size: int) -> list[int]:
@@ -88,7 +79,7 @@ class PrefixCache:
     _short: set[tuple[int, ...]] = field(default_factory=set)  # shorter than one block
     # cache key -> its newest snapshot, least recently used key first
     _newest: OrderedDict[str, tuple[int, ...]] = field(default_factory=OrderedDict)
-    stats: CacheStats = field(default_factory=CacheStats)
+    stats: PrefixCacheCounters = field(default_factory=PrefixCacheCounters)
 
     def __post_init__(self) -> None:
         self.stats.max_bytes = self.max_bytes

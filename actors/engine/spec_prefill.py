@@ -36,6 +36,7 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache, BatchKVCache, KVCache, make_prompt_cache
 from mlxd.actors.engine.options import SpecPrefillOptions
+from mlxd.protocol.messages import SpecPrefillCounters
 
 
 class PositionedKVCache(KVCache):
@@ -261,24 +262,12 @@ def _next_piece(plan: SparsePlan, budget: int) -> tuple[int, int]:
 
 
 @dataclass
-class SpecPrefillStats:
-    """Counters for ``/v1/status``: requests sparse-prefilled and the tokens they skipped."""
-
-    scorer: str = ""
-    enabled: bool = True
-    requests: int = 0
-    suffix_tokens: int = 0  # uncached prompt tokens of those requests
-    skipped_tokens: int = 0  # of them, never prefilled by the target
-    notes: list[str] = field(default_factory=list)
-
-
-@dataclass
 class SpecPrefill:
     """The scorer model and its options; decides each request's plan."""
 
     scorer: Any
     options: SpecPrefillOptions
-    stats: SpecPrefillStats
+    stats: SpecPrefillCounters  # read by ``/v1/status`` (copies the engine publishes)
 
     def plan(self, tokens: tuple[int, ...], cached: int, wanted: bool | None) -> SparsePlan | None:
         s = self.options

@@ -22,14 +22,13 @@ from mlxd.actors.engine.speculative import (
     Drafter,
     ModelDrafter,
     SpecRow,
-    SpecStats,
     SpeculativeBatch,
     Target,
     UnsupportedForSpeculation,
     check_rewindable,
 )
 from mlxd.actors.engine.types import Decoded
-from mlxd.protocol.messages import TokenizedRequest
+from mlxd.protocol.messages import SpeculativeCounters, TokenizedRequest
 
 log = logging.getLogger("mlxd.speculative")
 
@@ -56,8 +55,11 @@ class SpeculativeRunner(MlxRunner):
         check_rewindable(self._make_cache())
         self._drafter_args = (draft, drafter)
         self.drafter = self._new_drafter()
-        self.spec_stats = SpecStats(
-            drafter=self.drafter.name, num_draft_tokens=num_draft, max_batch=spec_max_batch
+        self.spec_stats = SpeculativeCounters(
+            drafter=self.drafter.name,
+            enabled=True,
+            num_draft_tokens=num_draft,
+            max_batch=spec_max_batch,
         )
         self._target = Target(model, self.drafter.wants_hidden)
         self._batch_args = (num_draft, spec_max_batch, stop_tokens)
@@ -202,5 +204,5 @@ def make_speculative_runner(
         runner = MlxRunner(
             model, stop_tokens, max_batch, prefix_cache=prefix_cache, spec_prefill=spec_prefill
         )
-        runner.spec_stats = SpecStats(drafter=drafter, notes=[f"off: {exc}"])
+        runner.spec_stats = SpeculativeCounters(drafter=drafter, notes=(f"off: {exc}",))
         return runner

@@ -35,34 +35,11 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 from mlxd.actors.engine.sampling import scaled_logits
-from mlxd.protocol.messages import SamplingParams
+from mlxd.protocol.messages import SamplingParams, SpeculativeCounters
 
 
 class UnsupportedForSpeculation(ValueError):
     """A cache layout that speculative decoding cannot rewind (e.g. a rotating window)."""
-
-
-@dataclass
-class SpecStats:
-    """Acceptance counters of one drafter; read by ``GET /v1/speculative``."""
-
-    drafter: str = ""
-    num_draft_tokens: int = 0
-    max_batch: int = 0
-    steps: int = 0  # speculative steps (one verify pass each)
-    plain_steps: int = 0  # steps decoded without drafts (batch above max_batch)
-    drafted: int = 0  # draft tokens proposed, summed over rows
-    accepted: int = 0  # of them, accepted
-    emitted: int = 0  # tokens emitted by speculative steps (accepted + bonus)
-    notes: list[str] = field(default_factory=list)  # what speculation does not cover
-
-    @property
-    def acceptance_rate(self) -> float:
-        return self.accepted / self.drafted if self.drafted else 0.0
-
-    @property
-    def enabled(self) -> bool:
-        return not any(n.startswith("off:") for n in self.notes)
 
 
 @dataclass
@@ -413,7 +390,7 @@ class SpeculativeBatch:
         num_draft: int,
         max_batch: int,
         stop_tokens: Sequence[int],
-        stats: SpecStats,
+        stats: SpeculativeCounters,
         target: Any = None,
     ):
         # ``target``: how the verify pass calls the model (default ``Target``; a vision
@@ -543,10 +520,8 @@ class SpeculativeBatch:
         if k == 0:
             self.stats.plain_steps += 1
             return
-        self.stats.steps += 1
-        self.stats.drafted += sum(len(d) for d in drafts)
-        self.stats.accepted += sum(accepted)
-        self.stats.emitted += sum(accepted) + sum(1 for d in drafts if d)
+        emitted = sum(accepted) + sum(1 for d in drafts if d)
+        self.stats.count(sum(len(d) for d in drafts), sum(accepted), emitted)
 
     def _emit(self, new: list[list[int]]) -> list[Emitted]:
         out, keep = [], []

@@ -23,10 +23,10 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlxd.actors.engine.runner import Pending
 from mlxd.actors.engine.spec_runner import join, step
-from mlxd.actors.engine.speculative import SpecStats, SpeculativeBatch, check_rewindable
+from mlxd.actors.engine.speculative import SpeculativeBatch, check_rewindable
 from mlxd.actors.engine.types import Decoded
 from mlxd.actors.engine.vlm_runner import VlmRunner
-from mlxd.protocol.messages import TokenizedRequest
+from mlxd.protocol.messages import SpeculativeCounters, TokenizedRequest
 
 log = logging.getLogger("mlxd.speculative")
 
@@ -73,10 +73,13 @@ class VlmMtpRunner(VlmRunner):
         check_rewindable(self._make_cache())
         self._drafter_proto = drafter
         self._target = VlmTarget(model.language_model)
-        self.spec_stats = SpecStats(
-            drafter=drafter.name, num_draft_tokens=num_draft, max_batch=spec_max_batch
+        self.spec_stats = SpeculativeCounters(
+            drafter=drafter.name,
+            enabled=True,
+            num_draft_tokens=num_draft,
+            max_batch=spec_max_batch,
+            notes=("vision model: text-only requests speculate",),
         )
-        self.spec_stats.notes.append("vision model: text-only requests speculate")
         self._batch_args = (num_draft, spec_max_batch, stop_tokens)
         self._fresh_batch()
 
