@@ -130,3 +130,18 @@ def test_a_row_fault_reseeds_the_global_key_alike_on_every_rank(smollm):
     assert _draws_after_a_fault(base=43, before=1234) != first
     runner.share_seed(42)
     assert runner._guard.base == 42
+
+
+def test_a_replayed_seeded_row_goes_on_as_if_never_interrupted(smollm):
+    """A seeded row replayed after a failed step continues its own random key: its
+    tokens equal those it gets running alone, not a restart of its key from the seed."""
+    runner, _ = smollm
+    innocent = [seeded("s1", seed=7), seeded("s2", seed=11), greedy("g1")]
+    expected = alone(runner, innocent)
+    crashing = CrashingRunner(runner, "boom")
+    schedule = {0: innocent[:2], 2: [innocent[2]], 4: [bad("boom", temperature=0.0)]}
+    tokens, failed = drive(crashing, schedule)
+    assert set(failed) == {"boom"}
+    assert {rid: tokens[rid] for rid in expected} == expected
+    assert runner.decoding == 0 and runner.prefilling_count == 0
+    assert not runner._seeded

@@ -356,6 +356,7 @@ class EngineCore:
                 what = "decode step failed" if memory or rid in guilty else _NOT_RESUMABLE
                 failed.append(self._failure(rid, what, exc))
                 self.recovery.forget(rid)
+                self.runner.remove(rid)  # whatever the runner still keeps for it
 
     def _resume(self, failed: list[Failed]) -> None:
         """Start the replays of rows from a failed step (their clients saw no break)."""

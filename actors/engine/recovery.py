@@ -16,7 +16,10 @@ decides what happens to the rows that were in it:
   prompt is its prompt plus the tokens it already emitted (the prefix cache
   usually holds most of that) and whose ``max_tokens`` is what it has left, so
   its client sees the output go on where it stopped. Its penalties see the same
-  tokens as before. A row with a grammar or images cannot be rebuilt that way
+  tokens as before, and a seeded row's key goes on where it stopped (the runner
+  skips one draw per token emitted), as in an uninterrupted run; under speculative
+  decoding, whose draws per token vary, a replayed seeded row restarts its key
+  from the seed. A row with a grammar or images cannot be rebuilt that way
   (the grammar's state, the image inputs); the engine fails it with a message
   that says so.
 

@@ -66,11 +66,16 @@ _T = TypeVar("_T")
 _PENALTY_CONTEXT = 1 << 20
 
 
-def make_sampler(params: SamplingParams):
-    """A per-request sampler; a seeded one draws from its own key, not the global RNG."""
+def make_sampler(params: SamplingParams, drawn: int = 0):
+    """A per-request sampler; a seeded one draws from its own key, not the global RNG,
+    split once per draw: ``drawn`` draws are skipped (a replay goes on where it stopped)."""
     if params.greedy:
         return greedy_sampler  # shared object: an all-greedy batch samples in one call
     key = [mx.random.key(params.seed)] if params.seed is not None else None
+    if key is not None and drawn:
+        for _ in range(drawn):
+            key[0], _sub = mx.random.split(key[0])
+        mx.eval(key[0])
 
     def sample(logprobs: mx.array) -> mx.array:
         if 0.0 < params.top_p < 1.0:
@@ -199,6 +204,9 @@ class MlxRunner:
             self.spec_prefill_stats = spec_prefill.stats
         self._sparse: set[str] = set()  # requests sparse-prefilled: never remembered
         self._keys: dict[str, str] = {}  # request → its cache key, for its snapshots
+        # Seeded request → its first prompt's length: a replay (the same id, its prompt
+        # grown by the tokens it emitted) skips one draw of its key per token emitted.
+        self._seeded: dict[str, int] = {}
         self._make_cache = make_cache or (lambda: make_prompt_cache(model))
         cache = self._make_cache()
         check_batchable(cache, self._make_cache())
@@ -503,7 +511,10 @@ class MlxRunner:
     def _guarded_sampler(self, request: TokenizedRequest):
         """The request's sampler; one that can fail is guarded (greedy stays the shared object,
         so an all-greedy batch still samples in one call)."""
-        sample = make_sampler(request.sampling)
+        rid, prompt = request.request_id, len(request.prompt_tokens)
+        if request.sampling.seed is not None:  # its first join's, kept through replays
+            self._seeded.setdefault(rid, prompt)
+        sample = make_sampler(request.sampling, prompt - self._seeded.get(rid, prompt))
         if sample is greedy_sampler:
             return sample
         return self._guard.sampler(request.request_id, sample)
@@ -529,6 +540,7 @@ class MlxRunner:
             rid = self._uid_to_rid[r.uid]
             out.append(Decoded(rid, r.token, r.finish_reason, logprobs.get(r.uid)))
             if r.finish_reason is not None:
+                self._seeded.pop(rid, None)
                 del self._uid_to_rid[r.uid], self._rid_to_uid[rid]
                 self._remember_finished(rid, r.all_tokens, r.prompt_cache)  # a fresh copy
                 self._top.pop(rid, None)
@@ -563,6 +575,7 @@ class MlxRunner:
                 self._remember_finished(request_id, tokens, cache, live=True)
         self._sparse.discard(request_id)
         self._keys.pop(request_id, None)
+        self._seeded.pop(request_id, None)
 
     def clear_cache(self) -> None:
         if self.prefix_cache is not None:
