@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import json
+import logging
 from contextlib import asynccontextmanager
 
 import pytest
@@ -658,3 +659,13 @@ def test_conversation_reports_the_billing_line():
         json.dumps({"messages": [{"role": "user", "content": "x"}], "system": BILLING})
     )
     assert conversation(w).billing
+
+
+async def test_billing_header_is_logged_once_at_debug(caplog):
+    body = claude_code_body(max_tokens=1000, stream=False)
+    with caplog.at_level(logging.DEBUG, logger="mlxd"):
+        async with client() as (c, _):
+            await post(c, body)
+            await count(c, body)
+    lines = [r for r in caplog.records if "billing-header" in r.getMessage()]
+    assert len(lines) == 1 and lines[0].levelno == logging.DEBUG
