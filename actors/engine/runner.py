@@ -28,17 +28,10 @@ from typing import Any, TypeVar
 
 import mlx.core as mx
 import mlx.nn as nn
-import msgspec
 from mlx.utils import tree_flatten
 from mlx_lm.generate import BatchGenerator
 from mlx_lm.models.cache import make_prompt_cache
-from mlx_lm.sample_utils import (
-    apply_min_p,
-    apply_top_k,
-    apply_top_p,
-    greedy_sampler,
-    make_logits_processors,
-)
+from mlx_lm.sample_utils import greedy_sampler, make_logits_processors
 from mlxd.actors.engine import caches
 from mlxd.actors.engine.caches import check_batchable, layer_kinds
 from mlxd.actors.engine.guards import RowGuard, bias_processor
@@ -46,12 +39,11 @@ from mlxd.actors.engine.logits import GrammarProcessor, token_logprobs
 from mlxd.actors.engine.memory import AttentionLayer, Layer, StateLayer
 from mlxd.actors.engine.openblas import OpenBlas
 from mlxd.actors.engine.prefix_cache import PrefixCache
-from mlxd.actors.engine.spec_prefill import SpecPrefill, SpecPrefillStats, positioned, set_position
-from mlxd.actors.engine.speculative import SpecStats
+from mlxd.actors.engine.sampling import scaled_logits
+from mlxd.actors.engine.spec_prefill import SpecPrefill, positioned, set_position
 from mlxd.actors.engine.types import Decoded
 from mlxd.actors.grammar import CompiledGrammar
 from mlxd.protocol.messages import (
-    PrefixCacheCounters,
     RunnerCounters,
     SamplingParams,
     SpecPrefillCounters,
@@ -78,13 +70,7 @@ def make_sampler(params: SamplingParams, drawn: int = 0):
         mx.eval(key[0])
 
     def sample(logprobs: mx.array) -> mx.array:
-        if 0.0 < params.top_p < 1.0:
-            logprobs = apply_top_p(logprobs, params.top_p)
-        if params.min_p > 0.0:
-            logprobs = apply_min_p(logprobs, params.min_p)
-        if params.top_k > 0:
-            logprobs = apply_top_k(logprobs, params.top_k)
-        scaled = logprobs * (1.0 / params.temperature)
+        scaled = scaled_logits(logprobs, params)  # the verifiers' chain too
         if key is None:
             return mx.random.categorical(scaled)
         key[0], sub = mx.random.split(key[0])
@@ -183,8 +169,8 @@ class MlxRunner:
 
     # Live counters, updated on this thread: the speculative variants set ``spec_stats``,
     # and ``loading`` sets them where a configured feature is off (their notes say why).
-    spec_stats: SpecStats | None = None
-    spec_prefill_stats: SpecPrefillStats | None = None
+    spec_stats: SpeculativeCounters | None = None
+    spec_prefill_stats: SpecPrefillCounters | None = None
 
     def __init__(
         self,
@@ -243,9 +229,9 @@ class MlxRunner:
         """Copies of the live counters, for the engine's published ``EngineStats``."""
         cache = self.prefix_cache.stats if self.prefix_cache is not None else None
         return RunnerCounters(
-            prefix_cache=_copy(cache, PrefixCacheCounters),
-            speculative=_copy(self.spec_stats, SpeculativeCounters),
-            spec_prefill=_copy(self.spec_prefill_stats, SpecPrefillCounters),
+            prefix_cache=_copy(cache),
+            speculative=_copy(self.spec_stats),
+            spec_prefill=_copy(self.spec_prefill_stats),
         )
 
     @property
@@ -651,8 +637,9 @@ def _leaf_caches(caches) -> list[Any]:
     return out
 
 
-def _copy(live: object | None, kind: type[_T]) -> _T | None:
-    return None if live is None else msgspec.convert(live, kind, from_attributes=True)
+def _copy(live: _T | None) -> _T | None:
+    """A copy of live counters to publish (their fields are numbers, strings, tuples)."""
+    return None if live is None else copy.copy(live)
 
 
 def _layer_of(cache: Any) -> Layer:
