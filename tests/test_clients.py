@@ -172,10 +172,10 @@ async def test_claude_code_two_turns(settings, home):
     first = messages[0].body
     assert first["thinking"]["type"] == "adaptive"
     assert {t["name"] for t in first["tools"]} >= {"Read", "Bash"}
+    # the second request carries the Read result (the file's contents) as a tool_result
     results = [
         block
-        for e in messages
-        for m in e.body["messages"]
+        for m in messages[1].body["messages"]
         if isinstance(m["content"], list)
         for block in m["content"]
         if block.get("type") == "tool_result"
@@ -241,7 +241,7 @@ async def test_codex(settings, home):
     calls = served.recorder.posts("/v1/responses")
     tools = calls[0].body["tools"]
     assert {t["type"] for t in tools} >= {"function", "namespace", "web_search"}
-    outputs = [i for e in calls for i in e.body["input"] if i.get("type") == "function_call_output"]
+    outputs = [i for i in calls[1].body["input"] if i.get("type") == "function_call_output"]
     assert any(MARKER in json.dumps(o) for o in outputs), outputs
 
 
