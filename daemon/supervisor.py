@@ -46,6 +46,7 @@ from mlxd.actors.engine.actor import (
     RunnerFactory,
 )
 from mlxd.actors.engine.options import (
+    LoadOptions,
     MemoryOptions,
     PrefixCacheOptions,
     SpecPrefillOptions,
@@ -83,33 +84,37 @@ def feature_options(section: Feature, kind: type[_Options]) -> _Options | None:
     return options_from(section, kind) if section.enabled else None
 
 
+def load_options(settings: Settings, entry: ModelEntry | None = None) -> LoadOptions:
+    """How one served model (the first entry unless named) loads: the one mapping of the
+    settings onto the loader, for ``serve``, the ranks of ``serve --parallel``
+    (``ranks.py``) and ``bench --engine`` (``bench.py``)."""
+    s, m = settings, settings.model
+    e = entry or settings.model_entries()[0]
+    return LoadOptions(
+        path=e.path,
+        cache_dir=Path(m.cache_dir).expanduser(),
+        dequantize_on_cpu=m.dequantize_on_cpu,
+        max_batch=e.max_batch or s.engine.max_batch,
+        kind=e.kind,
+        adapter_path=Path(e.adapter_path).expanduser() if e.adapter_path else None,
+        prefill_streams=prefill_streams(s),
+        chunked_linear_attention=auto_or(s.engine.chunked_linear_attention),
+        prefix_cache=feature_options(s.prefix_cache, PrefixCacheOptions),
+        memory=options_from(s.memory, MemoryOptions),
+        speculative=feature_options(e.speculative or s.speculative, SpeculativeOptions),
+        spec_prefill=feature_options(e.spec_prefill or s.spec_prefill, SpecPrefillOptions),
+    )
+
+
 def mlx_runner_factory(settings: Settings, entry: ModelEntry | None = None) -> RunnerFactory:
     """Loads one served model (the first entry unless named); runs on the generation
     thread (imports MLX there)."""
-    s, m = settings, settings.model
-    e = entry or settings.model_entries()[0]
-    features = {
-        "prefix_cache": feature_options(s.prefix_cache, PrefixCacheOptions),
-        "memory": options_from(s.memory, MemoryOptions),
-        "speculative": feature_options(e.speculative or s.speculative, SpeculativeOptions),
-        "spec_prefill": feature_options(e.spec_prefill or s.spec_prefill, SpecPrefillOptions),
-    }
-    adapter = Path(e.adapter_path).expanduser() if e.adapter_path else None
+    options = load_options(settings, entry)
 
     def factory():
-        from mlxd.actors.engine.loading import load_runner
+        from mlxd.actors.engine.loading import load_served
 
-        return load_runner(
-            e.path,
-            Path(m.cache_dir).expanduser(),
-            dequantize_on_cpu=m.dequantize_on_cpu,
-            max_batch=e.max_batch or s.engine.max_batch,
-            kind=e.kind,
-            adapter_path=adapter,
-            prefill_streams=prefill_streams(s),
-            chunked_linear_attention=auto_or(s.engine.chunked_linear_attention),
-            **features,
-        )
+        return load_served(options)
 
     return factory
 
@@ -179,6 +184,7 @@ def open_graph(s: Settings) -> Graph:
         mailboxes=Mailboxes(s.streaming.max_unread_bytes),
         timeouts=Timeouts(a.queue_timeout_s, a.request_timeout_s),
         retry_after_s=a.retry_after_s,
+        keepalive_s=s.streaming.keepalive_s,
     )
     return Graph(
         pipeline=pipeline,
@@ -198,8 +204,10 @@ def tokenizer_options(s: Settings, entry: ModelEntry | None = None) -> Tokenizer
     return TokenizerOptions(
         workers=s.tokenizer.workers,
         default_max_tokens=s.engine.default_max_tokens,
+        clamp_max_tokens=s.engine.max_tokens_overflow == "clamp",
         max_prompt_tokens=s.engine.max_prompt_tokens,
         checkpoints=s.prefix_cache.enabled and s.prefix_cache.system_prompt,
+        max_breakpoints=s.prefix_cache.max_breakpoints if s.prefix_cache.enabled else 0,
         tool_format=entry.tool_format or s.tokenizer.tool_format,
         reasoning_tags=entry.reasoning_tags or s.tokenizer.reasoning_tags,
         image_limits=options_from(s.vision, ImageLimits),
