@@ -317,7 +317,8 @@ async def test_aider(settings, home):
     aider = client("aider")
     work = home / "work"
     async with recording_server(settings, dump=dump(home), script=Script({})) as served:
-        env = base_env(home, OPENAI_API_KEY="x")
+        # litellm's model price list comes with it, not from GitHub
+        env = base_env(home, OPENAI_API_KEY="x", LITELLM_LOCAL_MODEL_COST_MAP="True")
         cmd = [
             aider,
             "--message", "Say done.",
