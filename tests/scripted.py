@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 from collections.abc import Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -95,12 +96,28 @@ class ScriptedRunner:
     """The real runner, every request constrained to its scripted reply (the runner
     protocol is delegated; ``start`` swaps in the grammar)."""
 
-    def __init__(self, runner: Any, tokenizer: Any, script: Script):
+    def __init__(self, runner: Any, tokenizer: Any, script: Script, prefill_delay_s: float = 0.0):
         self._runner = runner
         self._tokenizer = tokenizer
         self._llt = _llg_tokenizer(tokenizer)
         self.script = script
         self.started: list[Started] = []
+        # a request's first prefill step takes this much longer (a long prompt on a big model)
+        self._delay = prefill_delay_s
+        self._slow: set[str] = set()  # requests whose first prefill step is still to come
+
+    def prefill(self, request_id: str, budget: int) -> int:
+        self._first_steps([request_id])
+        return self._runner.prefill(request_id, budget)
+
+    def prefill_batch(self, budgets: dict[str, int]) -> dict:
+        self._first_steps(list(budgets))
+        return self._runner.prefill_batch(budgets)
+
+    def _first_steps(self, request_ids: list[str]) -> None:
+        if self._slow.intersection(request_ids):
+            self._slow.difference_update(request_ids)
+            time.sleep(self._delay)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._runner, name)
@@ -110,6 +127,8 @@ class ScriptedRunner:
         reply = self.script.reply(prompt)
         forced = msgspec.structs.replace(request, grammar=self._exactly(reply))
         cached = self._runner.start(forced)
+        if self._delay:
+            self._slow.add(request.request_id)
         self.started.append(Started(request.request_id, len(request.prompt_tokens), cached, reply))
         return cached
 
@@ -121,13 +140,15 @@ class ScriptedRunner:
         return CompiledGrammar(matcher, self._llt.vocab_size, tuple(self._llt.eos_tokens))
 
 
-def scripted_factory(settings, script: Script) -> Callable[[], tuple[ScriptedRunner, Any]]:
+def scripted_factory(
+    settings, script: Script, prefill_delay_s: float = 0.0
+) -> Callable[[], tuple[ScriptedRunner, Any]]:
     """The real runner factory of ``settings``, its runner wrapped in a ``ScriptedRunner``."""
     real = mlx_runner_factory(settings)
 
     def factory():
         runner, info = real()
-        return ScriptedRunner(runner, info.tokenizer, script), info
+        return ScriptedRunner(runner, info.tokenizer, script, prefill_delay_s), info
 
     return factory
 
@@ -197,10 +218,13 @@ class Served:
 
 
 @asynccontextmanager
-async def recording_server(settings, script: Script, dump: Path | None = None):
+async def recording_server(
+    settings, script: Script, dump: Path | None = None, prefill_delay_s: float = 0.0
+):
     """The app on a free loopback port over a scripted real runner; on exit the engine is
-    idle. ``dump``: a folder that gets every exchange as a file (for a person to read)."""
-    factory = scripted_factory(settings, script)
+    idle. ``dump``: a folder that gets every exchange as a file (for a person to read).
+    ``prefill_delay_s``: each prefill step takes this much longer."""
+    factory = scripted_factory(settings, script, prefill_delay_s)
     async with running_graph(settings, factory=factory) as (pipeline, runner):
         async with trio.open_nursery() as nursery:
             config = Config()

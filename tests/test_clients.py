@@ -116,6 +116,35 @@ async def run_client(cmd: list[str], env: dict[str, str], cwd: Path, served: Ser
     return out
 
 
+# Keep-alive variants: every request's first prefill step is slowed down to many times
+# streaming.keepalive_s, so each stream sends keep-alive frames before its first token
+# (Anthropic ``ping`` events, SSE comments for Chat Completions and Responses).
+KEEPALIVE = pytest.mark.parametrize("keepalive", [False, True], ids=["plain", "keepalive"])
+KEEPALIVE_S = 0.05
+SLOW_PREFILL_S = 1.0
+
+
+def serve(settings, home: Path, script: Script, keepalive: bool):
+    """``recording_server`` with default settings, or with frequent keep-alives and slow prefills."""
+    if not keepalive:
+        return recording_server(settings, script, dump(home))
+    base = msgspec.to_builtins(settings)
+    base["streaming"]["keepalive_s"] = KEEPALIVE_S
+    fast = msgspec.convert(base, type=type(settings))
+    return recording_server(fast, script, dump(home), prefill_delay_s=SLOW_PREFILL_S)
+
+
+def assert_keepalives(served: Served, keepalive: bool) -> None:
+    """With keep-alives on, the client got some (and went on, as the other asserts show)."""
+    if keepalive:  # an Anthropic stream has one ping after message_start anyway
+        kept = [
+            e
+            for e in served.recorder.exchanges
+            if e.response.count(b"event: ping") > 1 or b": keep-alive" in e.response
+        ]
+        assert kept, "no keep-alive frame in any stream"
+
+
 def report(name: str, served: Served, turns: list[int]) -> None:
     """Print each request the client sent: route, status, prompt tokens, cached tokens
     (the runner's view), grouped by turn (``turns``: requests started before each turn's end)."""
@@ -154,13 +183,14 @@ def claude_env(home: Path, url: str) -> dict[str, str]:
     )
 
 
-async def test_claude_code_two_turns(settings, home):
+@KEEPALIVE
+async def test_claude_code_two_turns(settings, home, keepalive):
     """``claude -p`` reads a file with its Read tool, then ``--continue`` for a second turn:
     the second turn's prompt comes from the prefix cache (≥ 90%), and Claude Code is told so."""
     claude = client("claude")
     work = home / "work"
     script = Script({"Read": {"file_path": str(work / "notes.txt")}})
-    async with recording_server(settings, dump=dump(home), script=script) as served:
+    async with serve(settings, home, script, keepalive) as served:
         env = claude_env(home, served.url)
         out1 = await run_client([claude, "-p", "Read notes.txt"], env, work, served)
         turn1, sent1 = len(served.runner.started), len(messages_posts(served))
@@ -168,6 +198,7 @@ async def test_claude_code_two_turns(settings, home):
         report("Claude Code", served, [turn1, len(served.runner.started)])
     assert not failed(served), failed(served)
     assert FINAL in out1 and FINAL in out2, (out1, out2)
+    assert_keepalives(served, keepalive)
     messages = messages_posts(served)
     first = messages[0].body
     assert first["thinking"]["type"] == "adaptive"
@@ -220,7 +251,8 @@ def codex_config(url: str) -> str:
     )
 
 
-async def test_codex(settings, home):
+@KEEPALIVE
+async def test_codex(settings, home, keepalive):
     """``codex exec`` runs ``cat`` through its exec_command tool and gets the output back in a
     function_call_output, over /v1/responses."""
     codex = client("codex")
@@ -228,7 +260,7 @@ async def test_codex(settings, home):
     script = Script(
         {"exec_command": {"cmd": "cat notes.txt"}, "shell": {"command": ["cat", "notes.txt"]}}
     )
-    async with recording_server(settings, dump=dump(home), script=script) as served:
+    async with serve(settings, home, script, keepalive) as served:
         codex_home = home / "home" / ".codex"
         codex_home.mkdir()
         (codex_home / "config.toml").write_text(codex_config(served.url))
@@ -238,6 +270,7 @@ async def test_codex(settings, home):
         report("Codex", served, [len(served.runner.started)])
     assert not failed(served), failed(served)
     assert FINAL in out, out
+    assert_keepalives(served, keepalive)
     calls = served.recorder.posts("/v1/responses")
     tools = calls[0].body["tools"]
     assert {t["type"] for t in tools} >= {"function", "namespace", "web_search"}
@@ -265,12 +298,13 @@ def opencode_config(url: str) -> dict:
     }
 
 
-async def test_opencode(settings, home):
+@KEEPALIVE
+async def test_opencode(settings, home, keepalive):
     """``opencode run`` reads a file with its read tool over /v1/chat/completions."""
     opencode = client("opencode")
     work = home / "work"
     script = Script({"read": {"filePath": str(work / "notes.txt")}})
-    async with recording_server(settings, dump=dump(home), script=script) as served:
+    async with serve(settings, home, script, keepalive) as served:
         (work / "opencode.json").write_text(json.dumps(opencode_config(served.url)))
         quiet = ("AUTOUPDATE", "MODELS_FETCH", "DEFAULT_PLUGINS", "LSP_DOWNLOAD", "CLAUDE_CODE")
         env = base_env(home, **{f"OPENCODE_DISABLE_{what}": "1" for what in quiet})
@@ -279,6 +313,7 @@ async def test_opencode(settings, home):
     assert not failed(served), failed(served)
     assert FINAL in out, out
     assert_tool_round_trip(served)
+    assert_keepalives(served, keepalive)
 
 
 def assert_tool_round_trip(served: Served) -> None:
@@ -293,12 +328,13 @@ def assert_tool_round_trip(served: Served) -> None:
 # ---- Qwen Code --------------------------------------------------------------------------
 
 
-async def test_qwen_code(settings, home):
+@KEEPALIVE
+async def test_qwen_code(settings, home, keepalive):
     """``qwen -p`` reads a file with its read_file tool over /v1/chat/completions."""
     qwen = client("qwen")
     work = home / "work"
     script = Script({"read_file": {"file_path": str(work / "notes.txt")}})
-    async with recording_server(settings, dump=dump(home), script=script) as served:
+    async with serve(settings, home, script, keepalive) as served:
         env = base_env(
             home, OPENAI_BASE_URL=f"{served.url}/v1", OPENAI_API_KEY="x", OPENAI_MODEL=MODEL
         )
@@ -307,6 +343,7 @@ async def test_qwen_code(settings, home):
     assert not failed(served), failed(served)
     assert FINAL in out, out
     assert_tool_round_trip(served)
+    assert_keepalives(served, keepalive)
 
 
 # ---- aider ------------------------------------------------------------------------------
