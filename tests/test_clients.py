@@ -145,6 +145,13 @@ def assert_keepalives(served: Served, keepalive: bool) -> None:
         assert kept, "no keep-alive frame in any stream"
 
 
+def assert_cached_after_tool(served: Served) -> None:
+    """The request that carries the tool result (the last one) reuses >= 90% of its prompt
+    from the prefix cache: the client resends its history unchanged."""
+    last = served.runner.started[-1]
+    assert last.cached_tokens >= 0.9 * last.prompt_tokens, last
+
+
 def report(name: str, served: Served, turns: list[int]) -> None:
     """Print each request the client sent: route, status, prompt tokens, cached tokens
     (the runner's view), grouped by turn (``turns``: requests started before each turn's end)."""
@@ -199,6 +206,7 @@ async def test_claude_code_two_turns(settings, home, keepalive):
     assert not failed(served), failed(served)
     assert FINAL in out1 and FINAL in out2, (out1, out2)
     assert_keepalives(served, keepalive)
+    assert_cached_after_tool(served)
     messages = messages_posts(served)
     first = messages[0].body
     assert first["thinking"]["type"] == "adaptive"
@@ -271,6 +279,7 @@ async def test_codex(settings, home, keepalive):
     assert not failed(served), failed(served)
     assert FINAL in out, out
     assert_keepalives(served, keepalive)
+    assert_cached_after_tool(served)
     calls = served.recorder.posts("/v1/responses")
     tools = calls[0].body["tools"]
     assert {t["type"] for t in tools} >= {"function", "namespace", "web_search"}
@@ -314,6 +323,7 @@ async def test_opencode(settings, home, keepalive):
     assert FINAL in out, out
     assert_tool_round_trip(served)
     assert_keepalives(served, keepalive)
+    assert_cached_after_tool(served)
 
 
 def assert_tool_round_trip(served: Served) -> None:
@@ -344,6 +354,7 @@ async def test_qwen_code(settings, home, keepalive):
     assert FINAL in out, out
     assert_tool_round_trip(served)
     assert_keepalives(served, keepalive)
+    assert_cached_after_tool(served)
 
 
 # ---- aider ------------------------------------------------------------------------------
