@@ -5,12 +5,13 @@ Each client runs as its users run it (its own config files, a fresh HOME, loopba
 against mlxd serving a tiny random-weight model with a long context, answers scripted
 through the real runner (``tests/scripted.py``): the client's first request gets a call to
 one of its own tools, which it executes; the request that carries the result gets "Done.".
-The tests assert what the server saw (routes, bodies, the tool round trip) and that the
-client exits 0. Clients come from ``scripts/install --test`` (``.clients/``); where one is
+The tests assert what the server saw (routes, bodies, the tool round trip, prefix-cache
+reuse) and that the client exits 0; the streaming CLIs also run with frequent keep-alive
+frames. Clients come from ``scripts/install --test`` (``.clients/``); where one is
 missing its test is skipped, except in CI (``CI=true``), where it fails.
 
 Run: ``./scripts/test tests/test_clients.py -m clients -s`` (``-s`` prints each client's
-requests and prompt sizes).
+requests and prompt sizes; ``MLXD_CLIENTS_DUMP=DIR`` writes every exchange to DIR).
 """
 
 from __future__ import annotations
@@ -33,13 +34,13 @@ pytestmark = [pytest.mark.mlx, pytest.mark.clients]
 ROOT = Path(__file__).resolve().parent.parent
 CLIENTS = ROOT / ".clients"
 MODEL = "tiny-agent"  # the served id: the model directory's name
-RUN_TIMEOUT = 600  # seconds a client may take (generous: a 2-core CI runner prefills ~21k tokens)
+RUN_TIMEOUT = 600  # seconds a client may take (generous: its prompts run to ~15k tokens)
 MARKER = "mlxd-client-test-4711"  # the contents of the file a tool call reads
 
 
 def client(name: str) -> str:
-    """A client's executable from ``.clients`` (npm, or a venv of its own), else PATH; skipped or failed
-    (in CI) when it is not installed."""
+    """A client's executable from ``.clients`` (npm, or a venv of its own), else PATH;
+    skipped or failed (in CI) when it is not installed."""
     for folder in (CLIENTS / "node" / "node_modules" / ".bin", CLIENTS / name / "bin"):
         if (folder / name).exists():
             return str(folder / name)
