@@ -50,6 +50,46 @@ def client(name: str) -> str:
     missing(name)
 
 
+# Sync fixtures: a skip raised inside a trio test loses its reason.
+@pytest.fixture
+def claude():
+    return client("claude")
+
+
+@pytest.fixture
+def codex():
+    return client("codex")
+
+
+@pytest.fixture
+def opencode():
+    return client("opencode")
+
+
+@pytest.fixture
+def qwen():
+    return client("qwen")
+
+
+@pytest.fixture
+def aider():
+    return client("aider")
+
+
+@pytest.fixture
+def llm():
+    return client("llm")
+
+
+@pytest.fixture
+def sdk(name):
+    """The SDK a ``test_sdk`` case needs, importable."""
+    import importlib.util
+
+    if importlib.util.find_spec(name.replace("openai-agents", "agents")) is None:
+        missing(f"the {name} package")
+
+
 def missing(what: str) -> NoReturn:
     """Skip: ``what`` is not installed; in CI (``CI=true``), fail."""
     reason = f"{what} is not installed (scripts/install --test installs it)"
@@ -192,10 +232,9 @@ def claude_env(home: Path, url: str) -> dict[str, str]:
 
 
 @KEEPALIVE
-async def test_claude_code_two_turns(settings, home, keepalive):
+async def test_claude_code_two_turns(settings, home, claude, keepalive):
     """``claude -p`` reads a file with its Read tool, then ``--continue`` for a second turn:
     the second turn's prompt comes from the prefix cache (≥ 90%), and Claude Code is told so."""
-    claude = client("claude")
     work = home / "work"
     script = Script({"Read": {"file_path": str(work / "notes.txt")}})
     async with serve(settings, home, script, keepalive) as served:
@@ -261,10 +300,9 @@ def codex_config(url: str) -> str:
 
 
 @KEEPALIVE
-async def test_codex(settings, home, keepalive):
+async def test_codex(settings, home, codex, keepalive):
     """``codex exec`` runs ``cat`` through its exec_command tool and gets the output back in a
     function_call_output, over /v1/responses."""
-    codex = client("codex")
     work = home / "work"
     script = Script(
         {"exec_command": {"cmd": "cat notes.txt"}, "shell": {"command": ["cat", "notes.txt"]}}
@@ -309,9 +347,8 @@ def opencode_config(url: str) -> dict:
 
 
 @KEEPALIVE
-async def test_opencode(settings, home, keepalive):
+async def test_opencode(settings, home, opencode, keepalive):
     """``opencode run`` reads a file with its read tool over /v1/chat/completions."""
-    opencode = client("opencode")
     work = home / "work"
     script = Script({"read": {"filePath": str(work / "notes.txt")}})
     async with serve(settings, home, script, keepalive) as served:
@@ -340,9 +377,8 @@ def assert_tool_round_trip(served: Served) -> None:
 
 
 @KEEPALIVE
-async def test_qwen_code(settings, home, keepalive):
+async def test_qwen_code(settings, home, qwen, keepalive):
     """``qwen -p`` reads a file with its read_file tool over /v1/chat/completions."""
-    qwen = client("qwen")
     work = home / "work"
     script = Script({"read_file": {"file_path": str(work / "notes.txt")}})
     async with serve(settings, home, script, keepalive) as served:
@@ -361,9 +397,8 @@ async def test_qwen_code(settings, home, keepalive):
 # ---- aider ------------------------------------------------------------------------------
 
 
-async def test_aider(settings, home):
+async def test_aider(settings, home, aider):
     """``aider --message``: one chat turn (aider edits through text, it offers no tools)."""
-    aider = client("aider")
     work = home / "work"
     async with recording_server(settings, dump=dump(home), script=Script({})) as served:
         # litellm's model price list comes with it, not from GitHub
@@ -386,9 +421,8 @@ async def test_aider(settings, home):
 # ---- llm --------------------------------------------------------------------------------
 
 
-async def test_llm(settings, home):
+async def test_llm(settings, home, llm):
     """``llm`` with mlxd registered in extra-openai-models.yaml, calling its llm_version tool."""
-    llm = client("llm")
     work = home / "work"
     user_dir = home / "home" / "llm"
     user_dir.mkdir()
@@ -467,14 +501,10 @@ for kind in (OpenAIChatCompletionsModel, OpenAIResponsesModel):
         ("openai-agents", AGENTS_SDK, "/v1/responses"),
     ],
 )
-async def test_sdk(settings, home, name, source, route):
+async def test_sdk(settings, home, sdk, name, source, route):
     """The official SDKs (and openai-agents over Chat Completions and Responses): a tool call,
     its result sent back, a streamed final answer."""
-    import importlib.util
     import sys
-
-    if importlib.util.find_spec(name.replace("openai-agents", "agents")) is None:
-        missing(f"the {name} package")
 
     script_file = home / "client.py"
     script_file.write_text(source)
