@@ -22,6 +22,7 @@ from mlxd.daemon.api import anthropic, openai, responses
 from mlxd.daemon.api.body import is_json_type
 from mlxd.daemon.api.common import Validator, json_response
 from mlxd.daemon.api.errors import ApiError, install_errors
+from mlxd.daemon.connections import FinishResponses
 from mlxd.daemon.pipeline import Pipeline, ServerState
 from mlxd.daemon.security import AllowedHosts, ApiKeys, Cors, well_formed_host
 from mlxd.daemon.settings import Settings
@@ -38,7 +39,9 @@ def create_app(pipeline: Pipeline, settings: Settings) -> QuartTrio:
     """Build the app; the pipeline supplies the actor graph, settings the limits."""
     app = QuartTrio(__name__)
     app.config.update(
-        MAX_CONTENT_LENGTH=settings.server.max_body_bytes, RESPONSE_TIMEOUT=None, BODY_TIMEOUT=60
+        MAX_CONTENT_LENGTH=settings.server.max_body_bytes,
+        RESPONSE_TIMEOUT=None,
+        BODY_TIMEOUT=settings.server.body_timeout_s,  # a stalled body a route reads: 408
     )
     validator = Validator(settings)
 
@@ -84,7 +87,13 @@ def create_app(pipeline: Pipeline, settings: Settings) -> QuartTrio:
     _install_observability(app, pipeline, settings)
     _install_guards(app, settings)
     hosts = AllowedHosts(settings.server.allowed_hosts, settings.server.host)
-    app.asgi_app = HostGuard(app.asgi_app, hosts)  # type: ignore[method-assign]
+    server = settings.server
+    app.asgi_app = FinishResponses(  # type: ignore[method-assign]
+        HostGuard(app.asgi_app, hosts),  # outermost: every response ends its connection's turn
+        finish_s=server.send_timeout_s,
+        body_s=server.body_timeout_s,
+        max_body_bytes=server.max_body_bytes,
+    )
     return app
 
 

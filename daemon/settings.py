@@ -37,6 +37,8 @@ class ServerSettings(_Section):
     drain_timeout_s: Seconds = 30.0
     flush_timeout_s: Seconds = 5.0
     send_timeout_s: Seconds = 30.0
+    # a request body still incomplete this long after the request began: cut off
+    body_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 60.0
     backlog: Positive = 1024
     cors_origins: list[str] = []
     allowed_hosts: list[str] = []

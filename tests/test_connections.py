@@ -1,0 +1,139 @@
+"""How HTTP connections end, over raw sockets to the app behind hypercorn (fake runner).
+
+``Connection: close`` and HTTP/1.0 requests get their socket closed after the response
+(an HTTP/1.0 stream ends with it); a refused method whose body arrives after its
+headers leaves a keep-alive connection that answers its next request; a request body
+that stalls is cut off at ``server.body_timeout_s`` and the connection closed
+(``daemon/connections.py``). Every wait is bounded generously: a hang fails the test,
+a slow machine does not.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import trio
+
+from tests.conftest import real_server, settings_with
+
+WAIT_S = 60.0  # a hang, not a slow machine
+CHAT = "/v1/chat/completions"
+BODY = json.dumps({"messages": [{"role": "user", "content": "hello"}], "max_tokens": 4}).encode()
+
+
+async def connect(url: str) -> trio.SocketStream:
+    host, port = url.removeprefix("http://").split(":")
+    return await trio.open_tcp_stream(host, int(port))
+
+
+async def read_until_closed(stream: trio.SocketStream) -> bytes:
+    """Everything the server sends until it closes the connection (a hang fails)."""
+    got = b""
+    with trio.fail_after(WAIT_S):
+        while chunk := await stream.receive_some(65536):
+            got += chunk
+    return got
+
+
+async def read_response(stream: trio.SocketStream, buffer: bytearray) -> bytes:
+    """One whole response with a Content-Length (the connection stays open)."""
+    with trio.fail_after(WAIT_S):
+        while b"\r\n\r\n" not in buffer:
+            buffer += await stream.receive_some(65536)
+        head, _, _ = bytes(buffer).partition(b"\r\n\r\n")
+        size = int(next(h for h in head.split(b"\r\n") if h.lower().startswith(b"content-length"))
+                   .split(b":")[1])  # fmt: skip
+        while len(buffer) < len(head) + 4 + size:
+            buffer += await stream.receive_some(65536)
+    end = len(head) + 4 + size
+    response = bytes(buffer[:end])
+    del buffer[:end]
+    return response
+
+
+def request(method: str, path: str, *headers: str, version: str = "1.1", body=b"") -> bytes:
+    lines = [f"{method} {path} HTTP/{version}", *headers]
+    if body:
+        lines += ["Content-Type: application/json", f"Content-Length: {len(body)}"]
+    return ("\r\n".join(lines) + "\r\n\r\n").encode() + body
+
+
+@pytest.mark.parametrize(
+    ("method", "version", "close"),
+    [("GET", "1.1", True), ("HEAD", "1.1", True), ("GET", "1.0", False), ("HEAD", "1.0", False)],
+)
+async def test_connection_close_and_http_1_0_get_the_socket_closed(method, version, close):
+    """Health checkers wait for the close (it used to stay open until they gave up)."""
+    async with real_server() as (url, _, _):
+        stream = await connect(url)
+        headers = ["Host: localhost", *(["Connection: close"] if close else [])]
+        await stream.send_all(request(method, "/health", *headers, version=version))
+        response = await read_until_closed(stream)
+    assert response.startswith(b"HTTP/1.1 200")
+    assert response.endswith(b'{"status":"ready"}') == (method == "GET")
+
+
+async def test_an_http_1_0_client_sees_the_end_of_a_stream():
+    async with real_server() as (url, _, _):
+        stream = await connect(url)
+        body = json.dumps({**json.loads(BODY), "stream": True}).encode()
+        await stream.send_all(request("POST", CHAT, version="1.0", body=body))
+        response = await read_until_closed(stream)
+    assert response.startswith(b"HTTP/1.1 200")
+    assert response.rstrip().endswith(b"data: [DONE]")
+
+
+@pytest.mark.parametrize("method", ["TRACE", "QUERY"])
+async def test_a_refused_method_with_a_body_leaves_the_connection_answering(method):
+    """The 405 is ready before the body has arrived; the connection must still answer the
+    next request (it used to leave it unanswered, and the socket open)."""
+    async with real_server() as (url, _, _):
+        stream = await connect(url)
+        head, _, body = request(method, CHAT, "Host: localhost", body=BODY).partition(b"\r\n\r\n")
+        await stream.send_all(head + b"\r\n\r\n")
+        buffer = bytearray()
+        with trio.fail_after(WAIT_S):  # the 405's status line goes out before the body arrives
+            while b"\r\n\r\n" not in buffer:
+                buffer += await stream.receive_some(65536)
+        await trio.sleep(0.2)  # time for the rest of the 405 to go out too, if it does
+        await stream.send_all(body)
+        refused = await read_response(stream, buffer)
+        await stream.send_all(request("GET", "/health", "Host: localhost"))
+        answered = await read_response(stream, buffer)
+        await stream.aclose()
+    assert refused.startswith(b"HTTP/1.1 405")
+    assert answered.startswith(b"HTTP/1.1 200") and answered.endswith(b'{"status":"ready"}')
+
+
+STALLED = {
+    "Content-Length past the body": (
+        b"POST " + CHAT.encode() + b" HTTP/1.1\r\nHost: localhost\r\n"
+        b"Content-Type: application/json\r\nContent-Length: 100\r\n\r\n" + BODY[:20],
+        b"HTTP/1.1 408",
+    ),
+    "a lying chunk size": (
+        b"POST " + CHAT.encode() + b" HTTP/1.1\r\nHost: localhost\r\n"
+        b"Content-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n"
+        b"100\r\n" + BODY[:20],
+        b"HTTP/1.1 408",
+    ),
+    "a body the route never reads": (
+        b"TRACE /health HTTP/1.1\r\nHost: localhost\r\n"
+        b"Content-Type: application/json\r\nContent-Length: 100\r\n\r\n{}",
+        b"HTTP/1.1 405",
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(STALLED))
+async def test_a_stalled_body_is_cut_off_at_body_timeout_s(name):
+    data, status = STALLED[name]
+    settings = settings_with(server={"body_timeout_s": 0.5})
+    async with real_server(settings) as (url, _, _):
+        stream = await connect(url)
+        await stream.send_all(data)
+        response = await read_until_closed(stream)  # answered, then closed
+    assert response.startswith(status), response[:200]
+    if status == b"HTTP/1.1 408":
+        assert json.loads(response.partition(b"\r\n\r\n")[2])["error"]["type"]
