@@ -177,12 +177,25 @@ def _install_observability(app: QuartTrio, pipeline: Pipeline, settings: Setting
 
 
 _OPEN_PATHS = frozenset({"/health"})
+_KEYS = "MLXD_API_KEYS"  # the app config entry holding the accepted keys (SIGHUP renews it)
+
+
+def reload_api_keys(app: QuartTrio, settings: Settings) -> str:
+    """SIGHUP: read ``auth.api_key_file`` again and serve with the keys it holds now; a file
+    that cannot be read (or holds no key) keeps the keys in use. What happened, to log."""
+    if not settings.auth.api_key_file:
+        return "no auth.api_key_file to re-read; nothing changed"
+    try:
+        app.config[_KEYS] = ApiKeys.from_settings(settings.auth)
+    except ValueError as exc:
+        return f"kept the API keys in use: {exc}"
+    return f"re-read the API keys from {settings.auth.api_key_file}"
 
 
 def _install_guards(app: QuartTrio, settings: Settings) -> None:
     """API keys on every route but /health; CORS preflight and headers for allowed
     origins; JSON bodies only."""
-    keys = ApiKeys.from_settings(settings.auth)
+    app.config[_KEYS] = ApiKeys.from_settings(settings.auth)
     cors = Cors(settings.server.cors_origins)
 
     @app.before_request
@@ -193,6 +206,7 @@ def _install_guards(app: QuartTrio, settings: Settings) -> None:
         origin = request.headers.get("Origin")
         if request.method == "OPTIONS" and cors.allows(origin):
             return Response(b"", status=204, headers=cors.preflight_headers(origin or ""))
+        keys: ApiKeys = app.config[_KEYS]
         if keys.enabled and request.path not in _OPEN_PATHS and not keys.allows(request.headers):
             raise ApiError(
                 "invalid_api_key",

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -168,6 +169,9 @@ def serve(args: argparse.Namespace) -> int:
         logging.getLogger("mlxd").error("start-up failed: %s", exc)
         return 1
     hub_access(settings)
+    # SIGHUP must not end the process: ignored (with a log line) until the server takes it
+    # over (it re-reads the API key file), and on the ranks that follow rank 0
+    signal.signal(signal.SIGHUP, _sighup_ignored)
     logging.getLogger("mlxd").info(blas.status())
     if (threads := blas.set_threads(settings.engine.blas_threads)) is not None:
         logging.getLogger("mlxd").info(threads)
@@ -187,6 +191,10 @@ def serve(args: argparse.Namespace) -> int:
         logging.getLogger("mlxd").error("start-up failed: %s", cause)
         return 1
     return 0
+
+
+def _sighup_ignored(signum: int, frame: object) -> None:
+    logging.getLogger("mlxd").info("received SIGHUP: ignored (no HTTP server here, or not yet)")
 
 
 def config(args: argparse.Namespace) -> int:

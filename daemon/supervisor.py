@@ -13,8 +13,9 @@ The HTTP server starts first (``/health`` answers 503 while the model loads);
 the engine starts next, and ``nursery.start`` returns once the preloaded models
 (``[model]``, or ``[[models]]`` entries with ``preload``) are loaded; the others
 load on first use. Then the model registry, the streamer, tokenizer and
-admission controller. SIGTERM/SIGINT switch to
-draining: new requests get 503, in-flight ones get ``drain_timeout_s`` to end,
+admission controller. SIGHUP (``launchctl kill HUP``, a closed terminal, a log
+rotator) re-reads the API key file, and serving goes on. SIGTERM/SIGINT switch
+to draining: new requests get 503, in-flight ones get ``drain_timeout_s`` to end,
 and those still open then end with a 503 error (an error event in a stream).
 """
 
@@ -56,7 +57,7 @@ from mlxd.actors.mailbox import Mailboxes
 from mlxd.actors.models import ModelRegistry, RegistryOptions, StreamStates
 from mlxd.actors.tokenizer import TokenizerOptions
 from mlxd.actors.vision import ImageLimits
-from mlxd.daemon.app import create_app
+from mlxd.daemon.app import create_app, reload_api_keys
 from mlxd.daemon.pipeline import Pipeline, ServerState, Timeouts
 from mlxd.daemon.settings import (
     ModelEntry,
@@ -388,7 +389,7 @@ async def serve(
     graph = open_graph(settings)
     stop_http, http_done = trio.Event(), trio.Event()
     async with trio.open_nursery() as nursery:
-        with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+        with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as signals:
             app = create_app(graph.pipeline, settings)
             await nursery.start(_serve_http, app, config, stop_http, http_done)
             log.info("listening on http://%s (loading the model)", config.bind[0])
@@ -396,7 +397,9 @@ async def serve(
             nursery.start_soon(_run_in_scope, actors, graph, settings, factory, monitor)
             async for signum in signals:
                 log.info("received %s", signal.Signals(signum).name)
-                break
+                if signum != signal.SIGHUP:
+                    break
+                log.info("SIGHUP: %s; serving on", reload_api_keys(app, settings))
             await drain(graph.pipeline, settings.server.drain_timeout_s)
             stop_http.set()
             # hypercorn returns once open responses are written (flush_timeout_s)
