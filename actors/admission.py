@@ -9,7 +9,7 @@ request's mailbox. A request that waits too long is failed by the pipeline's
 timer (``admission.queue_timeout_s``), whose ``Release`` then drops it here.
 
 This stage runs before tokenization, so it knows nothing of a request's size;
-the memory gate is in the engine core (see ``actors/engine/memory.py``).
+the memory gate is in the engine core (see ``actors/engine/scheduler/memory.py``).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Model registry: the served models as the trio side sees them.
 
-The generation actor owns the models (``actors/engine/pool.py``) and publishes
+The generation actor owns the models (``actors/engine/scheduler/pool.py``) and publishes
 their lifecycle (loading, loaded with its ``ModelInfo``, unloaded, failed); the
 registry keeps each entry's state for ``/v1/models`` and ``/v1/status``, and gives
 the tokenizer stage and the streamer what they need of a model: its
@@ -22,8 +22,8 @@ import logging
 from dataclasses import dataclass, field
 
 import trio
-from mlxd.actors.engine.pool import ModelEvent
-from mlxd.actors.engine.types import ModelInfo
+from mlxd.actors.engine.scheduler.pool import ModelEvent
+from mlxd.actors.engine.scheduler.types import ModelInfo
 from mlxd.actors.grammar import GrammarCompiler
 from mlxd.actors.mailbox import Mailboxes
 from mlxd.actors.streamer import StreamState

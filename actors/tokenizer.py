@@ -32,8 +32,8 @@ from typing import Any, NamedTuple, Protocol
 import jinja2
 import msgspec
 import trio
-from mlxd.actors.engine.memory import MemoryModel
-from mlxd.actors.engine.types import ModelInfo
+from mlxd.actors.engine.scheduler.memory import MemoryModel
+from mlxd.actors.engine.scheduler.types import ModelInfo
 from mlxd.actors.grammar import CompiledGrammar, GrammarCompiler, GrammarError
 from mlxd.actors.mailbox import Mailboxes
 from mlxd.actors.normalize import NormalizeError, normalize_messages

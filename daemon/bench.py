@@ -270,7 +270,7 @@ def run_engine(levels: list[int], max_tokens: int, config: Path | None) -> list[
     """The engine as ``serve`` builds it from the same settings (``load_options`` and
     ``engine_options``: every loader, feature and engine option), without HTTP."""
     from mlxd.actors.engine.actor import core_for
-    from mlxd.actors.engine.loading import load_served
+    from mlxd.actors.engine.loading.load import load_served
     from mlxd.daemon import blas
     from mlxd.daemon.settings import load_settings
     from mlxd.daemon.supervisor import engine_options, load_options

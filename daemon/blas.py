@@ -49,9 +49,9 @@ def reexec_with_openblas(module: str = "mlxd.daemon.cli") -> None:
 
 def set_threads(wanted: int) -> str | None:
     """Give OpenBLAS ``wanted`` threads (0: leave its default, one per core) and return a
-    line for the log, or None when OpenBLAS is not loaded. See ``actors/engine/openblas.py``
+    line for the log, or None when OpenBLAS is not loaded. See ``actors/engine/kernels/openblas.py``
     for how the runner lowers the count while a prefill chunk runs split over streams."""
-    from mlxd.actors.engine.openblas import OpenBlas
+    from mlxd.actors.engine.kernels.openblas import OpenBlas
 
     lib = OpenBlas.loaded()
     if lib is None:

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
-from mlxd.actors.engine.sources import is_hub_id
+from mlxd.actors.engine.loading.sources import is_hub_id
 from mlxd.daemon import blas, service
 from mlxd.daemon.bench import main as bench_main
 from mlxd.daemon.security import ApiKeys

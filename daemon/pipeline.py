@@ -32,8 +32,8 @@ import msgspec
 import trio
 from mlxd.actors.admission import AdmissionPolicy
 from mlxd.actors.engine.actor import EngineNews
-from mlxd.actors.engine.pool import ModelEvent
-from mlxd.actors.engine.types import ModelInfo
+from mlxd.actors.engine.scheduler.pool import ModelEvent
+from mlxd.actors.engine.scheduler.types import ModelInfo
 from mlxd.actors.mailbox import Bell, Mailbox, Mailboxes
 from mlxd.actors.models import ModelRegistry
 from mlxd.actors.tokenizer import PromptBuilder, bad_input

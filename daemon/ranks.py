@@ -1,7 +1,7 @@
 """``mlxd serve --parallel`` under ``mlx.launch``: one model over the ranks of a group.
 
 Rank 0 is the daemon (HTTP and every actor); its runner is a ``replica.Leader`` and
-a monitor task watches the other ranks (``actors/engine/distributed.py``). Every
+a monitor task watches the other ranks (``actors/engine/distributed/watch.py``). Every
 other rank only follows: it loads the same model the same way, sharded the same
 way, and replays rank 0's runner calls on its one thread (``replica.follow``).
 
@@ -23,8 +23,8 @@ from typing import Any
 
 import msgspec
 import trio
-from mlxd.actors.engine.distributed import EXIT_PEER_LOST, Watch, monitor
-from mlxd.actors.engine.options import LoadOptions
+from mlxd.actors.engine.distributed.watch import EXIT_PEER_LOST, Watch, monitor
+from mlxd.actors.engine.scheduler.options import LoadOptions
 from mlxd.daemon.pipeline import Pipeline, ServerState
 from mlxd.daemon.settings import DistributedSettings, Settings
 from mlxd.daemon.supervisor import load_options
@@ -65,7 +65,7 @@ def _lead(settings: Settings, group: Any) -> int:
     watch, loads = Watch(), []
 
     def factory():
-        from mlxd.actors.engine.replica import Channel, Leader, Timeouts, runner_stream
+        from mlxd.actors.engine.distributed.replica import Channel, Leader, Timeouts, runner_stream
 
         if loads:  # the other ranks follow the first load's runner: a second would desync
             raise ValueError("a model served over several ranks is loaded once, not again")
@@ -82,7 +82,7 @@ def _lead(settings: Settings, group: Any) -> int:
 
 
 def _follow(settings: Settings, group: Any) -> int:
-    from mlxd.actors.engine.replica import Channel, follow, runner_stream
+    from mlxd.actors.engine.distributed.replica import Channel, follow, runner_stream
 
     runner, _ = _load(settings, group, leader=False)
     log.info("rank %d of %d: following rank 0", group.rank(), group.size())
@@ -96,8 +96,8 @@ def _follow(settings: Settings, group: Any) -> int:
 
 def _load(settings: Settings, group: Any, *, leader: bool):
     """This rank's runner: fingerprints compared, the model loaded and sharded, seeded."""
-    from mlxd.actors.engine import replica
-    from mlxd.actors.engine.loading import load_served, resolve_model_dir
+    from mlxd.actors.engine.distributed import replica
+    from mlxd.actors.engine.loading.load import load_served, resolve_model_dir
 
     s, options = settings, rank_options(settings)
     _, model_dir = resolve_model_dir(

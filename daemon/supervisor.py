@@ -46,7 +46,7 @@ from mlxd.actors.engine.actor import (
     Publish,
     RunnerFactory,
 )
-from mlxd.actors.engine.options import (
+from mlxd.actors.engine.scheduler.options import (
     LoadOptions,
     MemoryOptions,
     PrefixCacheOptions,
@@ -113,7 +113,7 @@ def mlx_runner_factory(settings: Settings, entry: ModelEntry | None = None) -> R
     options = load_options(settings, entry)
 
     def factory():
-        from mlxd.actors.engine.loading import load_served
+        from mlxd.actors.engine.loading.load import load_served
 
         return load_served(options)
 

@@ -368,7 +368,7 @@ def _qwen3_5_hybrid() -> dict:
 def converted(gguf: Path | None = None) -> Path:
     """A GGUF file (default: the bundled SmolLM2-135M-Instruct) as an mlx-lm directory,
     cached under ~/.cache/mlxd as mlxd caches it."""
-    from mlxd.actors.engine.gguf import convert_gguf, default_model_path
+    from mlxd.actors.engine.loading.gguf.convert import convert_gguf, default_model_path
 
     source = gguf or default_model_path()
     return convert_gguf(source, Path("~/.cache/mlxd").expanduser(), lambda _: None)
@@ -379,7 +379,7 @@ def float32_copy(model_dir: Path, out: Path) -> Path:
     the CPU (as mlxd loads it there), else ``model_dir`` itself."""
     import mlx.core as mx
     from mlx_lm.utils import dequantize_model, load, save_model
-    from mlxd.actors.engine.loading import backend
+    from mlxd.actors.engine.loading.load import backend
     from mlxd.scripts.tiny_models import copy_tokenizer
 
     config = json.loads((model_dir / "config.json").read_text())

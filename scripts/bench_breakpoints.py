@@ -21,7 +21,7 @@ from mlxd.protocol.messages import ChatRequest, Message, SamplingParams
 
 
 def default_model() -> Path:
-    from mlxd.actors.engine.gguf import convert_gguf, default_model_path
+    from mlxd.actors.engine.loading.gguf.convert import convert_gguf, default_model_path
 
     return convert_gguf(default_model_path(), Path(tempfile.mkdtemp()), lambda _: None)
 

@@ -258,7 +258,7 @@ def with_template(model_dir: Path, out: Path, template: str) -> Path:
 
 def prepare(name: str, tmp: Path) -> Path:
     if name == "gemma":
-        from mlxd.actors.engine.gguf_sample import gemma3_270m
+        from mlxd.scripts.gguf_sample import gemma3_270m
 
         model_dir = float32_copy(converted(gemma3_270m(tmp / "gguf")), tmp / "float32")
         return with_template(model_dir, tmp / "gemma", GEMMA_TEMPLATE)

@@ -132,8 +132,8 @@ def verify_cost(args) -> None:
     on a big model). ``speculative.max_batch`` is where that stops holding."""
     import mlx.core as mx
     from mlx_lm.models.cache import make_prompt_cache
-    from mlxd.actors.engine.loading import load_runner
-    from mlxd.actors.engine.speculative import merge_caches
+    from mlxd.actors.engine.loading.load import load_runner
+    from mlxd.actors.engine.speculative.batch import merge_caches
 
     cache_dir = Path(args.cache_dir).expanduser()
     runner, info = load_runner(args.model, cache_dir, dequantize_on_cpu=True, max_batch=1)
@@ -173,9 +173,9 @@ def verify_cost(args) -> None:
 
 
 def bench(args) -> None:
-    from mlxd.actors.engine.loading import load_model, load_runner
-    from mlxd.actors.engine.lookup import LookupDrafter
-    from mlxd.actors.engine.spec_runner import SpeculativeRunner
+    from mlxd.actors.engine.loading.load import load_model, load_runner
+    from mlxd.actors.engine.speculative.lookup import LookupDrafter
+    from mlxd.actors.engine.speculative.runner import SpeculativeRunner
 
     cache_dir = Path(args.cache_dir).expanduser()
     counts = [int(c) for c in args.concurrency.split(",")]

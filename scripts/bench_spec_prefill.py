@@ -55,9 +55,9 @@ def _ttft(runner, request, chunk: int) -> tuple[float, float]:
 
 
 def bench(args) -> None:
-    from mlxd.actors.engine.loading import load_model, load_runner, make_spec_prefill
-    from mlxd.actors.engine.options import SpecPrefillOptions
-    from mlxd.actors.engine.runner import MlxRunner
+    from mlxd.actors.engine.loading.load import load_model, load_runner, make_spec_prefill
+    from mlxd.actors.engine.runner.base import MlxRunner
+    from mlxd.actors.engine.scheduler.options import SpecPrefillOptions
 
     cache_dir = Path(args.cache_dir).expanduser()
     plain, info = load_runner(args.model, cache_dir, dequantize_on_cpu=True, max_batch=8)

@@ -71,7 +71,7 @@ def time_generator(model, prompts, steps: int) -> float:
 
 def time_engine(runner, prompts, steps: int, salt: str) -> float:
     """Seconds per ``EngineCore.step()`` once every row decodes."""
-    from mlxd.actors.engine.core import EngineCore
+    from mlxd.actors.engine.scheduler.core import EngineCore
 
     core = EngineCore(runner, max_batch=64, prefill_chunk_tokens=4096)
     for i, p in enumerate(prompts):
@@ -111,7 +111,7 @@ def time_forward(model, prompts, steps: int) -> float:
 
 def time_prefill(runner, k: int, context: int, new: int, batched: bool, salt: str) -> float:
     """Seconds to prefill ``new`` tokens for each of ``k`` requests over a cached context."""
-    from mlxd.actors.engine.core import EngineCore
+    from mlxd.actors.engine.scheduler.core import EngineCore
 
     core = EngineCore(runner, max_batch=64, prefill_chunk_tokens=k * new, batch_prefill=batched)
     bases = _prompts(k, context, salt=context)  # both runs prefill the same rows
@@ -202,8 +202,8 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     threads = blas.set_threads(args.blas_threads)
 
-    from mlxd.actors.engine.loading import load_runner
-    from mlxd.actors.engine.options import PrefixCacheOptions
+    from mlxd.actors.engine.loading.load import load_runner
+    from mlxd.actors.engine.scheduler.options import PrefixCacheOptions
 
     cache_dir = Path("~/.cache/mlxd").expanduser()
     options = PrefixCacheOptions(block_size=64, max_bytes=4 << 30)

@@ -54,7 +54,7 @@ def _decode_rate(runner, requests) -> tuple[int, float]:
 
 
 def bench(model_dir: Path, n: int, max_tokens: int) -> None:
-    from mlxd.actors.engine.loading import load_runner
+    from mlxd.actors.engine.loading.load import load_runner
     from mlxd.actors.tokenizer import PromptBuilder
     from mlxd.actors.vision import ImageLimits
 
@@ -90,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     print(blas.status())
-    from mlxd.actors.engine.gguf import convert_gguf, default_model_path
+    from mlxd.actors.engine.loading.gguf.convert import convert_gguf, default_model_path
     from mlxd.scripts import tiny_models as tm
 
     configs = {"qwen2_vl": tm.qwen2_vl_config, "qwen3_5_vl": tm.qwen3_5_vl_config}

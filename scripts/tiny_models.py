@@ -196,7 +196,7 @@ def random_mtp_head(text_config: dict[str, Any], seed: int) -> dict[str, Any]:
     """Random weights of an MTP head for ``text_config`` (names without ``mtp.``)."""
     import mlx.core as mx
     from mlx.utils import tree_flatten
-    from mlxd.actors.engine.mtp import FAMILIES, MTPHead
+    from mlxd.actors.engine.speculative.mtp import FAMILIES, MTPHead
 
     module_name, layer_name, args_name = FAMILIES[text_config["model_type"]]
     module = importlib.import_module(f"mlx_lm.models.{module_name}")

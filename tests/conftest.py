@@ -118,7 +118,7 @@ async def real_server(settings=None, factory=None, runner=None, memory=None):
 @pytest.fixture(scope="session")
 def smollm_tokenizer(tmp_path_factory):
     """SmolLM2's tokenizer files, converted from the default GGUF once per session."""
-    from mlxd.actors.engine.gguf import convert_gguf, default_model_path
+    from mlxd.actors.engine.loading.gguf.convert import convert_gguf, default_model_path
 
     return convert_gguf(default_model_path(), tmp_path_factory.mktemp("gguf"), lambda _: None)
 

@@ -5,12 +5,12 @@ from __future__ import annotations
 from collections import defaultdict
 from pathlib import Path
 
-from mlxd.actors.engine.core import EngineCore
+from mlxd.actors.engine.scheduler.core import EngineCore
 from mlxd.protocol.messages import Failed, SamplingParams, TokenizedRequest
 
 
 def load(model_dir: Path, max_batch: int = 8, kind: str = "auto"):
-    from mlxd.actors.engine.loading import load_runner
+    from mlxd.actors.engine.loading.load import load_runner
 
     return load_runner(
         str(model_dir), model_dir, dequantize_on_cpu=True, max_batch=max_batch, kind=kind
@@ -20,7 +20,7 @@ def load(model_dir: Path, max_batch: int = 8, kind: str = "auto"):
 def speculative_runner(model_dir: Path, make_drafter, *, k=3, spec_max_batch=8, max_batch=8):
     """(plain runner, speculative runner, info) over one loaded target; ``make_drafter``
     takes the target model and returns a ``Drafter`` or a draft model."""
-    from mlxd.actors.engine.spec_runner import SpeculativeRunner
+    from mlxd.actors.engine.speculative.runner import SpeculativeRunner
 
     plain, info = load(model_dir, max_batch)
     runner = SpeculativeRunner(

@@ -6,8 +6,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from mlxd.actors.engine.memory import AttentionLayer, MemoryModel
-from mlxd.actors.engine.types import Decoded, ModelInfo
+from mlxd.actors.engine.scheduler.memory import AttentionLayer, MemoryModel
+from mlxd.actors.engine.scheduler.types import Decoded, ModelInfo
 from mlxd.protocol.messages import (
     RunnerCounters,
     SpeculativeCounters,

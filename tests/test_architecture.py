@@ -17,18 +17,18 @@ PACKAGES = ("daemon", "actors", "protocol", "scripts", "tests")
 
 # The engine's composition root: the one module that loads a model and picks the runner
 # variant that serves it.
-COMPOSITION_ROOT = "actors.engine.loading"
-# The runner variants (they build on the base runner, ``actors.engine.runner``) and the
+COMPOSITION_ROOT = "actors.engine.loading.load"
+# The runner variants (they build on the base runner, ``actors.engine.runner.base``) and the
 # MTP and prompt-lookup drafters. Vision + MTP is a vision runner whose text-only rows decode the
 # speculative runner's way, so a variant may build on another; nothing else in the
 # served tree may import one.
 VARIANTS = frozenset(
     {
-        "actors.engine.spec_runner",
-        "actors.engine.vlm_runner",
-        "actors.engine.vlm_mtp",
-        "actors.engine.mtp",
-        "actors.engine.lookup",
+        "actors.engine.speculative.runner",
+        "actors.engine.runner.vlm",
+        "actors.engine.speculative.vlm_mtp",
+        "actors.engine.speculative.mtp",
+        "actors.engine.speculative.lookup",
     }
 )
 # Tests and benchmarks build a variant directly, to check or time it against the plain runner.
@@ -177,7 +177,7 @@ def test_the_graph_sees_every_kind_of_import():
     assert imports_of("from .. import y", "a.p.q", {"a.y"}) == {"a.y"}
     loop = {"a": frozenset({"b"}), "b": frozenset({"c"}), "c": frozenset({"a", "d"})}
     assert cycles(loop) == [["a", "b", "c", "a"]]
-    assert "actors.engine.loading" in graph()["daemon.supervisor"]  # imported in a function
+    assert "actors.engine.loading.load" in graph()["daemon.supervisor"]  # imported in a function
 
 
 def test_no_module_imports_one_that_imports_it_back():
@@ -223,5 +223,24 @@ def test_only_the_composition_root_imports_runner_variants():
 
 
 def test_the_base_runner_imports_no_variant_and_not_the_root():
-    imports = graph()["actors.engine.runner"]
+    imports = graph()["actors.engine.runner.base"]
     assert not imports & (VARIANTS | {COMPOSITION_ROOT}), sorted(imports)
+
+
+def test_the_scheduler_core_imports_no_mlx():
+    """``actors/engine/scheduler/`` is plain Python: it imports nothing of the engine's MLX
+    rooms, and nothing it imports (in this tree, transitively) imports mlx."""
+    scheduler = {m for m in _sources() if m.startswith("actors.engine.scheduler")}
+    assert scheduler, "no scheduler package"
+    seen, todo = set(), list(scheduler)
+    while todo:
+        m = todo.pop()
+        if m in seen:
+            continue
+        seen.add(m)
+        todo += [t for t in graph().get(m, ()) if t in graph()]
+    outside = sorted(
+        m for m in seen if not m.startswith("actors.engine.scheduler") and not _in(m, ("protocol",))
+    )
+    assert not outside, outside
+    assert not any(_third_party(m) & {"mlx", "mlx_lm", "mlx_vlm"} for m in seen), sorted(seen)

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import msgspec
 import pytest
-from mlxd.actors.engine.core import EngineCore
-from mlxd.actors.engine.loading import load_runner
-from mlxd.actors.engine.options import PrefixCacheOptions
+from mlxd.actors.engine.loading.load import load_runner
+from mlxd.actors.engine.scheduler.core import EngineCore
+from mlxd.actors.engine.scheduler.options import PrefixCacheOptions
 
 from tests.engine_driver import request, until_idle
 

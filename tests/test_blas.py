@@ -55,8 +55,8 @@ def test_a_split_chunk_waits_for_every_models_step_in_flight(smollm_tokenizer, m
     steps the other, whose split prefill chunk lowers OpenBLAS's threads. The count may
     change only once the first model's stream is waited for too (``openblas.py``)."""
     import mlx.core as mx
-    from mlxd.actors.engine.loading import load_runner
-    from mlxd.actors.engine.openblas import OpenBlas
+    from mlxd.actors.engine.kernels.openblas import OpenBlas
+    from mlxd.actors.engine.loading.load import load_runner
 
     lib = OpenBlas.loaded()
     if lib is None:

@@ -277,7 +277,7 @@ def word_tokenizer():
 
 
 def prompt_builder(chat_template: str):
-    from mlxd.actors.engine.types import ModelInfo
+    from mlxd.actors.engine.scheduler.types import ModelInfo
     from mlxd.actors.grammar import GrammarCompiler
     from mlxd.actors.tokenizer import PromptBuilder, TokenizerOptions
 

@@ -20,10 +20,10 @@ from mlxd.protocol.messages import (
 
 
 def test_the_engine_counts_into_the_types_the_wire_encodes():
-    from mlxd.actors.engine.prefix_cache import PrefixCache
-    from mlxd.actors.engine.runner import MlxRunner
-    from mlxd.actors.engine.spec_prefill import SpecPrefill
-    from mlxd.actors.engine.speculative import SpeculativeBatch
+    from mlxd.actors.engine.runner.base import MlxRunner
+    from mlxd.actors.engine.runner.prefix_cache import PrefixCache
+    from mlxd.actors.engine.speculative.batch import SpeculativeBatch
+    from mlxd.actors.engine.speculative.spec_prefill import SpecPrefill
 
     assert typing.get_type_hints(PrefixCache)["stats"] is PrefixCacheCounters
     assert typing.get_type_hints(SpecPrefill)["stats"] is SpecPrefillCounters
@@ -54,7 +54,7 @@ def test_counting_keeps_the_acceptance_rate():
 
 
 def test_published_copies_do_not_follow_the_live_counters():
-    from mlxd.actors.engine.runner import _copy
+    from mlxd.actors.engine.runner.base import _copy
 
     live = SpeculativeCounters(drafter="d", enabled=True, notes=("a",))
     published = _copy(live)

@@ -5,7 +5,7 @@ the core only has to honour the ``Abort`` that follows one, wherever the request
 from __future__ import annotations
 
 import msgspec
-from mlxd.actors.engine.core import EngineCore
+from mlxd.actors.engine.scheduler.core import EngineCore
 from mlxd.protocol.messages import SamplingParams, TokenizedRequest
 
 from tests.fakes import FakeRunner, fake_memory

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import mlx.core as mx
 import pytest
-from mlxd.actors.engine.gguf import (
+from mlxd.actors.engine.loading.gguf.convert import (
     UnsupportedModel,
     convert_gguf,
     default_model_path,

@@ -11,11 +11,11 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from gguf import quants
-from mlxd.actors.engine.gguf_arch import ARCHITECTURES
-from mlxd.actors.engine.gguf_header import read_gguf
-from mlxd.actors.engine.gguf_sample import gemma3_270m
-from mlxd.actors.engine.gguf_tensors import dequantize
-from mlxd.actors.engine.gguf_tokenizer import FALLBACK_CHAT_TEMPLATE
+from mlxd.actors.engine.loading.gguf.arch import ARCHITECTURES
+from mlxd.actors.engine.loading.gguf.header import read_gguf
+from mlxd.actors.engine.loading.gguf.tensors import dequantize
+from mlxd.actors.engine.loading.gguf.tokenizer import FALLBACK_CHAT_TEMPLATE
+from mlxd.scripts.gguf_sample import gemma3_270m
 
 from tests.engine_driver import alone, drive, request
 
@@ -25,7 +25,7 @@ pytestmark = pytest.mark.mlx
 @pytest.fixture(scope="module")
 def gemma(tmp_path_factory):
     """(gguf path, runner, info), converted and loaded the way `mlxd serve FILE.gguf` does."""
-    from mlxd.actors.engine.loading import load_runner
+    from mlxd.actors.engine.loading.load import load_runner
 
     cache = tmp_path_factory.mktemp("gemma-cache")
     path = gemma3_270m(cache)

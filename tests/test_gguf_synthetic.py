@@ -17,9 +17,9 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType, GGUFWriter, quants
-from mlxd.actors.engine.gguf import convert_gguf
-from mlxd.actors.engine.gguf_arch import UnsupportedModel, llama3_rope_scaling
-from mlxd.actors.engine.gguf_tensors import Storage
+from mlxd.actors.engine.loading.gguf.arch import UnsupportedModel, llama3_rope_scaling
+from mlxd.actors.engine.loading.gguf.convert import convert_gguf
+from mlxd.actors.engine.loading.gguf.tensors import Storage
 
 pytestmark = pytest.mark.mlx
 
@@ -426,8 +426,8 @@ def test_every_common_type_is_read(tmp_path: Path) -> None:
 def test_converted_weights_equal_the_dequantized_tensors(tmp_path: Path, monkeypatch) -> None:
     """Tensor by tensor, before any forward pass: names, values, and llama's Q/K rows; in
     several safetensors files (shards of 1 MiB here) with Hugging Face's index."""
-    import mlxd.actors.engine.gguf as converter
-    from mlxd.actors.engine.gguf_arch import unpermute_rows
+    import mlxd.actors.engine.loading.gguf.convert as converter
+    from mlxd.actors.engine.loading.gguf.arch import unpermute_rows
 
     monkeypatch.setattr(converter, "_SHARD_BYTES", 1 << 20)
     w = llama_file(tmp_path / "llama.gguf")
@@ -619,7 +619,7 @@ def test_phi3_long_rope_factors_become_longrope_scaling(tmp_path: Path) -> None:
 
 def test_storage_quantizes_by_source_bits_and_keeps_the_rest_float() -> None:
     """The Metal/CUDA storage on small arrays: dtypes, shapes, and the config block."""
-    from mlxd.actors.engine.gguf_tensors import quantization_config
+    from mlxd.actors.engine.loading.gguf.tensors import quantization_config
 
     rng = np.random.default_rng(0)
     x = rng.normal(0, 1, (8, 128)).astype(np.float32)
@@ -720,7 +720,7 @@ def test_per_layer_head_counts_are_taken_when_uniform_and_refused_otherwise(tmp_
 def test_dequantize_on_cpu_off_keeps_a_gguf_quantized_on_the_cpu_backend(tmp_path: Path) -> None:
     """``model.dequantize_on_cpu = false`` reaches the conversion: affine storage with
     float32 scales on the CPU backend; on (the default) the backend's own storage."""
-    from mlxd.actors.engine.loading import backend, resolve_model_dir
+    from mlxd.actors.engine.loading.load import backend, resolve_model_dir
 
     if backend() != "cpu":
         pytest.skip("the CPU backend's choice")

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from mlxd.actors.engine.sources import model_source
+from mlxd.actors.engine.loading.sources import model_source
 from mlxd.daemon.settings import load_settings
 
 from tests.processes import free_port, wait_healthy
@@ -122,7 +122,7 @@ def hub_env(hf_home: Path, endpoint: str | None = None) -> dict[str, str]:
 RESOLVE = """
 import json, sys
 from pathlib import Path
-from mlxd.actors.engine.loading import resolve_model_dir
+from mlxd.actors.engine.loading.load import resolve_model_dir
 out = []
 for path in sys.argv[1:]:
     try:

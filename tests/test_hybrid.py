@@ -10,7 +10,7 @@ prompts here) on its sliding-window layers.
 from __future__ import annotations
 
 import pytest
-from mlxd.actors.engine.caches import (
+from mlxd.actors.engine.runner.caches import (
     RowDeltas,
     UnbatchableCache,
     can_trim,
@@ -145,7 +145,7 @@ def test_unbatchable_cache_is_refused_at_start_up():
 @pytest.mark.mlx
 def test_quantized_kv_model_fails_to_load_with_a_clear_message(tiny_models):
     from mlx_lm.models.cache import QuantizedKVCache
-    from mlxd.actors.engine.runner import MlxRunner
+    from mlxd.actors.engine.runner.base import MlxRunner
 
     runner, _ = load(tiny_models("qwen3_5"))
 

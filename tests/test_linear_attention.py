@@ -1,4 +1,4 @@
-"""The chunked gated delta rule (``actors/engine/linear_attention.py``) against mlx-lm's own
+"""The chunked gated delta rule (``actors/engine/kernels/linear_attention.py``) against mlx-lm's own
 token-by-token recurrence: the same outputs and final state within float32 rounding, for
 any length (partial last chunk included), a carried-in state, grouped heads and strong
 decay; a model whose GatedDeltaNet layers use it gives the same logits and the same
@@ -19,10 +19,10 @@ from mlx_lm.models import qwen3_5
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.models.gated_delta import compute_g, gated_delta_ops, normalize_qk
 from mlx_lm.utils import load
-from mlxd.actors.engine import linear_attention as la
-from mlxd.actors.engine.core import EngineCore
-from mlxd.actors.engine.loading import load_runner
-from mlxd.actors.engine.options import PrefixCacheOptions
+from mlxd.actors.engine.kernels import linear_attention as la
+from mlxd.actors.engine.loading.load import load_runner
+from mlxd.actors.engine.scheduler.core import EngineCore
+from mlxd.actors.engine.scheduler.options import PrefixCacheOptions
 
 from tests.engine_driver import request, until_idle
 
@@ -201,7 +201,7 @@ def test_the_loader_imports_no_architecture_module():
     """Loading the engine imports no model architecture's module of mlx-lm or mlx-vlm:
     each arrives when a model of that architecture loads."""
     code = (
-        "import sys, mlxd.actors.engine.loading\n"
+        "import sys, mlxd.actors.engine.loading.load\n"
         "print(sorted(m for m in sys.modules if m.startswith(('mlx_lm.models.', "
         "'mlx_vlm.models.')) and m.rsplit('.', 1)[1] not in ('base', 'cache')))"
     )

@@ -14,7 +14,7 @@ from types import SimpleNamespace
 
 import msgspec
 import pytest
-from mlxd.actors.engine.options import (
+from mlxd.actors.engine.scheduler.options import (
     LoadOptions,
     MemoryOptions,
     PrefixCacheOptions,
@@ -90,7 +90,7 @@ def config(tmp_path) -> Path:
 @pytest.fixture
 def loads(monkeypatch) -> list[tuple[LoadOptions, object]]:
     """What each load was asked for (options, shard); the load itself stops there."""
-    from mlxd.actors.engine import loading
+    from mlxd.actors.engine.loading import load as loading
 
     seen: list[tuple[LoadOptions, object]] = []
 
@@ -115,7 +115,8 @@ def test_load_options_map_every_setting(config):
 
 
 def test_serve_ranks_and_bench_load_with_the_same_options(config, loads, monkeypatch, tmp_path):
-    from mlxd.actors.engine import loading, replica
+    from mlxd.actors.engine.distributed import replica
+    from mlxd.actors.engine.loading import load as loading
     from mlxd.daemon import bench, ranks
 
     settings = load_settings(config)
@@ -139,7 +140,8 @@ def test_serve_ranks_and_bench_load_with_the_same_options(config, loads, monkeyp
 
 
 def test_bench_builds_the_engine_core_serve_builds(config, monkeypatch):
-    from mlxd.actors.engine import actor, loading
+    from mlxd.actors.engine import actor
+    from mlxd.actors.engine.loading import load as loading
     from mlxd.daemon import bench
 
     info = SimpleNamespace(memory=None, vocab_size=10, tokenizer=None)

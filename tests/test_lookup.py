@@ -1,4 +1,4 @@
-"""Prompt-lookup drafting (``actors/engine/lookup.py``).
+"""Prompt-lookup drafting (``actors/engine/speculative/lookup.py``).
 
 The index and the drafter's row bookkeeping are checked by hand; on tiny targets
 (llama, and the hybrid Qwen3.5) greedy output with lookup drafts equals plain
@@ -11,7 +11,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import pytest
-from mlxd.actors.engine.lookup import LookupDrafter, NgramIndex
+from mlxd.actors.engine.speculative.lookup import LookupDrafter, NgramIndex
 
 from tests.engine_driver import alone, drive, request, speculative_runner
 from tests.test_speculative import _requests, _schedule, assert_sampled_runs_repeat
@@ -84,7 +84,7 @@ def test_a_deterministic_draft_is_accepted_with_the_targets_probability():
     """``q`` None (a point mass on the draft): the first token is still distributed as
     ``p``, whether or not the draft is likely."""
     import mlx.core as mx
-    from mlxd.actors.engine.speculative import accept_sampled
+    from mlxd.actors.engine.speculative.batch import accept_sampled
 
     p = mx.array([[0.5, 0.3, 0.15, 0.05], [0.25, 0.25, 0.25, 0.25]])
     key = [mx.random.key(11)]
@@ -180,8 +180,8 @@ def test_sampled_requests_with_lookup_drafts(tiny_models):
 @pytest.mark.mlx
 def test_load_runner_picks_the_lookup_drafter(tiny_models):
     """``drafter = "lookup"`` with its n-gram bounds; the stats say "lookup"."""
-    from mlxd.actors.engine.loading import load_runner
-    from mlxd.actors.engine.options import SpeculativeOptions
+    from mlxd.actors.engine.loading.load import load_runner
+    from mlxd.actors.engine.scheduler.options import SpeculativeOptions
 
     options = SpeculativeOptions(drafter="lookup", lookup_max_ngram=4, lookup_min_ngram=2)
     model = tiny_models("llama")
@@ -196,7 +196,7 @@ def test_load_runner_picks_the_lookup_drafter(tiny_models):
 
 def test_lookup_settings_reach_the_options():
     import msgspec
-    from mlxd.actors.engine.options import SpeculativeOptions
+    from mlxd.actors.engine.scheduler.options import SpeculativeOptions
     from mlxd.daemon.settings import SpeculativeSettings
     from mlxd.daemon.supervisor import options_from
 
@@ -239,8 +239,8 @@ async def test_default_model_with_lookup_drafts_over_http(tmp_path_factory):
 def test_vision_models_do_not_speculate_with_lookup(tiny_models):
     """Off, and the status says why: the VLM lane's verify pass cannot take rows with
     different draft counts (right-padded) on mlx-vlm's Qwen3.5 yet."""
-    from mlxd.actors.engine.loading import load_runner
-    from mlxd.actors.engine.options import SpeculativeOptions
+    from mlxd.actors.engine.loading.load import load_runner
+    from mlxd.actors.engine.scheduler.options import SpeculativeOptions
 
     model_dir = tiny_models("qwen3_5_vl")
     runner, _ = load_runner(

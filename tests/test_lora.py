@@ -50,7 +50,7 @@ def make_adapter(model_dir: Path, out: Path) -> Path:
 def fused_by_hand(model_dir: Path, adapter: Path):
     """The base model with every adapted weight replaced by W + scale · (A B)ᵀ."""
     import mlx.core as mx
-    from mlxd.actors.engine.loading import load_model
+    from mlxd.actors.engine.loading.load import load_model
 
     model = load_model(model_dir, dequantize_on_cpu=True)[0]
     lora = mx.load(str(adapter / "adapters.safetensors"))
@@ -83,7 +83,7 @@ def adapted(tiny_models, tmp_path_factory):
 
 def test_the_adapter_changes_the_model_as_its_fused_weights_do(adapted):
     import mlx.core as mx
-    from mlxd.actors.engine.loading import load_model
+    from mlxd.actors.engine.loading.load import load_model
 
     model_dir, adapter = adapted
     base = load_model(model_dir, dequantize_on_cpu=True)[0]
@@ -96,7 +96,7 @@ def test_the_adapter_changes_the_model_as_its_fused_weights_do(adapted):
 
 
 def test_a_missing_adapter_file_is_a_clear_error(adapted, tmp_path):
-    from mlxd.actors.engine.loading import load_model
+    from mlxd.actors.engine.loading.load import load_model
 
     (tmp_path / "adapter_config.json").write_text("{}")
     with pytest.raises(FileNotFoundError, match="adapters.safetensors not found"):
@@ -106,7 +106,7 @@ def test_a_missing_adapter_file_is_a_clear_error(adapted, tmp_path):
 async def test_base_and_adapted_model_served_side_by_side(adapted, tmp_path):
     """Two real models in one daemon, loaded on first use, one at a time: each answers as
     it should, and the one unloaded for the other gives its memory back."""
-    from mlxd.actors.engine.loading import load_model
+    from mlxd.actors.engine.loading.load import load_model
 
     model_dir, adapter = adapted
     raw = msgspec.to_builtins(load_settings())

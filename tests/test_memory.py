@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from mlxd.actors.engine.memory import (
+from mlxd.actors.engine.scheduler.memory import (
     AttentionLayer,
     MemoryModel,
     StateLayer,

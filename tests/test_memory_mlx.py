@@ -36,8 +36,8 @@ def hybrid():
 
 
 def test_probe_tells_attention_from_recurrent_layers(hybrid):
-    from mlxd.actors.engine.memory import AttentionLayer, StateLayer
-    from mlxd.actors.engine.runner import MlxRunner
+    from mlxd.actors.engine.runner.base import MlxRunner
+    from mlxd.actors.engine.scheduler.memory import AttentionLayer, StateLayer
 
     layers = MlxRunner(hybrid, [0], 2).probe_layers()
     assert [type(layer) for layer in layers] == [StateLayer, AttentionLayer] * 2
@@ -50,8 +50,8 @@ def test_probe_tells_attention_from_recurrent_layers(hybrid):
 def test_estimate_equals_the_cache_a_prompt_really_fills(hybrid, prompt):
     import mlx.core as mx
     from mlx_lm.models.cache import make_prompt_cache
-    from mlxd.actors.engine.memory import MemoryModel
-    from mlxd.actors.engine.runner import MlxRunner
+    from mlxd.actors.engine.runner.base import MlxRunner
+    from mlxd.actors.engine.scheduler.memory import MemoryModel
 
     memory = MemoryModel(layers=MlxRunner(hybrid, [0], 2).probe_layers(), budget_bytes=1 << 30)
     cache = make_prompt_cache(hybrid)

@@ -14,9 +14,9 @@ from pathlib import Path
 import msgspec
 import pytest
 import trio
-from mlxd.actors.engine.core import EngineCore
-from mlxd.actors.engine.pool import ModelPool, ModelSpec, PoolLimits
-from mlxd.actors.engine.types import ModelInfo
+from mlxd.actors.engine.scheduler.core import EngineCore
+from mlxd.actors.engine.scheduler.pool import ModelPool, ModelSpec, PoolLimits
+from mlxd.actors.engine.scheduler.types import ModelInfo
 from mlxd.daemon.app import create_app
 from mlxd.daemon.settings import SettingsError, load_settings
 from mlxd.daemon.supervisor import open_graph, run_actors, tokenizer_options

@@ -1,4 +1,4 @@
-"""MTP heads as the speculative drafter (``actors/engine/mtp.py``).
+"""MTP heads as the speculative drafter (``actors/engine/speculative/mtp.py``).
 
 Tiny Qwen3.5 hybrid targets (GatedDeltaNet + attention) whose checkpoints carry an
 ``mtp.*`` head: a random head (drafts almost always rejected), an exact head on a
@@ -18,7 +18,7 @@ from tests.test_speculative import _requests, _schedule, assert_sampled_runs_rep
 
 
 def mtp_runner(model_dir, *, k=3, spec_max_batch=8, max_batch=8):
-    from mlxd.actors.engine.loading import load_mtp_drafter
+    from mlxd.actors.engine.loading.load import load_mtp_drafter
 
     config = json.loads((model_dir / "config.json").read_text())
     return speculative_runner(
@@ -69,7 +69,7 @@ def test_the_head_sees_the_targets_hidden_states_paired_with_the_next_token(
     equality cannot see this: verification hides a badly fed head.) With
     ``spec_max_batch`` 0 no step drafts: the pairs wait, then all go in at once."""
     import mlx.core as mx
-    from mlxd.actors.engine.speculative import Target
+    from mlxd.actors.engine.speculative.batch import Target
 
     plain, runner, info = mtp_runner(tiny_models("qwen3_5_mtp"), spec_max_batch=8)
     (req,) = _requests(info)[3:4]
@@ -112,8 +112,8 @@ def test_sampled_requests_with_an_exact_head(tiny_models):
 def test_prefix_cache_hits_start_the_head_without_a_hidden_state(tiny_models):
     """A prompt served whole from the prefix cache gives the head no hidden state for its
     last token: it drafts from zeros, and the output is still the plain output."""
-    from mlxd.actors.engine.prefix_cache import PrefixCache
-    from mlxd.actors.engine.spec_runner import SpeculativeRunner
+    from mlxd.actors.engine.runner.prefix_cache import PrefixCache
+    from mlxd.actors.engine.speculative.runner import SpeculativeRunner
 
     model_dir = tiny_models("qwen3_5_mtp_near")
     plain, runner, info = mtp_runner(model_dir)
@@ -138,8 +138,8 @@ def test_prefix_cache_hits_start_the_head_without_a_hidden_state(tiny_models):
 def test_load_runner_picks_the_drafter(tiny_models):
     """``drafter = "auto"``: the MTP head when the checkpoint has one, else the draft model;
     ``"mtp"`` on a model without a head turns speculation off and says why."""
-    from mlxd.actors.engine.loading import load_runner
-    from mlxd.actors.engine.options import SpeculativeOptions
+    from mlxd.actors.engine.loading.load import load_runner
+    from mlxd.actors.engine.scheduler.options import SpeculativeOptions
 
     def spec(model, **kw):
         settings = SpeculativeOptions(**kw)
@@ -158,7 +158,7 @@ def test_load_runner_picks_the_drafter(tiny_models):
 
 def test_expert_weights_are_stacked_like_mlx_lm():
     import mlx.core as mx
-    from mlxd.actors.engine.mtp import _experts
+    from mlxd.actors.engine.speculative.mtp import _experts
 
     per_expert = {
         f"layers.0.mlp.experts.{e}.{p}.weight": mx.full((2, 3), e)
@@ -190,9 +190,9 @@ def test_vision_model_text_requests_speculate_with_mtp_images_decode_plainly(tin
     """A Qwen3.5 VLM whose text backbone has an MTP head: in one mixed schedule, text-only
     requests go through the speculative lane (drafted, verified), image requests through
     the plain batch, and every request's tokens equal plain decoding's."""
-    from mlxd.actors.engine.loading import load_runner
-    from mlxd.actors.engine.options import SpeculativeOptions
-    from mlxd.actors.engine.vlm_mtp import VlmMtpRunner
+    from mlxd.actors.engine.loading.load import load_runner
+    from mlxd.actors.engine.scheduler.options import SpeculativeOptions
+    from mlxd.actors.engine.speculative.vlm_mtp import VlmMtpRunner
     from mlxd.actors.tokenizer import PromptBuilder
 
     from tests.test_vlm import LIMITS, mixed_requests

@@ -11,10 +11,10 @@ import contextlib
 import mlx.core as mx
 import pytest
 from mlx.utils import tree_flatten
-from mlxd.actors.engine.core import EngineCore
-from mlxd.actors.engine.loading import auto_prefill_streams, load_runner
-from mlxd.actors.engine.openblas import OpenBlas
-from mlxd.actors.engine.runner import pieces
+from mlxd.actors.engine.kernels.openblas import OpenBlas
+from mlxd.actors.engine.loading.load import auto_prefill_streams, load_runner
+from mlxd.actors.engine.runner.base import pieces
+from mlxd.actors.engine.scheduler.core import EngineCore
 
 from tests.engine_driver import request, until_idle
 

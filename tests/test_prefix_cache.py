@@ -1,6 +1,6 @@
 """The prefix cache's sync core, with opaque snapshots."""
 
-from mlxd.actors.engine.prefix_cache import PrefixCache, block_hashes
+from mlxd.actors.engine.runner.prefix_cache import PrefixCache, block_hashes
 
 
 def cache(max_bytes=10_000, block=4):

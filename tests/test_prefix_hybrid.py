@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from mlxd.actors.engine.prefix_cache import PrefixCache
+from mlxd.actors.engine.runner.prefix_cache import PrefixCache
 from mlxd.protocol.messages import SamplingParams, TokenizedRequest
 
 from tests.engine_driver import drive, load

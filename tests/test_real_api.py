@@ -205,7 +205,7 @@ def test_forced_call_grammar_round_trips_through_each_parser(settings, fmt):  # 
     from pathlib import Path
 
     from mlx_lm.utils import load_tokenizer
-    from mlxd.actors.engine.loading import resolve_model_dir
+    from mlxd.actors.engine.loading.load import resolve_model_dir
     from mlxd.actors.grammar import GrammarCompiler, tool_call_lark, tool_call_schema
     from mlxd.actors.parsers import OutputParser
     from mlxd.protocol.messages import Constraint, OutputSpec, Tool

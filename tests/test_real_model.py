@@ -69,8 +69,8 @@ async def test_paris(settings):
 
 def test_memory_estimate_matches_the_model_config(settings):
     """KV bytes per token = layers × 2 (K, V) × KV heads × head dim × dtype size."""
-    from mlxd.actors.engine.loading import load_runner
-    from mlxd.actors.engine.options import MemoryOptions
+    from mlxd.actors.engine.loading.load import load_runner
+    from mlxd.actors.engine.scheduler.options import MemoryOptions
     from mlxd.daemon.supervisor import options_from
 
     m = settings.model
@@ -158,7 +158,7 @@ async def test_streamed_text_equals_non_streamed(settings):
 
 
 def test_default_model_is_found():
-    from mlxd.actors.engine.gguf import default_model_path
+    from mlxd.actors.engine.loading.gguf.convert import default_model_path
 
     assert Path(default_model_path()).suffix == ".gguf"
 

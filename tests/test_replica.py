@@ -15,8 +15,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import trio
-from mlxd.actors.engine.distributed import EXIT_PEER_LOST, Watch, monitor
-from mlxd.actors.engine.replica import (
+from mlxd.actors.engine.distributed.replica import (
     Channel,
     Desync,
     FollowerPrefixCache,
@@ -26,7 +25,8 @@ from mlxd.actors.engine.replica import (
     choose_mode,
     follow,
 )
-from mlxd.actors.engine.types import Decoded, InvalidRequest
+from mlxd.actors.engine.distributed.watch import EXIT_PEER_LOST, Watch, monitor
+from mlxd.actors.engine.scheduler.types import Decoded, InvalidRequest
 from mlxd.protocol.messages import SamplingParams, TokenizedRequest
 
 

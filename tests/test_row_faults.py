@@ -111,7 +111,7 @@ def test_a_step_that_raises_is_bisected_and_innocent_rows_go_on_unchanged(
 def _draws_after_a_fault(base: int, before: int) -> list[int]:
     """The global key's next draws after a row's sampler raised under a guard with ``base``."""
     import mlx.core as mx
-    from mlxd.actors.engine.guards import RowGuard
+    from mlxd.actors.engine.runner.guards import RowGuard
 
     def broken(logprobs):
         raise ValueError("this row's sampler fails")

@@ -1,4 +1,4 @@
-"""One sampling chain (``actors/engine/sampling.py``) for plain decoding and the verifiers.
+"""One sampling chain (``actors/engine/runner/sampling.py``) for plain decoding and the verifiers.
 
 For the same params and seed, the plain sampler ``BatchGenerator`` calls, the bonus token
 a speculative verify pass draws, and the draft tokens a drafter samples come from the
@@ -33,7 +33,7 @@ def _logprobs():
 def _batch(params: SamplingParams):
     """A speculative batch of one row whose verifier can be called without a model."""
     import mlx.core as mx
-    from mlxd.actors.engine.speculative import Drafter, SpecRow, SpeculativeBatch
+    from mlxd.actors.engine.speculative.batch import Drafter, SpecRow, SpeculativeBatch
     from mlxd.protocol.messages import SpeculativeCounters
 
     batch = SpeculativeBatch(
@@ -47,7 +47,7 @@ def _batch(params: SamplingParams):
 def _plain(params: SamplingParams, rows: bool = False) -> list[int]:
     """The plain sampler's draws, over ``[V]`` or (``rows``) ``[1, V]`` logprobs: a draw
     depends on the shape its key is used for, so each comparison matches its caller's."""
-    from mlxd.actors.engine.runner import make_sampler
+    from mlxd.actors.engine.runner.base import make_sampler
 
     sample, logprobs = make_sampler(params), _logprobs()
     logprobs = logprobs[None] if rows else logprobs
@@ -67,7 +67,7 @@ def test_drafter_samples_as_plain_decoding(params):
     """A drafter's sampled tokens, and the distribution it records for rejection sampling,
     come from the same chain."""
     import mlx.core as mx
-    from mlxd.actors.engine.sampling import scaled_logits
+    from mlxd.actors.engine.runner.sampling import scaled_logits
 
     batch, logits = _batch(params), _logprobs()[None]  # [B, V]
     q: list[list] = [[]]

@@ -7,9 +7,9 @@ state can only be reused from an exact-boundary snapshot."""
 from __future__ import annotations
 
 import pytest
-from mlxd.actors.engine.core import EngineCore
-from mlxd.actors.engine.loading import load_runner
-from mlxd.actors.engine.options import PrefixCacheOptions
+from mlxd.actors.engine.loading.load import load_runner
+from mlxd.actors.engine.scheduler.core import EngineCore
+from mlxd.actors.engine.scheduler.options import PrefixCacheOptions
 from mlxd.protocol.messages import SamplingParams, TokenizedRequest
 
 pytestmark = pytest.mark.mlx

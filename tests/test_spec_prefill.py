@@ -1,4 +1,4 @@
-"""SpecPrefill (``actors/engine/spec_prefill.py``) on tiny random-weight models.
+"""SpecPrefill (``actors/engine/speculative/spec_prefill.py``) on tiny random-weight models.
 
 Keep fraction 1.0 runs the whole sparse machinery (positioned caches, per-chunk
 feeding, position hand-over at the join) and must give exactly the tokens of a
@@ -19,14 +19,14 @@ TEXT = (
 
 
 def _settings(**values):
-    from mlxd.actors.engine.options import SpecPrefillOptions
+    from mlxd.actors.engine.scheduler.options import SpecPrefillOptions
 
     return SpecPrefillOptions(**{"threshold_tokens": 8, "chunk_tokens": 4, **values})
 
 
 def sparse_runner(model_dir, scorer_dir=None, **values):
-    from mlxd.actors.engine.loading import load_model, make_spec_prefill
-    from mlxd.actors.engine.runner import MlxRunner
+    from mlxd.actors.engine.loading.load import load_model, make_spec_prefill
+    from mlxd.actors.engine.runner.base import MlxRunner
 
     plain, info = load(model_dir)
     scorer = load_model(scorer_dir, dequantize_on_cpu=True)[0] if scorer_dir else plain.model
@@ -43,7 +43,7 @@ def _requests(info, n=4):
 
 def test_chunk_plan_keeps_first_and_last():
     pytest.importorskip("mlx")
-    from mlxd.actors.engine.spec_prefill import make_plan, select
+    from mlxd.actors.engine.speculative.spec_prefill import make_plan, select
 
     tokens = tuple(range(42))  # 41 tokens to prefill from position 1: chunks of 8
     plan = make_plan(tokens, 1, chunk_tokens=8, keep_fraction=0.5)
@@ -73,7 +73,7 @@ def test_keep_fraction_one_equals_normal_prefill(tiny_models, model):
 
 @pytest.mark.mlx
 def test_sparse_prefill_completes_and_reports_prefilled_tokens(tiny_models):
-    from mlxd.actors.engine.core import EngineCore
+    from mlxd.actors.engine.scheduler.core import EngineCore
 
     _, runner, info, sp = sparse_runner(
         tiny_models("llama"), tiny_models("llama_draft"), keep_fraction=0.3
@@ -114,7 +114,7 @@ def test_positioned_cache_puts_tokens_at_the_positions_it_is_told(tiny_models):
     position, or rotated by the storage index, would not pass."""
     import mlx.core as mx
     from mlx_lm.models.cache import make_prompt_cache
-    from mlxd.actors.engine.spec_prefill import positioned, set_position
+    from mlxd.actors.engine.speculative.spec_prefill import positioned, set_position
 
     runner, info = load(tiny_models("llama"))
     model = runner.model

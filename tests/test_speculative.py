@@ -1,4 +1,4 @@
-"""Speculative decoding inside the continuous batch (``actors/engine/speculative.py``).
+"""Speculative decoding inside the continuous batch (``actors/engine/speculative/batch.py``).
 
 Tiny random-weight targets and drafts sharing SmolLM2's vocabulary: greedy tokens
 with speculation equal greedy tokens without it, for 8 requests joining and
@@ -28,7 +28,7 @@ JOINS = (0, 0, 1, 2, 3, 5, 8, 13)
 
 
 def speculative(target_dir, draft_dir, *, k=3, spec_max_batch=8, max_batch=8):
-    from mlxd.actors.engine.loading import load_model
+    from mlxd.actors.engine.loading.load import load_model
 
     def draft(target):
         if draft_dir == target_dir:
@@ -142,7 +142,7 @@ async def test_default_model_drafting_for_itself_over_http(tmp_path_factory):
 def test_rejection_sampling_follows_the_target_distribution():
     """The first token out of ``accept_sampled`` is distributed as the target's ``p``."""
     import mlx.core as mx
-    from mlxd.actors.engine.speculative import accept_sampled
+    from mlxd.actors.engine.speculative.batch import accept_sampled
 
     p = mx.array([[0.5, 0.3, 0.15, 0.05], [0.25, 0.25, 0.25, 0.25]])
     q = mx.array([[0.1, 0.2, 0.3, 0.4]])  # a poor draft: mass where p has little

@@ -7,7 +7,7 @@ import threading
 from http.server import BaseHTTPRequestHandler, HTTPServer
 
 import pytest
-from mlxd.actors.engine.types import model_kind
+from mlxd.actors.engine.scheduler.types import model_kind
 from mlxd.actors.vision import ImageLimits, VisionError, load_image, load_images, split_images
 from mlxd.protocol.messages import ImagePart, TextPart
 from mlxd.scripts.tiny_models import data_url, png

@@ -328,9 +328,9 @@ def test_structured_output_with_vision_mtp_speculation_on(tiny_models):
     """The vision MTP runner decodes grammar requests in its plain lane: served, not a 400."""
     from types import SimpleNamespace
 
-    from mlxd.actors.engine.loading import load_runner
-    from mlxd.actors.engine.options import SpeculativeOptions
-    from mlxd.actors.engine.vlm_mtp import VlmMtpRunner
+    from mlxd.actors.engine.loading.load import load_runner
+    from mlxd.actors.engine.scheduler.options import SpeculativeOptions
+    from mlxd.actors.engine.speculative.vlm_mtp import VlmMtpRunner
     from mlxd.daemon.api.common import _check_speculation
     from mlxd.protocol.messages import EngineStats
 

@@ -24,15 +24,15 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import trio
-from mlxd.actors.engine.core import EngineCore
-from mlxd.actors.engine.pool import (
+from mlxd.actors.engine.scheduler.core import EngineCore
+from mlxd.actors.engine.scheduler.pool import (
     ModelEvent,
     ModelPool,
     ModelSpec,
     PoolLimits,
     RunnerFactory,
 )
-from mlxd.actors.engine.types import ModelInfo, Runner
+from mlxd.actors.engine.scheduler.types import ModelInfo, Runner
 from mlxd.protocol.messages import (
     Abort,
     ClearCache,

@@ -21,11 +21,11 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlxd.actors.engine.runner import Pending
-from mlxd.actors.engine.spec_runner import join, step
-from mlxd.actors.engine.speculative import SpeculativeBatch, check_rewindable
-from mlxd.actors.engine.types import Decoded
-from mlxd.actors.engine.vlm_runner import VlmRunner
+from mlxd.actors.engine.runner.base import Pending
+from mlxd.actors.engine.runner.vlm import VlmRunner
+from mlxd.actors.engine.scheduler.types import Decoded
+from mlxd.actors.engine.speculative.batch import SpeculativeBatch, check_rewindable
+from mlxd.actors.engine.speculative.runner import join, step
 from mlxd.protocol.messages import SpeculativeCounters, TokenizedRequest
 
 log = logging.getLogger("mlxd.speculative")

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-from mlxd.actors.engine.memory import MemoryModel
+from mlxd.actors.engine.scheduler.memory import MemoryModel
 from mlxd.protocol.messages import FinishReason, RunnerCounters, TokenizedRequest, TokenLogprob
 
 

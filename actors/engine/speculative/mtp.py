@@ -35,7 +35,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.cache import BatchKVCache, KVCache
-from mlxd.actors.engine.speculative import (
+from mlxd.actors.engine.speculative.batch import (
     Drafter,
     SpecRow,
     drop_last,

@@ -34,7 +34,7 @@ from typing import Any
 
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
-from mlxd.actors.engine.sampling import scaled_logits
+from mlxd.actors.engine.runner.sampling import scaled_logits
 from mlxd.protocol.messages import SamplingParams, SpeculativeCounters
 
 

@@ -8,9 +8,10 @@ whole batch, and a failure inside one of mlx-lm's compiled samplers can leave
 MLX's global random key a compile-time placeholder, so every later unseeded
 draw fails too. Three layers keep a request's options its own business:
 
-- ``check_sampling`` refuses, before the request joins a batch, any option the
-  model could not run (token ids outside the vocabulary, ``top_k`` not below
-  it, an unusable seed, non-finite numbers): an ``InvalidRequest``, a 400.
+- ``scheduler/checks.py`` ``check_sampling`` refuses, before the request joins a
+  batch, any option the model could not run (token ids outside the vocabulary,
+  ``top_k`` not below it, an unusable seed, non-finite numbers): an
+  ``InvalidRequest``, a 400.
 - ``bias_processor`` replaces mlx-lm's logit-bias processor with one that checks
   its token ids against the logits it is given, on every call.
 - ``RowGuard`` wraps each row's sampler and processors: an exception is recorded
@@ -21,52 +22,17 @@ draw fails too. Three layers keep a request's options its own business:
   completes for every other row, token for token as if the row were not there.
   The engine then fails that row alone (``Runner.faults``).
 
-No trio here; the checks import no mlx, the guards do.
+No trio here.
 """
 
 from __future__ import annotations
 
 import hashlib
-import math
 import secrets
 from collections.abc import Callable
 from typing import Any
 
-from mlxd.actors.engine.types import InvalidRequest
-from mlxd.protocol.messages import SamplingParams
-
-MAX_SEED = 2**63 - 1
-
-
-def check_sampling(params: SamplingParams, prompt: tuple[int, ...], vocab_size: int) -> None:
-    """Raise ``InvalidRequest`` for any option this model cannot run; no MLX op has seen it."""
-    floats = {
-        "temperature": params.temperature,
-        "top_p": params.top_p,
-        "min_p": params.min_p,
-        "presence_penalty": params.presence_penalty,
-        "frequency_penalty": params.frequency_penalty,
-        "repetition_penalty": params.repetition_penalty,
-    }
-    for name, value in floats.items():
-        if not math.isfinite(value):
-            raise InvalidRequest(f"{name} must be a finite number", name)
-    if not 0 <= params.top_k < vocab_size:
-        raise InvalidRequest(f"top_k must be in [0, {vocab_size}) for this model", "top_k")
-    bad = [t for t in params.logit_bias if not 0 <= t < vocab_size]
-    if bad:
-        raise InvalidRequest(
-            f"logit_bias token ids out of range [0, {vocab_size}): {bad[:5]}", "logit_bias"
-        )
-    if not all(math.isfinite(v) for v in params.logit_bias.values()):
-        raise InvalidRequest("logit_bias values must be finite numbers", "logit_bias")
-    if params.seed is not None and not 0 <= params.seed <= MAX_SEED:
-        raise InvalidRequest(f"seed must be in [0, {MAX_SEED}]", "seed")
-    outside = [t for t in prompt if not 0 <= t < vocab_size]
-    if outside:
-        raise InvalidRequest(
-            f"prompt token ids out of range [0, {vocab_size}): {outside[:5]}", "prompt"
-        )
+from mlxd.actors.engine.scheduler.types import InvalidRequest
 
 
 def bias_processor(bias: dict[int, float]) -> Callable[[Any, Any], Any]:

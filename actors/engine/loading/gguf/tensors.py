@@ -21,8 +21,8 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 from gguf import GGMLQuantizationType, quants
-from mlxd.actors.engine.gguf_arch import UnsupportedModel
-from mlxd.actors.engine.gguf_header import TensorInfo
+from mlxd.actors.engine.loading.gguf.arch import UnsupportedModel
+from mlxd.actors.engine.loading.gguf.header import TensorInfo
 
 T = GGMLQuantizationType
 FLOAT_TYPES = frozenset({T.F32, T.F16, T.BF16})

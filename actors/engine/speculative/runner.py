@@ -14,11 +14,11 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlxd.actors.engine.options import SpeculativeOptions
-from mlxd.actors.engine.prefix_cache import PrefixCache
-from mlxd.actors.engine.runner import MlxRunner, Pending, make_processors
-from mlxd.actors.engine.spec_prefill import SpecPrefill
-from mlxd.actors.engine.speculative import (
+from mlxd.actors.engine.runner.base import MlxRunner, Pending, make_processors
+from mlxd.actors.engine.runner.prefix_cache import PrefixCache
+from mlxd.actors.engine.scheduler.options import SpeculativeOptions
+from mlxd.actors.engine.scheduler.types import Decoded
+from mlxd.actors.engine.speculative.batch import (
     Drafter,
     ModelDrafter,
     SpecRow,
@@ -27,7 +27,7 @@ from mlxd.actors.engine.speculative import (
     UnsupportedForSpeculation,
     check_rewindable,
 )
-from mlxd.actors.engine.types import Decoded
+from mlxd.actors.engine.speculative.spec_prefill import SpecPrefill
 from mlxd.protocol.messages import SpeculativeCounters, TokenizedRequest
 
 log = logging.getLogger("mlxd.speculative")

@@ -10,7 +10,7 @@ not kept here: the pipeline's timer fails a request that waited too long or
 passed its deadline, and the engine honours the ``Abort`` that follows.
 
 Failures stay per request: options the model cannot run are refused before
-any MLX op sees them (``guards.check_sampling``, a 400); a runner error while
+any MLX op sees them (``checks.check_sampling``, a 400); a runner error while
 starting or prefilling a request fails that request alone; a row whose own
 sampler or logits processors fail in a batched step fails alone while the step
 completes for the others (the runner's row guards, ``Runner.faults``); a step
@@ -28,10 +28,10 @@ import logging
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-from mlxd.actors.engine.guards import check_sampling
-from mlxd.actors.engine.memory import MemoryModel, is_memory_error
-from mlxd.actors.engine.recovery import Recovery
-from mlxd.actors.engine.types import InvalidRequest, Runner
+from mlxd.actors.engine.scheduler.checks import check_sampling
+from mlxd.actors.engine.scheduler.memory import MemoryModel, is_memory_error
+from mlxd.actors.engine.scheduler.recovery import Recovery
+from mlxd.actors.engine.scheduler.types import InvalidRequest, Runner
 from mlxd.protocol.messages import (
     EngineStats,
     EngineStep,

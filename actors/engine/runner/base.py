@@ -32,16 +32,16 @@ from mlx.utils import tree_flatten
 from mlx_lm.generate import BatchGenerator
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.sample_utils import greedy_sampler, make_logits_processors
-from mlxd.actors.engine import caches
-from mlxd.actors.engine.caches import check_batchable, layer_kinds
-from mlxd.actors.engine.guards import RowGuard, bias_processor
-from mlxd.actors.engine.logits import GrammarProcessor, token_logprobs
-from mlxd.actors.engine.memory import AttentionLayer, Layer, StateLayer
-from mlxd.actors.engine.openblas import OpenBlas
-from mlxd.actors.engine.prefix_cache import PrefixCache
-from mlxd.actors.engine.sampling import scaled_logits
-from mlxd.actors.engine.spec_prefill import SpecPrefill, positioned, set_position
-from mlxd.actors.engine.types import Decoded
+from mlxd.actors.engine.kernels.openblas import OpenBlas
+from mlxd.actors.engine.runner import caches
+from mlxd.actors.engine.runner.caches import check_batchable, layer_kinds
+from mlxd.actors.engine.runner.guards import RowGuard, bias_processor
+from mlxd.actors.engine.runner.logits import GrammarProcessor, token_logprobs
+from mlxd.actors.engine.runner.prefix_cache import PrefixCache
+from mlxd.actors.engine.runner.sampling import scaled_logits
+from mlxd.actors.engine.scheduler.memory import AttentionLayer, Layer, StateLayer
+from mlxd.actors.engine.scheduler.types import Decoded
+from mlxd.actors.engine.speculative.spec_prefill import SpecPrefill, positioned, set_position
 from mlxd.actors.grammar import CompiledGrammar
 from mlxd.protocol.messages import (
     RunnerCounters,

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from mlxd.actors.engine.gguf_arch import UnsupportedModel
+from mlxd.actors.engine.loading.gguf.arch import UnsupportedModel
 
 log = logging.getLogger("mlxd.gguf")
 

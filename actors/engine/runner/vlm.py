@@ -24,8 +24,8 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlxd.actors.engine.caches import RowDeltas
-from mlxd.actors.engine.runner import MlxRunner, Pending
+from mlxd.actors.engine.runner.base import MlxRunner, Pending
+from mlxd.actors.engine.runner.caches import RowDeltas
 
 log = logging.getLogger("mlxd.runner")
 

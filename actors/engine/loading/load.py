@@ -23,28 +23,32 @@ import mlx.nn as nn
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.utils import dequantize_model
 from mlx_lm.utils import load as mlx_lm_load
-from mlxd.actors.engine import linear_attention
-from mlxd.actors.engine.gguf import convert_gguf, default_model_path, storage_for_backend
-from mlxd.actors.engine.gguf_tensors import Storage
-from mlxd.actors.engine.lookup import LookupDrafter
-from mlxd.actors.engine.memory import MemoryModel, kv_budget
-from mlxd.actors.engine.mtp import MTPDrafter, load_mtp
-from mlxd.actors.engine.options import (
+from mlxd.actors.engine.kernels import linear_attention
+from mlxd.actors.engine.loading.gguf.convert import (
+    convert_gguf,
+    default_model_path,
+    storage_for_backend,
+)
+from mlxd.actors.engine.loading.gguf.tensors import Storage
+from mlxd.actors.engine.loading.sources import hub_snapshot, model_source
+from mlxd.actors.engine.runner.base import MlxRunner
+from mlxd.actors.engine.runner.prefix_cache import PrefixCache
+from mlxd.actors.engine.runner.vlm import VlmRunner
+from mlxd.actors.engine.scheduler.memory import MemoryModel, kv_budget
+from mlxd.actors.engine.scheduler.options import (
     LoadOptions,
     MemoryOptions,
     PrefixCacheOptions,
     SpecPrefillOptions,
     SpeculativeOptions,
 )
-from mlxd.actors.engine.prefix_cache import PrefixCache
-from mlxd.actors.engine.runner import MlxRunner
-from mlxd.actors.engine.sources import hub_snapshot, model_source
-from mlxd.actors.engine.spec_prefill import SpecPrefill, unsupported_layers
-from mlxd.actors.engine.spec_runner import make_speculative_runner
-from mlxd.actors.engine.speculative import UnsupportedForSpeculation
-from mlxd.actors.engine.types import ModelInfo, model_kind
-from mlxd.actors.engine.vlm_mtp import VlmMtpRunner
-from mlxd.actors.engine.vlm_runner import VlmRunner
+from mlxd.actors.engine.scheduler.types import ModelInfo, model_kind
+from mlxd.actors.engine.speculative.batch import UnsupportedForSpeculation
+from mlxd.actors.engine.speculative.lookup import LookupDrafter
+from mlxd.actors.engine.speculative.mtp import MTPDrafter, load_mtp
+from mlxd.actors.engine.speculative.runner import make_speculative_runner
+from mlxd.actors.engine.speculative.spec_prefill import SpecPrefill, unsupported_layers
+from mlxd.actors.engine.speculative.vlm_mtp import VlmMtpRunner
 from mlxd.protocol.messages import SpecPrefillCounters, SpeculativeCounters
 
 log = logging.getLogger("mlxd.runner")

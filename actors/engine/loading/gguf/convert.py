@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
-from mlxd.actors.engine.gguf_arch import (
+from mlxd.actors.engine.loading.gguf.arch import (
     ROPE_TENSORS,
     Architecture,
     UnsupportedModel,
@@ -39,14 +39,14 @@ from mlxd.actors.engine.gguf_arch import (
     rope_config,
     unpermute_rows,
 )
-from mlxd.actors.engine.gguf_header import GGUFError, GGUFFile, read_gguf
-from mlxd.actors.engine.gguf_tensors import (
+from mlxd.actors.engine.loading.gguf.header import GGUFError, GGUFFile, read_gguf
+from mlxd.actors.engine.loading.gguf.tensors import (
     Storage,
     check_readable,
     dequantize,
     quantization_config,
 )
-from mlxd.actors.engine.gguf_tokenizer import (
+from mlxd.actors.engine.loading.gguf.tokenizer import (
     end_of_generation_ids,
     save_tokenizer,
     warn_if_fallback_template,

@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
-from mlxd.actors.engine.speculative import Drafter, SpecRow
+from mlxd.actors.engine.speculative.batch import Drafter, SpecRow
 
 
 class NgramIndex:

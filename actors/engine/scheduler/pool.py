@@ -30,8 +30,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import msgspec
-from mlxd.actors.engine.core import EngineCore
-from mlxd.actors.engine.types import ModelInfo, Runner
+from mlxd.actors.engine.scheduler.core import EngineCore
+from mlxd.actors.engine.scheduler.types import ModelInfo, Runner
 from mlxd.protocol.messages import EngineStats, EngineStep, Failed, TokenizedRequest
 
 log = logging.getLogger("mlxd.engine")

@@ -35,7 +35,7 @@ from typing import Any
 
 import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache, BatchKVCache, KVCache, make_prompt_cache
-from mlxd.actors.engine.options import SpecPrefillOptions
+from mlxd.actors.engine.scheduler.options import SpecPrefillOptions
 from mlxd.protocol.messages import SpecPrefillCounters
 
 

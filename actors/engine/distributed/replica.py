@@ -46,10 +46,10 @@ import mlx.nn as nn
 import msgspec
 import numpy as np
 from mlx_lm.models.cache import make_prompt_cache
-from mlxd.actors.engine.caches import can_trim
-from mlxd.actors.engine.distributed import Watch, park
-from mlxd.actors.engine.prefix_cache import PrefixCache
-from mlxd.actors.engine.types import InvalidRequest
+from mlxd.actors.engine.distributed.watch import Watch, park
+from mlxd.actors.engine.runner.caches import can_trim
+from mlxd.actors.engine.runner.prefix_cache import PrefixCache
+from mlxd.actors.engine.scheduler.types import InvalidRequest
 from mlxd.protocol.messages import TokenizedRequest
 
 log = logging.getLogger("mlxd.distributed")
