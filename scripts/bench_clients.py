@@ -36,6 +36,7 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from mlxd.daemon import blas
 from mlxd.scripts.bench_agents import _tail, command, converted, float32_copy, free_port
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -170,6 +171,9 @@ def server_command(server: str, model_dir: Path, port: int, vllm: str) -> tuple[
         args, env = command("mlxd", model_dir, port)
         return [*args, "--served-model-name", SERVED], env
     env = dict(os.environ, HF_HUB_OFFLINE="1")
+    lib = blas.find_openblas()  # mlx[cpu]'s own BLAS is slow: as mlxd preloads it for itself
+    if sys.platform == "linux" and lib:
+        env["LD_PRELOAD"] = ":".join(filter(None, [lib, env.get("LD_PRELOAD")]))
     args = [vllm, "serve", str(model_dir), "--port", str(port), "--host", "127.0.0.1"]
     args += ["--served-model-name", SERVED, "--continuous-batching", "--enable-prefix-cache"]
     return args, env
@@ -208,7 +212,13 @@ def serving(server: str, model_dir: Path, log: Path, vllm: str, timeout_s: float
 
 
 def claude_session(
-    claude: str, base: str, recorder: Recorder, turns: int, max_tokens: int, work: Path
+    claude: str,
+    base: str,
+    recorder: Recorder,
+    turns: int,
+    max_tokens: int,
+    work: Path,
+    turn_timeout_s: float,
 ) -> list[float]:
     """Run ``turns`` turns of one Claude Code session; returns each turn's wall time."""
     home = work / "home"
@@ -230,7 +240,14 @@ def claude_session(
         recorder.turn = turn + 1
         args = [claude, "-p", *(["--continue"] if turn else []), TURNS[turn % len(TURNS)]]
         t0 = time.perf_counter()
-        done = subprocess.run(args, env=env, cwd=work, capture_output=True, timeout=3600)
+        try:
+            done = subprocess.run(
+                args, env=env, cwd=work, capture_output=True, timeout=turn_timeout_s
+            )
+        except subprocess.TimeoutExpired:
+            walls.append(time.perf_counter() - t0)
+            print(f"  turn {turn + 1}: no answer within {turn_timeout_s:.0f} s", flush=True)
+            continue
         walls.append(time.perf_counter() - t0)
         if done.returncode != 0:
             print(f"  turn {turn + 1}: claude exited {done.returncode}: {done.stdout[-300:]!r}")
@@ -300,6 +317,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--turns", type=int, default=3)
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--timeout", type=float, default=900.0, help="server start-up limit (s)")
+    p.add_argument("--turn-timeout", type=float, default=1200.0, help="one turn's limit (s)")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
     servers = ["mlxd"] + (["vllm-mlx"] if args.vllm_mlx else [])
@@ -317,7 +335,13 @@ def main(argv: list[str] | None = None) -> int:
                 proxy(url, recorder) as base,
             ):
                 walls = claude_session(
-                    args.claude, base, recorder, args.turns, args.max_tokens, work
+                    args.claude,
+                    base,
+                    recorder,
+                    args.turns,
+                    args.max_tokens,
+                    work,
+                    args.turn_timeout,
                 )
             print("\n".join(report(server, recorder.records, walls)), flush=True)
             out[server] = {"walls": walls, "requests": [asdict(r) for r in recorder.records]}
