@@ -64,6 +64,7 @@ from mlxd.daemon.api.common import (
     collect,
     json_constraint,
     json_response,
+    no_chat_template,
     start,
     tool_choice,
     usage_of,
@@ -382,12 +383,7 @@ def _refusals(w: wire.CountTokensRequest) -> None:
         "mlxd cannot reach MCP servers; connect them in the client (as Claude Code does)",
     )
     check(w.container is None, "container", "mlxd runs no code-execution containers")
-    check(
-        w.chat_template is None,
-        "chat_template",
-        "requests cannot set the chat template; the server's (model.chat_template) or the "
-        "model's own is used",
-    )
+    no_chat_template(w.chat_template)
 
 
 def context_edits(w: wire.CountTokensRequest) -> list[wire.ClearToolUses]:

@@ -298,6 +298,16 @@ class Validator:
                 self.arguments(call.arguments, f"{where}.function.arguments" if exact else param)
 
 
+def no_chat_template(template: object) -> None:
+    """A request may not set the chat template (every API): the server's is used."""
+    check(
+        template is None,
+        "chat_template",
+        "requests cannot set the chat template; the server's (model.chat_template) or the "
+        "model's own is used",
+    )
+
+
 def json_constraint(kind: str, schema: dict | None, param: str) -> Constraint | None:
     """``text`` / ``json_object`` / ``json_schema`` → a constraint (None for plain text)."""
     if kind == "text":

@@ -27,6 +27,7 @@ from mlxd.daemon.api.common import (
     collect,
     json_constraint,
     json_response,
+    no_chat_template,
     reasoning_kwargs,
     start,
     template_kwargs,
@@ -216,12 +217,7 @@ def _tools(w: wire.ChatCompletionRequest, v: Validator):
 def _unsupported(w: wire.ChatCompletionRequest) -> None:
     """Fields that would change the answer in ways mlxd cannot: a 400 unless they ask for
     what it does anyway."""
-    check(
-        w.chat_template is None,
-        "chat_template",
-        "requests cannot set the chat template; the server's (model.chat_template) or the "
-        "model's own is used",
-    )
+    no_chat_template(w.chat_template)
     check(
         all(m == "text" for m in w.modalities or ()),
         "modalities",

@@ -35,6 +35,7 @@ from mlxd.daemon.api.common import (
     check_role,
     json_constraint,
     json_response,
+    no_chat_template,
     reasoning_kwargs,
     start,
     tool_choice,
@@ -328,12 +329,7 @@ def refuse_unsupported(w: wire.ResponsesRequest) -> None:
     check(not w.background, "background", "mlxd answers synchronously; background is not supported")
     check(w.conversation is None, "conversation", "mlxd has no Conversations API")
     check(w.prompt is None, "prompt", "mlxd has no stored prompt templates")
-    check(
-        w.chat_template is None,
-        "chat_template",
-        "requests cannot set the chat template; the server's (model.chat_template) or the "
-        "model's own is used",
-    )
+    no_chat_template(w.chat_template)
     check(
         w.truncation in (None, "disabled", "auto"),
         "truncation",
