@@ -137,6 +137,9 @@ class EngineSettings(_Section):
     max_batch: Positive = 32
     prefill_chunk_tokens: Positive = 512
     batch_prefill: bool | Literal["auto"] = "auto"
+    # "auto" on the CPU backend: only rows whose context (cached + this chunk) stays within
+    # this many tokens are prefilled together (short chat turns); 0 = none there
+    batch_prefill_max_context: NonNegative = 128
     prefill_streams: Positive | Literal["auto"] = "auto"
     blas_threads: NonNegative = 0
     chunked_linear_attention: bool | Literal["auto"] = "auto"

@@ -100,6 +100,10 @@ def load_options(settings: Settings, entry: ModelEntry | None = None) -> LoadOpt
         adapter_path=Path(e.adapter_path).expanduser() if e.adapter_path else None,
         prefill_streams=prefill_streams(s),
         chunked_linear_attention=auto_or(s.engine.chunked_linear_attention),
+        # the limit is part of the "auto" choice: true batches every row, false none
+        batch_prefill_max_context=s.engine.batch_prefill_max_context
+        if s.engine.batch_prefill == "auto"
+        else None,
         prefix_cache=feature_options(s.prefix_cache, PrefixCacheOptions),
         memory=options_from(s.memory, MemoryOptions),
         speculative=feature_options(e.speculative or s.speculative, SpeculativeOptions),

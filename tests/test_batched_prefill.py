@@ -7,6 +7,7 @@ and a model with sliding-window (rotating) caches; requests start at different o
 
 from __future__ import annotations
 
+import mlx.core as mx
 import msgspec
 import pytest
 from mlxd.actors.engine.loading.load import load_runner
@@ -91,3 +92,19 @@ def test_a_failed_batched_pass_changes_nothing_and_each_request_goes_on_alone(ti
     passes = counting(runner, fail_first=True)
     assert run(runner, PROMPTS, batch_prefill=True, chunk=96) == alone
     assert len(passes[0]) >= 3  # the pass that failed held most of the requests
+
+
+def test_auto_batches_only_the_rows_within_the_context_limit(tiny_models):
+    """``engine.batch_prefill = "auto"`` on the CPU backend: the loader sets the runner's
+    ``batch_prefill_max_context``; rows whose cache would hold more after the pass go alone."""
+    path = tiny_models("qwen3_5")
+    alone = answers_alone(path)
+    runner = load(path)
+    run(runner, {"warm": BASE + (1, 2)}, batch_prefill=False)
+    runner.batch_prefill_max_context = 40  # "a" (36 tokens to run) and "d" (22) only
+    assert runner.batch_prefill_pays
+    passes = counting(runner)
+    assert run(runner, PROMPTS, batch_prefill=None, chunk=96) == alone
+    assert passes and all(set(p) <= {"a", "d"} for p in passes), passes
+    runner.batch_prefill_max_context = None
+    assert runner.batch_prefill_pays == (mx.default_device() == mx.gpu)  # off on the CPU

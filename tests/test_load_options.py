@@ -111,7 +111,15 @@ def test_load_options_map_every_setting(config):
         for f in dataclasses.fields(LoadOptions)
         if getattr(options, f.name) == getattr(defaults, f.name)
     ]
-    assert unset == ["adapter_path"]  # [model] has none: see the [[models]] test
+    # [model] has no adapter: see the [[models]] test; the context limit is auto's, below
+    assert unset == ["adapter_path", "batch_prefill_max_context"]
+
+
+@pytest.mark.parametrize(("batch_prefill", "limit"), [("auto", 99), (True, None), (False, None)])
+def test_the_batched_prefill_context_limit_goes_with_auto_only(batch_prefill, limit):
+    engine = {"batch_prefill": batch_prefill, "batch_prefill_max_context": 99}
+    options = load_options(load_settings(None, {"engine": engine}))
+    assert options.batch_prefill_max_context == limit
 
 
 def test_serve_ranks_and_bench_load_with_the_same_options(config, loads, monkeypatch, tmp_path):

@@ -426,6 +426,8 @@ def load_served(options: LoadOptions, shard: Shard | None = None) -> tuple[MlxRu
     runner.spec_stats = runner.spec_stats or off
     runner.spec_prefill_stats = sparse.stats if sparse is not None else None
     _split_prefill(runner, o.prefill_streams or auto_prefill_streams())
+    if backend() == "cpu":  # a GPU batches every row (``MlxRunner.batch_prefill_pays``)
+        runner.batch_prefill_max_context = o.batch_prefill_max_context
     return runner, dataclasses.replace(info, memory=memory_model(runner, o.memory))
 
 

@@ -171,6 +171,10 @@ class MlxRunner:
     # and ``loading`` sets them where a configured feature is off (their notes say why).
     spec_stats: SpeculativeCounters | None = None
     spec_prefill_stats: SpecPrefillCounters | None = None
+    # Set by ``loading`` on the CPU backend (``engine.batch_prefill_max_context``): where
+    # batched prefill does not pay in general, rows whose cache holds at most this many
+    # tokens after the pass are still prefilled together. None: no such rows (0 too).
+    batch_prefill_max_context: int | None = None
 
     def __init__(
         self,
@@ -359,11 +363,13 @@ class MlxRunner:
     @property
     def batch_prefill_pays(self) -> bool:
         """Batched prefill fills a GPU that one request's chunk leaves idle. On the CPU
-        backend a chunk already keeps the BLAS busy and attention (per request) dominates
-        at long context, so merging and taking apart the caches costs more than it saves
-        (measured with ``scripts/bench_step.py``: x1.03 at 512 tokens of context, x0.91 at
-        2048): off there unless ``engine.batch_prefill = true``."""
-        return mx.default_device() == mx.gpu
+        backend a long chunk already keeps the BLAS busy and attention (per request)
+        dominates at long context, so merging and taking apart the caches costs more than
+        it saves (``scripts/bench_step.py``: x1.03 at 512 tokens of context, x0.91 at
+        2048); but a short chat turn leaves the BLAS half idle (a matmul of ~60 rows), so
+        there only rows within ``batch_prefill_max_context`` are batched (x1.2 for eight
+        60-token prompts, x0.8 at 160: ``scripts/bench_chat.py``)."""
+        return mx.default_device() == mx.gpu or bool(self.batch_prefill_max_context)
 
     @property
     def batches_prefill(self) -> bool:
@@ -382,7 +388,9 @@ class MlxRunner:
         rows = [(self._pending[rid], budget) for rid, budget in budgets.items()]
         out: dict[str, int | Exception] = {}
         running = [(p, p.next_stop(b)) for p, b in rows] if self.batches_prefill else []
-        for group in _similar_offsets([(p, n) for p, n in running if n > 0]):
+        limit = self.batch_prefill_max_context
+        short = [(p, n) for p, n in running if n > 0 and (limit is None or p.done + n <= limit)]
+        for group in _similar_offsets(short):
             if len(group) < 2:
                 continue
             try:

@@ -72,6 +72,9 @@ class LoadOptions:
     adapter_path: Path | None = None  # an mlx-lm LoRA adapter applied at load
     prefill_streams: int | None = None  # MLX streams a prefill chunk is split over (None: auto)
     chunked_linear_attention: bool | None = None  # Qwen3.5 GatedDeltaNet (None: where it pays)
+    # CPU backend, engine.batch_prefill = "auto": rows whose context stays within this many
+    # tokens are prefilled together (None: the runner's default, none)
+    batch_prefill_max_context: int | None = None
     prefix_cache: PrefixCacheOptions | None = None
     memory: MemoryOptions | None = None  # None: no memory estimate, no memory gate
     speculative: SpeculativeOptions | None = None
