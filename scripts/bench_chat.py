@@ -1,0 +1,150 @@
+"""Short chats: mlxd against ``mlx_lm.server`` on the same model, in one run.
+
+C concurrent short streaming chats (the prompts of ``mlxd bench``, about 60 tokens
+each), greedy, ``max_tokens`` each, sent by ``mlxd bench``'s server mode to each
+server in turn: every server is started as a subprocess on a free loopback port
+(``bench_agents.serving``), given every (max_tokens, concurrency) cell and stopped,
+then the next. Rounds alternate the order of the servers, so a neighbour's load on a
+shared machine falls on both. Prints per round and cell each server's tok/s and TTFT
+p50, the ratio mlxd / mlx_lm.server (above 1: mlxd is faster) and the load average
+around each server's turn, then the median ratio over the rounds.
+
+    python -m mlxd.scripts.bench_chat                             # 8 and 32, 64 and 128 tokens
+    python -m mlxd.scripts.bench_chat --rounds 3 --concurrency 8 --max-tokens 64
+    python -m mlxd.scripts.bench_chat --mlxd old=old.toml          # another mlxd config too
+
+``--mlxd NAME=FILE`` adds an mlxd run with that settings file (repeatable); the plain
+``mlxd`` run uses the defaults. The model is SmolLM2-135M-Instruct, dequantized to
+float32 on the CPU backend, unless ``--model`` names a directory or .gguf file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from mlxd.daemon import bench
+from mlxd.scripts import bench_agents
+
+
+@dataclass(frozen=True)
+class Server:
+    """One contestant: ``kind`` is mlxd or mlx_lm, ``config`` an mlxd settings file."""
+
+    name: str
+    kind: str
+    config: Path | None = None
+
+
+@dataclass
+class Turn:
+    """One server's pass over every cell in one round."""
+
+    server: str
+    round: int
+    load_before: float
+    load_after: float = 0.0
+    cells: dict[str, dict] = field(default_factory=dict)  # "C=8 max=64" → summary
+
+
+def cell(concurrency: int, max_tokens: int) -> str:
+    return f"C={concurrency} max={max_tokens}"
+
+
+def run_server(server: Server, model_dir: Path, args, round_: int, logs: Path) -> Turn:
+    turn = Turn(server.name, round_, os.getloadavg()[0])
+    log = logs / f"{server.name}-{round_}.log"
+    with bench_agents.serving(server.kind, model_dir, log, args.ready_timeout, server.config) as (
+        url,
+        _,
+    ):
+        for max_tokens in args.max_tokens:
+            results = bench.run_server(url, args.concurrency, max_tokens, args.timeout)
+            for r in results:
+                turn.cells[cell(r.concurrency, max_tokens)] = r.summary()
+    turn.load_after = os.getloadavg()[0]
+    return turn
+
+
+def ratios(turns: list[Turn], name: str, base: str = "mlx_lm") -> dict[str, list[float]]:
+    """Per cell, ``name``'s tok/s over ``base``'s, one ratio per round."""
+    out: dict[str, list[float]] = {}
+    for r in sorted({t.round for t in turns}):
+        mine = next(t for t in turns if t.round == r and t.server == name)
+        theirs = next(t for t in turns if t.round == r and t.server == base)
+        for key, summary in mine.cells.items():
+            out.setdefault(key, []).append(summary["tok_s"] / theirs.cells[key]["tok_s"])
+    return out
+
+
+def report(turns: list[Turn], servers: list[Server]) -> str:
+    lines = []
+    for t in turns:
+        lines.append(
+            f"round {t.round} {t.server:>10}: load {t.load_before:.2f} -> {t.load_after:.2f}  "
+            + "  ".join(
+                f"{k}: {s['tok_s']:5.1f} tok/s ttft50 {s['ttft_p50_ms']:5.0f} ms"
+                + (f" FAILED {s['failed']}" if s["failed"] else "")
+                for k, s in t.cells.items()
+            )
+        )
+    for s in servers:
+        if s.kind != "mlxd":
+            continue
+        for key, values in ratios(turns, s.name).items():
+            each = ", ".join(f"{v:.2f}" for v in values)
+            lines.append(
+                f"{s.name} / mlx_lm.server {key}: median {statistics.median(values):.2f} ({each})"
+            )
+    return "\n".join(lines)
+
+
+def _server(text: str) -> Server:
+    name, eq, path = text.partition("=")
+    if not (eq and name and path):
+        raise argparse.ArgumentTypeError(f"expected NAME=FILE, got {text!r}")
+    return Server(name, "mlxd", Path(path).resolve())
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="default", help="default (SmolLM2), a dir or a .gguf")
+    p.add_argument("--concurrency", type=bench._levels, default=[8, 32])
+    p.add_argument("--max-tokens", type=bench._levels, default=[64, 128])
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--mlxd", type=_server, action="append", default=[], help="NAME=FILE")
+    p.add_argument("--no-default", action="store_true", help="no mlxd run with the defaults")
+    p.add_argument("--timeout", type=float, default=900.0, help="HTTP timeout, seconds")
+    p.add_argument("--ready-timeout", type=float, default=600.0)
+    p.add_argument("--json", action="store_true")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    servers = [] if args.no_default else [Server("mlxd", "mlxd")]
+    servers += [*args.mlxd, Server("mlx_lm", "mlx_lm")]
+    turns: list[Turn] = []
+    with tempfile.TemporaryDirectory(prefix="mlxd-bench-chat-") as tmp:
+        model_dir, label = bench_agents.prepare(args.model, Path(tmp))
+        print(f"model: {label}; {time.strftime('%Y-%m-%d %H:%M')}", flush=True)
+        for r in range(args.rounds):
+            order = servers if r % 2 == 0 else servers[::-1]
+            for server in order:
+                turns.append(run_server(server, model_dir, args, r, Path(tmp)))
+                print(report(turns[-1:], []), flush=True)
+    print(report(turns, servers))
+    if args.json:
+        print(json.dumps([t.__dict__ for t in turns], indent=1))
+    return 1 if any(s["failed"] for t in turns for s in t.cells.values()) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
