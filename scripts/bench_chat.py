@@ -1,8 +1,9 @@
 """Short chats: mlxd against ``mlx_lm.server`` on the same model, in one run.
 
 C concurrent short streaming chats (the prompts of ``mlxd bench``, about 60 tokens
-each), greedy, ``max_tokens`` each, sent by ``mlxd bench``'s server mode to each
-server in turn: every server is started as a subprocess on a free loopback port
+each, opening with a tag of their own so that no cell finds another's in a prompt
+cache), greedy, ``max_tokens`` each, sent with ``mlxd bench``'s client to each
+server in turn (each server answers one warm-up chat first): every server is started as a subprocess on a free loopback port
 (``bench_agents.serving``), given every (max_tokens, concurrency) cell and stopped,
 then the next. Rounds alternate the order of the servers, so a neighbour's load on a
 shared machine falls on both. Prints per round and cell each server's tok/s and TTFT
@@ -30,6 +31,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import trio
 from mlxd.daemon import bench
 from mlxd.scripts import bench_agents
 
@@ -66,11 +68,36 @@ def run_server(server: Server, model_dir: Path, args, round_: int, logs: Path) -
         _,
     ):
         for max_tokens in args.max_tokens:
-            results = bench.run_server(url, args.concurrency, max_tokens, args.timeout)
-            for r in results:
-                turn.cells[cell(r.concurrency, max_tokens)] = r.summary()
+            for c in args.concurrency:
+                tag = f"{round_}.{max_tokens}.{c}"
+                result = trio.run(chats, url, chat_prompts(c, tag), max_tokens, args.timeout)
+                turn.cells[cell(c, max_tokens)] = result.summary()
     turn.load_after = os.getloadavg()[0]
     return turn
+
+
+def chat_prompts(n: int, tag: str) -> list[str]:
+    """``mlxd bench``'s prompts, each opening with its own tag: no cell reuses another's
+    prompts from either server's prompt cache (the same tags for every server)."""
+    return [f"[chat {tag}.{i}] {p}" for i, p in enumerate(bench.prompts(n))]
+
+
+async def chats(url: str, prompts: list[str], max_tokens: int, timeout_s: float):
+    """All ``prompts`` at once as streaming greedy chats (``mlxd bench``'s client)."""
+    import httpx
+
+    results: list[bench.RequestResult] = []
+
+    async def one(prompt: str) -> None:
+        results.append(await bench.stream_one(client, url, prompt, max_tokens))
+
+    limits = httpx.Limits(max_connections=len(prompts) + 4)
+    async with httpx.AsyncClient(timeout=timeout_s, limits=limits) as client:
+        t0 = time.perf_counter()
+        async with trio.open_nursery() as nursery:
+            for prompt in prompts:
+                nursery.start_soon(one, prompt)
+        return bench.LevelResult("server", len(prompts), time.perf_counter() - t0, results)
 
 
 def ratios(turns: list[Turn], name: str, base: str = "mlx_lm") -> dict[str, list[float]]:
