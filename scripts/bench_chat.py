@@ -70,8 +70,8 @@ def run_server(server: Server, model_dir: Path, args, round_: int, logs: Path) -
         for max_tokens in args.max_tokens:
             for c in args.concurrency:
                 tag = f"{round_}.{max_tokens}.{c}"
-                result = trio.run(chats, url, chat_prompts(c, tag), max_tokens, args.timeout)
-                turn.cells[cell(c, max_tokens)] = result.summary()
+                summary = trio.run(chats, url, chat_prompts(c, tag), max_tokens, args.timeout)
+                turn.cells[cell(c, max_tokens)] = summary
     turn.load_after = os.getloadavg()[0]
     return turn
 
@@ -87,9 +87,16 @@ async def chats(url: str, prompts: list[str], max_tokens: int, timeout_s: float)
     import httpx
 
     results: list[bench.RequestResult] = []
+    retried = [0]
 
     async def one(prompt: str) -> None:
-        results.append(await bench.stream_one(client, url, prompt, max_tokens))
+        for _ in range(_RETRIES):  # a refused connection (a small listen backlog) retries
+            result = await bench.stream_one(client, url, prompt, max_tokens)
+            if result.ttft is not None or not _refused(result.error):
+                break
+            retried[0] += 1
+            await trio.sleep(0.05)
+        results.append(result)
 
     limits = httpx.Limits(max_connections=len(prompts) + 4)
     async with httpx.AsyncClient(timeout=timeout_s, limits=limits) as client:
@@ -97,7 +104,19 @@ async def chats(url: str, prompts: list[str], max_tokens: int, timeout_s: float)
         async with trio.open_nursery() as nursery:
             for prompt in prompts:
                 nursery.start_soon(one, prompt)
-        return bench.LevelResult("server", len(prompts), time.perf_counter() - t0, results)
+        wall = time.perf_counter() - t0
+    level = bench.LevelResult("server", len(prompts), wall, results)
+    return {**level.summary(), "retried": retried[0]}
+
+
+# mlx_lm.server's HTTP server (the standard library's) accepts 5 pending connections: at
+# 32 clients some are refused or reset before a byte comes back. They are sent again.
+_RETRIES = 20
+
+
+def _refused(error: str | None) -> bool:
+    """A transport error before any token (not an HTTP status, not a broken stream)."""
+    return error is not None and not error.startswith(("HTTP ", "no usage", "JSONDecodeError"))
 
 
 def ratios(turns: list[Turn], name: str, base: str = "mlx_lm") -> dict[str, list[float]]:
@@ -118,7 +137,8 @@ def report(turns: list[Turn], servers: list[Server]) -> str:
             f"round {t.round} {t.server:>10}: load {t.load_before:.2f} -> {t.load_after:.2f}  "
             + "  ".join(
                 f"{k}: {s['tok_s']:5.1f} tok/s ttft50 {s['ttft_p50_ms']:5.0f} ms"
-                + (f" FAILED {s['failed']}" if s["failed"] else "")
+                + (f" (resent {s['retried']})" if s["retried"] else "")
+                + (f" FAILED {s['failed']}: {s['errors'][:2]}" if s["failed"] else "")
                 for k, s in t.cells.items()
             )
         )

@@ -94,10 +94,12 @@ def test_a_failed_batched_pass_changes_nothing_and_each_request_goes_on_alone(ti
     assert len(passes[0]) >= 3  # the pass that failed held most of the requests
 
 
-def test_auto_batches_only_the_rows_within_the_context_limit(tiny_models):
+@pytest.mark.parametrize("model", ["smollm", "qwen3_5", "baichuan_m1"])
+def test_auto_batches_only_the_rows_within_the_context_limit(model, smollm_tokenizer, tiny_models):
     """``engine.batch_prefill = "auto"`` on the CPU backend: the loader sets the runner's
-    ``batch_prefill_max_context``; rows whose cache would hold more after the pass go alone."""
-    path = tiny_models("qwen3_5")
+    ``batch_prefill_max_context``; rows whose cache would hold more after the pass go alone,
+    the short ones share one right-padded pass (their chunks differ in length)."""
+    path = smollm_tokenizer if model == "smollm" else tiny_models(model)
     alone = answers_alone(path)
     runner = load(path)
     run(runner, {"warm": BASE + (1, 2)}, batch_prefill=False)
