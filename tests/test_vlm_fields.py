@@ -261,8 +261,11 @@ async def test_http_every_field_on_a_vision_model(rich_vlm):
             a = await _post(http, "/v1/messages", _body([block, text], temperature=0))
             image_url = {"type": "image_url", "image_url": {"url": data_url(png_bytes)}}
             o = await _post(http, "/v1/chat/completions", _body([image_url, text], temperature=0))
-            assert a["usage"]["input_tokens"] == o["usage"]["prompt_tokens"]
-            assert a["content"] == [{"type": "text", "text": o["choices"][0]["message"]["content"]}]
+            prompt = a["usage"]["input_tokens"] + a["usage"]["cache_read_input_tokens"]
+            assert prompt == o["usage"]["prompt_tokens"]
+            assert a["content"] == [
+                {"type": "text", "text": o["choices"][0]["message"]["content"], "citations": None}
+            ]
             no_image = await _post(http, "/v1/chat/completions", _body("What is this?"))
             assert no_image["usage"]["prompt_tokens"] < o["usage"]["prompt_tokens"]
             # a url source goes where an image_url URL goes: remote URLs are off here
@@ -278,7 +281,8 @@ async def test_http_every_field_on_a_vision_model(rich_vlm):
             # Responses reasoning.effort → enable_thinking → a reasoning item
             high = await _post(http, "/v1/responses", _responses("Hi", "high"))
             low = await _post(http, "/v1/responses", _responses("Hi", "minimal"))
-            assert [i["type"] for i in high["output"]] == ["reasoning", "message"]
+            # (6 tokens: the reasoning may use them all; then there is no message item)
+            assert [i["type"] for i in high["output"]][0] == "reasoning"
             assert [i["type"] for i in low["output"]] == ["message"]
             # response_format json_schema: output that parses against the schema
             fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": SCHEMA}}
