@@ -7,18 +7,17 @@ the prompt is still prefilling, however fast or slow the machine is."""
 
 from __future__ import annotations
 
-import json
 import re
 import threading
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
 import pytest
-import trio
 from mlxd.daemon.app import create_app
 
 from tests.conftest import running_graph, settings_with
 from tests.fakes import FakeRunner
+from tests.test_openai_features import read_stream
 
 GATE_TIMEOUT_S = 60.0
 PROMPT = "please answer this fairly long question about keeping streams alive " * 2
@@ -77,22 +76,6 @@ async def app_client(keepalive_s: float, runner: FakeRunner):
         yield create_app(pipeline, settings).test_client()
 
 
-async def read(c, path, body, headers, on_chunk=lambda data: None) -> bytes:
-    headers = {"content-type": "application/json", **headers}
-    async with c.request(path, method="POST", headers=headers) as conn:
-        await conn.send(json.dumps({**body, "stream": True}).encode())
-        await conn.send_complete()
-        data = b""
-        while True:
-            try:
-                data += await conn.receive()
-            except (trio.EndOfChannel, trio.ClosedResourceError):
-                break
-            on_chunk(data)
-    assert conn.status_code == 200, data
-    return data
-
-
 def frames(raw: bytes, keepalive: bytes) -> list[str]:
     """The stream's frames without its keep-alives, ids and clock readings."""
     text = raw.decode()
@@ -113,7 +96,7 @@ async def test_a_long_prefill_sends_keepalives_and_nothing_else_changes(api):
             runner.gate.set()
 
     async with app_client(0.05, runner) as c:
-        raw = await read(c, path, body, headers, open_gate_on_keepalive)
+        raw = await read_stream(c, path, body, headers, open_gate_on_keepalive)
     assert runner.gate.is_set() and runner.chunks > 2  # it waited, then prefilled on
     assert b"no keep-alive" not in raw
     first_output = re.search(rb'"(text|content|delta)":"P', raw)  # "PLEASE ...": the reply
@@ -124,7 +107,7 @@ async def test_a_long_prefill_sends_keepalives_and_nothing_else_changes(api):
     quiet = SlowPrefill(step_delay=0)
     quiet.gate.set()
     async with app_client(0.0, quiet) as c:
-        reference = await read(c, path, body, headers)
+        reference = await read_stream(c, path, body, headers)
     assert keepalive.startswith(b":") == (api != "anthropic")
     assert reference.count(keepalive) == (1 if api == "anthropic" else 0)
     got = frames(raw, keepalive)

@@ -31,8 +31,9 @@ async def post_json(c, path, body):
     return json.loads(await r.get_data())
 
 
-async def read_stream(c, path, body, headers=None) -> bytes:
-    """A streamed body read as it comes (the test client's ``post`` holds 10 frames at most)."""
+async def read_stream(c, path, body, headers=None, on_chunk=lambda data: None) -> bytes:
+    """A streamed body read as it comes (the test client's ``post`` holds 10 frames at most);
+    ``on_chunk`` sees what has arrived so far after each chunk."""
     headers = {"content-type": "application/json", **(headers or {})}
     async with c.request(path, method="POST", headers=headers) as conn:
         await conn.send(json.dumps({**body, "stream": True}).encode())
@@ -43,6 +44,7 @@ async def read_stream(c, path, body, headers=None) -> bytes:
                 data += await conn.receive()
             except (trio.EndOfChannel, trio.ClosedResourceError):
                 break
+            on_chunk(data)
     assert conn.status_code == 200, data
     return data
 

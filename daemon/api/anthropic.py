@@ -760,6 +760,36 @@ def install(
     app.register_blueprint(api)
 
 
+async def count_prompt(pipeline: Pipeline, req: ChatRequest) -> int:
+    """The request's prompt tokens, its failures as this API's errors."""
+    try:
+        return await pipeline.count_tokens(req)
+    except PromptError as exc:
+        raise ApiError(exc.reason, str(exc), param=exc.param) from exc
+    except ModelUnavailable as exc:
+        f = exc.failed
+        raise ApiError(f.reason, f.message, retry_after=f.retry_after) from exc
+
+
+async def edited_request(
+    w: wire.CountTokensRequest,
+    req: ChatRequest,
+    model: str,
+    gate: CountGate,
+    count: Callable[[ChatRequest], Awaitable[int]],
+):
+    """The request after its context edits, the edits applied (None: none asked) and the
+    prompt tokens before them (None: not counted); counting goes through the count gate."""
+    edits = context_edits(w)
+    if w.context_management is None:
+        return req, None, None
+    if not edits:
+        return req, [], None
+    async with gate.enter():
+        req = msgspec.structs.replace(req, model=model)
+        return await edit_context(req, edits, count)
+
+
 def _routes(app: Blueprint, pipeline: Pipeline, v: Validator, select: Select) -> None:
     gate = CountGate(v)
     billing_logged = False
@@ -774,25 +804,10 @@ def _routes(app: Blueprint, pipeline: Pipeline, v: Validator, select: Select) ->
         return chat_request(w, rid, mv, billing)
 
     async def count(req: ChatRequest) -> int:
-        try:
-            return await pipeline.count_tokens(req)
-        except PromptError as exc:
-            raise ApiError(exc.reason, str(exc), param=exc.param) from exc
-        except ModelUnavailable as exc:
-            f = exc.failed
-            raise ApiError(f.reason, f.message, retry_after=f.retry_after) from exc
+        return await count_prompt(pipeline, req)
 
     async def edited(w: wire.CountTokensRequest, req: ChatRequest, model: str):
-        """The request after its context edits, the edits applied (None: none asked) and
-        the prompt tokens before them (None: not counted)."""
-        edits = context_edits(w)
-        if w.context_management is None:
-            return req, None, None
-        if not edits:
-            return req, [], None
-        async with gate.enter():
-            req = msgspec.structs.replace(req, model=model)
-            return await edit_context(req, edits, count)
+        return await edited_request(w, req, model, gate, count)
 
     @app.post("/v1/messages")
     async def messages() -> Response:
