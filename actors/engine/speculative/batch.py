@@ -119,11 +119,12 @@ def _leaves(cache: Sequence[Any]) -> list[Any]:
 def check_rewindable(cache: Sequence[Any]) -> None:
     """Every layer must be trimmable attention state or an SSM ``ArraysCache``.
 
-    By class name: mlx-vlm ships its own copies of mlx-lm's cache classes."""
+    By class name: mlx-vlm ships its own copies of mlx-lm's cache classes
+    (``QuantizedRowCache``: ``runner/kv_quant.py``, trimmed and rolled alike)."""
     for c in _leaves(cache):
         if _is_ssm(c):
             continue
-        if type(c).__name__ != "KVCache":
+        if type(c).__name__ not in ("KVCache", "QuantizedRowCache"):
             raise UnsupportedForSpeculation(f"cannot rewind a {type(c).__name__} layer")
 
 

@@ -10,6 +10,7 @@ above ``max_batch`` rows it decodes them one token a step.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import mlx.core as mx
@@ -48,9 +49,15 @@ class SpeculativeRunner(MlxRunner):
         drafter: str = "draft model",
         prefix_cache: PrefixCache | None = None,
         spec_prefill: SpecPrefill | None = None,
+        make_cache: Callable[[], list[Any]] | None = None,
     ):
         super().__init__(
-            model, stop_tokens, max_batch, prefix_cache=prefix_cache, spec_prefill=spec_prefill
+            model,
+            stop_tokens,
+            max_batch,
+            prefix_cache=prefix_cache,
+            spec_prefill=spec_prefill,
+            make_cache=make_cache,
         )
         check_rewindable(self._make_cache())
         self._drafter_args = (draft, drafter)
@@ -185,8 +192,10 @@ def make_speculative_runner(
     prefix_cache: PrefixCache | None,
     drafter: str,
     spec_prefill: SpecPrefill | None = None,
+    make_cache: Callable[[], list[Any]] | None = None,
 ) -> MlxRunner:
-    """A ``SpeculativeRunner``; a plain runner (and a logged reason) if the model can't rewind."""
+    """A ``SpeculativeRunner``; a plain runner (and a logged reason) if the model can't rewind.
+    ``make_cache``: the target's cache factory (quantized KV); the drafter keeps its own."""
     try:
         return SpeculativeRunner(
             model,
@@ -198,11 +207,17 @@ def make_speculative_runner(
             drafter=drafter,
             prefix_cache=prefix_cache,
             spec_prefill=spec_prefill,
+            make_cache=make_cache,
         )
     except UnsupportedForSpeculation as exc:
         log.warning("speculative decoding is off for this model: %s", exc)
         runner = MlxRunner(
-            model, stop_tokens, max_batch, prefix_cache=prefix_cache, spec_prefill=spec_prefill
+            model,
+            stop_tokens,
+            max_batch,
+            prefix_cache=prefix_cache,
+            spec_prefill=spec_prefill,
+            make_cache=make_cache,
         )
         runner.spec_stats = SpeculativeCounters(drafter=drafter, notes=(f"off: {exc}",))
         return runner
