@@ -386,3 +386,39 @@ def png(width=40, height=30, seed=0) -> bytes:
 
 def data_url(data: bytes, mime="image/png") -> str:
     return f"data:{mime};base64,{base64.b64encode(data).decode()}"
+
+
+# An embedding model: a Qwen3 body (its LM head is never run) under a sentence-transformers
+# mean-pooling + normalise head; its vectors (64 dimensions) may be cut to 16 or 32.
+QWEN3_EMBEDDING = {**QWEN3, "matryoshka_dimensions": [16, 32]}
+
+
+def build_embedding_model(
+    tokenizer_dir: Path, out: Path, pooling: str = "mean", seed: int = 0
+) -> Path:
+    """A ``kind = "embedding"`` model directory: random Qwen3 weights, SmolLM2's tokenizer
+    and sentence-transformers' ``modules.json`` + ``1_Pooling/config.json`` naming
+    ``pooling`` (mean, cls or last) and a Normalize module."""
+    build_text_model(QWEN3_EMBEDDING, tokenizer_dir, out, seed)
+    modes = {"mean": "mean_tokens", "cls": "cls_token", "last": "lasttoken"}
+    modules = [
+        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+        {
+            "idx": 1,
+            "name": "1",
+            "path": "1_Pooling",
+            "type": "sentence_transformers.models.Pooling",
+        },
+        {
+            "idx": 2,
+            "name": "2",
+            "path": "2_Normalize",
+            "type": "sentence_transformers.models.Normalize",
+        },
+    ]
+    (out / "modules.json").write_text(json.dumps(modules, indent=2))
+    (out / "1_Pooling").mkdir(exist_ok=True)
+    pooling_config = {"word_embedding_dimension": QWEN3_EMBEDDING["hidden_size"]}
+    pooling_config |= {f"pooling_mode_{m}": m == modes[pooling] for m in modes.values()}
+    (out / "1_Pooling" / "config.json").write_text(json.dumps(pooling_config, indent=2))
+    return out
