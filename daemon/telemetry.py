@@ -25,6 +25,7 @@ import dataclasses
 import logging
 import time
 from collections.abc import Callable, Iterator
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -53,6 +54,9 @@ request_log = logging.getLogger("mlxd.requests")
 # Failures that are admission decisions (the request never ran), by their reason's code.
 REJECTIONS = frozenset({"queue_full", "queue_timeout", "request_too_large", "model_loading"})
 CLIENT_GONE = 499  # nginx's "client closed request": the client left before the end
+# The route a request came in by (its path), set by the app's guard for the handler's task;
+# a session records it on its trace (the dashboard's "API" column).
+API_ROUTE: ContextVar[str] = ContextVar("mlxd_api_route", default="")
 
 _LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160)
 _ITL = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
@@ -76,6 +80,7 @@ class RequestTrace:
     status: int | None = None
     code: str | None = None
     model: str = ""  # the served model's id (the ``model`` label)
+    api: str = ""  # the route it came in by (``API_ROUTE``)
 
     def observe(self, batch: list[MailboxEvent], now: float) -> None:
         for event in batch:
