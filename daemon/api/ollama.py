@@ -1,0 +1,722 @@
+"""Ollama's API: ``/api/chat``, ``/api/generate``, ``/api/tags``, ``/api/show``, ``/api/ps``,
+``/api/version``, ``/api/embed`` and the legacy ``/api/embeddings``.
+
+Chat and generate run through the same pipeline as the OpenAI routes; they stream
+NDJSON (one JSON object a line) unless ``stream`` is false, and their last object has
+``done: true`` with Ollama's counts and durations (nanoseconds). ``options`` map onto
+mlxd's sampling (``ollama_options.py`` says which are honoured, which refused);
+``format`` is the grammar path (``json`` or a JSON schema); tool calls carry their
+arguments as objects; ``think`` sets the template's ``enable_thinking`` and reasoning
+comes back as ``thinking``. ``keep_alive`` sets how long the model stays loaded once
+idle (a ``KeepAlive`` to the model pool); an empty prompt just loads the model, or with
+``keep_alive: 0`` unloads it, as Ollama's clients expect. Errors are
+``{"error": "..."}`` with Ollama's status codes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+
+import msgspec
+import trio
+from mlxd.actors.tokenizer import ModelUnavailable, PromptError
+from mlxd.daemon.api.common import (
+    Choice,
+    ChoiceEvent,
+    Select,
+    Validator,
+    check,
+    check_role,
+    collect,
+    json_constraint,
+    json_response,
+    reasoning_kwargs,
+    start,
+)
+from mlxd.daemon.api.errors import ApiError, ErrorFormat, OnError, install_errors
+from mlxd.daemon.api.ollama_options import keep_alive_seconds, sampling_from, within_context
+from mlxd.daemon.pipeline import Pipeline
+from mlxd.protocol import ollama as wire
+from mlxd.protocol.messages import (
+    Abort,
+    ChatRequest,
+    CompletionRequest,
+    Constraint,
+    ContentPart,
+    Failed,
+    Finished,
+    ImagePart,
+    KeepAlive,
+    LogprobPiece,
+    Message,
+    TextDelta,
+    TextPart,
+    Tool,
+    ToolCall,
+)
+from quart import Blueprint, Response, request
+from quart_trio import QuartTrio
+
+
+class OllamaErrors(ErrorFormat):
+    """``{"error": "..."}``: Ollama's error body, whatever the reason (the status says it)."""
+
+    def body(self, error: ApiError) -> bytes:
+        message = str(error)
+        if error.param and error.param not in message:
+            message = f"{error.param}: {message}"
+        return wire.encoder.encode(wire.Error(error=message))
+
+
+ERRORS = OllamaErrors({}, "error")
+ROLES = ("system", "user", "assistant", "tool")
+NDJSON = "application/x-ndjson"
+
+
+def _now() -> str:
+    return datetime.now(UTC).isoformat().replace("+00:00", "Z")
+
+
+# ---- requests ---------------------------------------------------------------------------
+
+
+def _constraint(fmt: wire.Format) -> Constraint | None:
+    """``format``: "" (none), "json" or a JSON schema, through the grammar path."""
+    if fmt is None or fmt == "":
+        return None
+    if fmt == "json":
+        return json_constraint("json_object", None, "format")
+    check(isinstance(fmt, dict), "format", 'format must be "json" or a JSON schema object')
+    return json_constraint("json_schema", fmt, "format")  # type: ignore[arg-type]
+
+
+def _think(think: wire.Think) -> dict:
+    """``think``: true / false, or an effort ("low", "medium", "high"), as the template's
+    ``enable_thinking``."""
+    if think is None:
+        return {}
+    if isinstance(think, bool):
+        return {"enable_thinking": think}
+    return reasoning_kwargs(think, {}, "think")
+
+
+def _image(data: str, param: str) -> ImagePart:
+    """A base64 image (Ollama sends no media type; the decoder reads the bytes' own)."""
+    check(bool(data), param, "an image must be base64 data")
+    if data.startswith("data:"):
+        return ImagePart(url=data)
+    return ImagePart(url=f"data:image/*;base64,{data}")
+
+
+def _content(text: str | None, images: list[str] | None, param: str):
+    if not images:
+        return text or ""
+    parts: list[ContentPart] = [_image(d, f"{param}.images[{i}]") for i, d in enumerate(images)]
+    if text:
+        parts.append(TextPart(text=text))
+    return tuple(parts)
+
+
+def _tools(tools: list[wire.Tool] | None, v: Validator) -> tuple[Tool, ...]:
+    for i, t in enumerate(tools or ()):
+        check(t.type == "function", f"tools[{i}].type", "only function tools are supported")
+    defs = tuple(
+        Tool(
+            name=t.function.name,
+            description=t.function.description or "",
+            parameters=t.function.parameters or {"type": "object", "properties": {}},
+        )
+        for t in tools or ()
+    )
+    return v.tools(defs)
+
+
+def _calls(m: wire.Message, i: int) -> tuple[ToolCall, ...]:
+    return tuple(
+        ToolCall(
+            id=c.id or f"call_{i}_{j}",
+            name=c.function.name,
+            arguments=json.dumps(c.function.arguments, ensure_ascii=False),
+        )
+        for j, c in enumerate(m.tool_calls or ())
+    )
+
+
+def _answered(m: wire.Message, open_calls: list[ToolCall]) -> str | None:
+    """The id of the call a ``tool`` turn answers: its ``tool_call_id``, else the first
+    open call named ``tool_name``, else the first open call."""
+    if m.tool_call_id:
+        return m.tool_call_id
+    named = [c for c in open_calls if m.tool_name and c.name == m.tool_name]
+    call = (named or open_calls or [None])[0]
+    if call is None:
+        return None
+    open_calls.remove(call)
+    return call.id
+
+
+def _messages(messages: list[wire.Message]) -> tuple[Message, ...]:
+    out: list[Message] = []
+    open_calls: list[ToolCall] = []
+    for i, m in enumerate(messages):
+        check_role(m.role, ROLES, f"messages[{i}].role")
+        calls = _calls(m, i)
+        if calls:
+            open_calls = list(calls)
+        out.append(
+            Message(
+                role=m.role,
+                content=_content(m.content, m.images, f"messages[{i}]"),
+                name=m.tool_name if m.role == "tool" else None,
+                tool_calls=calls,
+                tool_call_id=_answered(m, open_calls) if m.role == "tool" else None,
+            )
+        )
+    return tuple(out)
+
+
+def _no_template(template: str | None) -> None:
+    check(
+        not template,
+        "template",
+        "requests cannot set the template; the server's (model.chat_template) or the "
+        "model's own is used",
+    )
+
+
+def chat_request(w: wire.ChatRequest, rid: str, v: Validator) -> ChatRequest:
+    _no_template(w.template)
+    v.messages(len(w.messages))
+    messages = _messages(w.messages)
+    v.history(messages, "messages", exact=True)
+    return ChatRequest(
+        request_id=rid,
+        messages=messages,
+        sampling=sampling_from(w.options, v, w.logprobs, w.top_logprobs),
+        arrival=time.time(),
+        tools=_tools(w.tools, v),
+        template_kwargs=_think(w.think),
+        constraint=_constraint(w.format),
+    )
+
+
+def generate_request(w: wire.GenerateRequest, rid: str, v: Validator):
+    """A chat turn (the prompt as the user's, ``system`` before it) or, ``raw``, the
+    prompt as it is."""
+    _no_template(w.template)
+    check(not w.suffix, "suffix", "suffix (fill in the middle) is not supported")
+    check(
+        not w.context,
+        "context",
+        "context (the token ids of an earlier answer) is not supported; send the "
+        "conversation to /api/chat",
+    )
+    sampling = sampling_from(w.options, v, w.logprobs, w.top_logprobs)
+    constraint = _constraint(w.format)
+    if w.raw:
+        check(not w.images, "images", "raw prompts cannot carry images")
+        check(not w.system, "system", "raw prompts have no system prompt; put it in the prompt")
+        check(w.think is None, "think", "raw prompts are not rendered with a template")
+        return CompletionRequest(
+            request_id=rid,
+            prompt=w.prompt,
+            sampling=sampling,
+            arrival=time.time(),
+            constraint=constraint,
+        )
+    messages = [Message(role="system", content=w.system)] if w.system else []
+    messages.append(Message(role="user", content=_content(w.prompt, w.images, "")))
+    return ChatRequest(
+        request_id=rid,
+        messages=tuple(messages),
+        sampling=sampling,
+        arrival=time.time(),
+        template_kwargs=_think(w.think),
+        constraint=constraint,
+    )
+
+
+# ---- output -----------------------------------------------------------------------------
+
+
+def _arguments(arguments: str) -> object:
+    """A call's arguments as an object (arguments that are no JSON object: under ``_raw``)."""
+    try:
+        value = json.loads(arguments)
+    except json.JSONDecodeError:
+        return {"_raw": arguments}
+    return value if isinstance(value, dict) else {"_raw": arguments}
+
+
+def _out_calls(calls: list[ToolCall], first_index: int = 0) -> list[wire.OutToolCall] | None:
+    if not calls:
+        return None
+    return [
+        wire.OutToolCall(
+            id=c.id,
+            function=wire.OutFunctionCall(
+                name=c.name, arguments=_arguments(c.arguments), index=first_index + k
+            ),
+        )
+        for k, c in enumerate(calls)
+    ]
+
+
+def _logprobs(pieces: list[LogprobPiece] | tuple[LogprobPiece, ...]):
+    if not pieces:
+        return None
+    return [
+        wire.Logprob(
+            token=p.token,
+            logprob=p.logprob,
+            bytes=list(p.bytes),
+            top_logprobs=[
+                wire.TopLogprob(token=t, logprob=lp, bytes=list(b)) for t, b, lp in p.top
+            ],
+        )
+        for p in pieces
+    ]
+
+
+def done_reason(reason: str) -> str:
+    """Ollama's ``done_reason``: ``stop`` (tool calls included) or ``length``."""
+    return "length" if reason == "length" else "stop"
+
+
+@dataclass
+class Clock:
+    """A request's times (ns), for the counts and durations of its last object.
+
+    ``prompt_eval_duration`` runs from arrival to the first token, less the model's load;
+    ``eval_duration`` from the first token to the end."""
+
+    pipeline: Pipeline
+    model: str
+    arrival: int = field(default_factory=time.perf_counter_ns)
+    first: int | None = None
+    loads: int = 0
+
+    def __post_init__(self) -> None:
+        entry = self._entry()
+        self.loads = entry.loads if entry else 0
+
+    def _entry(self):
+        models = self.pipeline.models
+        return models.entries.get(self.model) if models else None
+
+    def token(self) -> None:
+        if self.first is None:
+            self.first = time.perf_counter_ns()
+
+    def load_ns(self) -> int:
+        """The model's load time when it loaded for this request, else 0."""
+        entry = self._entry()
+        if entry is None or entry.loads == self.loads:
+            return 0
+        return int(entry.last_load_s * 1e9)
+
+    def timings(self, finished: Finished | None) -> wire.Timings:
+        end = time.perf_counter_ns()
+        first = self.first if self.first is not None else end
+        load = self.load_ns()
+        return wire.Timings(
+            total_duration=end - self.arrival,
+            load_duration=load,
+            prompt_eval_count=finished.prompt_tokens if finished else 0,
+            prompt_eval_duration=max(first - self.arrival - load, 0),
+            eval_count=finished.completion_tokens if finished else 0,
+            eval_duration=end - first,
+        )
+
+
+@dataclass
+class Shape:
+    """One request's objects: chat (``message``) or generate (``response``)."""
+
+    chat: bool
+    model: str
+    logprobs: bool
+
+    def piece(
+        self,
+        text: str = "",
+        thinking: str = "",
+        calls: list[wire.OutToolCall] | None = None,
+        logprobs: list[wire.Logprob] | None = None,
+    ):
+        if self.chat:
+            message = wire.OutMessage(
+                role="assistant", content=text, thinking=thinking or None, tool_calls=calls
+            )
+            return wire.ChatChunk(
+                model=self.model, created_at=_now(), message=message, done=False, logprobs=logprobs
+            )
+        return wire.GenerateChunk(
+            model=self.model,
+            created_at=_now(),
+            response=text,
+            thinking=thinking or None,
+            done=False,
+            logprobs=logprobs,
+        )
+
+    def last(self, reason: str, timings: wire.Timings | None = None, **fields):
+        """The ``done`` object; ``fields`` as ``piece``'s (a whole answer's, unstreamed)."""
+        chunk = self.piece(**fields)
+        done = msgspec.structs.replace(chunk, done=True, done_reason=reason)
+        if timings is None:
+            return done
+        return msgspec.structs.replace(done, **msgspec.structs.asdict(timings))
+
+    def answer(self, c: Choice, clock: Clock) -> Response:
+        assert c.finished is not None
+        return json_response(
+            self.last(
+                done_reason(c.finished.finish_reason),
+                clock.timings(c.finished),
+                text=c.text,
+                thinking=c.reasoning,
+                calls=_out_calls(c.calls),
+                logprobs=_logprobs(c.logprobs) if self.logprobs else None,
+            )
+        )
+
+
+def _line(obj: object) -> bytes:
+    return wire.encoder.encode(obj) + b"\n"
+
+
+class _Calls:
+    """Tool calls streamed in pieces (a call's first delta names it): each whole call is
+    sent once the next one begins or the answer ends."""
+
+    def __init__(self) -> None:
+        self.calls: list[ToolCall] = []
+        self.sent = 0
+
+    def add(self, delta: TextDelta) -> list[ToolCall]:
+        for c in delta.tool_calls:
+            if c.id is not None:
+                self.calls.append(ToolCall(id=c.id, name=c.name or "", arguments=c.arguments))
+            else:
+                last = self.calls[c.index]
+                self.calls[c.index] = msgspec.structs.replace(
+                    last, arguments=last.arguments + c.arguments
+                )
+        return self.flush(len(self.calls) - 1)
+
+    def flush(self, upto: int | None = None) -> list[ToolCall]:
+        end = len(self.calls) if upto is None else upto
+        out, self.sent = self.calls[self.sent : end], max(self.sent, end)
+        return out
+
+
+async def _ndjson(
+    shape: Shape, clock: Clock, first: list[ChoiceEvent], rest: AsyncIterator[list[ChoiceEvent]]
+) -> AsyncIterator[bytes]:
+    """The streamed answer: a line per delta, the ``done`` line with the timings, or an
+    ``{"error"}`` line for a failure after the first byte. Quiet spells send nothing
+    (Ollama's clients parse every line as JSON)."""
+    calls = _Calls()
+    batch: list[ChoiceEvent] | None = first
+    try:
+        while batch is not None:
+            for _, event in batch:
+                match event:
+                    case TextDelta():
+                        clock.token()
+                        sent = calls.add(event)
+                        yield _line(
+                            shape.piece(
+                                event.text,
+                                event.reasoning,
+                                _out_calls(sent, calls.sent - len(sent)),
+                                _logprobs(event.logprobs) if shape.logprobs else None,
+                            )
+                        )
+                    case Finished():
+                        sent = calls.flush()
+                        if sent:
+                            index = calls.sent - len(sent)
+                            yield _line(shape.piece(calls=_out_calls(sent, index)))
+                        timings = clock.timings(event)
+                        yield _line(shape.last(done_reason(event.finish_reason), timings))
+                    case Failed():
+                        yield _line(wire.Error(error=str(ApiError.from_failed(event))))
+                        return
+            batch = await anext(rest, None)
+    finally:
+        await rest.aclose()  # type: ignore[attr-defined]
+
+
+def _ndjson_response(body: AsyncIterator[bytes]) -> Response:
+    return Response(body, content_type=NDJSON, headers={"Cache-Control": "no-cache"})
+
+
+# ---- keep_alive and loading -------------------------------------------------------------
+
+
+async def _keep_alive(pipeline: Pipeline, model: str, value: wire.KeepAliveValue) -> None:
+    """This request's ``keep_alive`` for its model (none: the pool's ``idle_unload_s``)."""
+    await pipeline.engine.send(KeepAlive(model=model, seconds=keep_alive_seconds(value)))
+
+
+def _unavailable(exc: ModelUnavailable) -> ApiError:
+    f = exc.failed
+    return ApiError(f.reason, f.message, retry_after=f.retry_after)
+
+
+async def _load_only(pipeline: Pipeline, shape: Shape, model: str, keep: wire.KeepAliveValue):
+    """An empty prompt: load the model (``done_reason: "load"``) or, with ``keep_alive``
+    0, let it unload (``"unload"``), as ``ollama run`` / ``ollama stop`` ask."""
+    seconds = keep_alive_seconds(keep)
+    clock = Clock(pipeline, model)
+    if seconds == 0:
+        await _keep_alive(pipeline, model, keep)
+        return json_response(shape.last("unload"))
+    rid = f"ollama-load-{uuid.uuid4().hex}"
+    assert pipeline.models is not None
+    try:  # pinned by the request id until the Abort
+        await pipeline.models.prepare(model, rid)
+    except ModelUnavailable as exc:
+        raise _unavailable(exc) from exc
+    finally:
+        with trio.CancelScope(shield=True):
+            await pipeline.engine.send(Abort(request_id=rid))
+    await _keep_alive(pipeline, model, keep)
+    return json_response(shape.last("load", clock.timings(None)))
+
+
+async def _fit(pipeline: Pipeline, model: str, req, num_ctx: int | None):
+    """``options.num_ctx`` below the model's context: the prompt is counted first (as
+    ``/v1/messages/count_tokens`` counts it), to fit the answer in the window."""
+    info = pipeline.model_info(model)
+    if num_ctx is None or (info is not None and num_ctx >= info.context_length):
+        return req
+    counted = msgspec.structs.replace(req, request_id=f"{req.request_id}-count", model=model)
+    try:
+        prompt = await pipeline.count_tokens(counted)
+    except PromptError as exc:
+        raise ApiError(exc.reason, str(exc), param=exc.param) from exc
+    except ModelUnavailable as exc:
+        raise _unavailable(exc) from exc
+    return msgspec.structs.replace(req, sampling=within_context(req.sampling, num_ctx, prompt))
+
+
+async def _run(pipeline: Pipeline, shape: Shape, model: str, req, w) -> Response:
+    clock = Clock(pipeline, model)
+    req = await _fit(pipeline, model, req, w.options.num_ctx if w.options else None)
+    first, rest = await start(pipeline, [req], model)
+    await _keep_alive(pipeline, model, w.keep_alive)  # after start: the model is busy now
+    if w.stream:
+        return _ndjson_response(_ndjson(shape, clock, first, rest))
+    for _, event in first:
+        if isinstance(event, TextDelta):
+            clock.token()
+    choice = (await collect(1, first, _timed(rest, clock)))[0]
+    return shape.answer(choice, clock)
+
+
+async def _timed(rest: AsyncIterator[list[ChoiceEvent]], clock: Clock):
+    """``rest``, noting when the first token came."""
+    try:
+        async for batch in rest:
+            if any(isinstance(e, TextDelta) for _, e in batch):
+                clock.token()
+            yield batch
+    finally:
+        await rest.aclose()  # type: ignore[attr-defined]
+
+
+# ---- model listings ---------------------------------------------------------------------
+
+
+def _config(model_dir: Path | None) -> dict:
+    try:
+        return json.loads((model_dir / "config.json").read_text()) if model_dir else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def _details(model_dir: Path | None, backend: str = "") -> wire.Details:
+    config = _config(model_dir)
+    family = str(config.get("model_type", ""))
+    quant = config.get("quantization") or {}
+    bits = quant.get("bits") if isinstance(quant, dict) else None
+    return wire.Details(
+        format="gguf" if backend == "gguf" else "safetensors",
+        family=family,
+        families=[family] if family else None,
+        quantization_level=f"Q{bits}" if bits else str(config.get("torch_dtype", "")).upper(),
+    )
+
+
+def _digest(model: str, model_dir: Path | None) -> str:
+    return hashlib.sha256(f"{model}\0{model_dir}".encode()).hexdigest()
+
+
+def _modified(model_dir: Path | None) -> str:
+    try:
+        stamp = model_dir.stat().st_mtime if model_dir else time.time()
+    except OSError:
+        stamp = time.time()
+    return datetime.fromtimestamp(stamp, UTC).isoformat().replace("+00:00", "Z")
+
+
+def _expires(pipeline: Pipeline, model: str) -> str:
+    """When the pool unloads an idle model (far in the future: never)."""
+    at = pipeline.stats_of(model).expires_at
+    moment = datetime.fromtimestamp(at, UTC) if at > 0 else datetime(2318, 1, 1, tzinfo=UTC)
+    return moment.isoformat().replace("+00:00", "Z")
+
+
+def _tags(pipeline: Pipeline) -> wire.Tags:
+    assert pipeline.models is not None
+    listed = []
+    for e in pipeline.models.entries.values():
+        model_dir = e.info.model_dir if e.info else None
+        listed.append(
+            wire.ListedModel(
+                name=e.id,
+                model=e.id,
+                modified_at=_modified(model_dir),
+                size=e.weights_bytes,
+                digest=_digest(e.id, model_dir),
+                details=_details(model_dir, e.info.backend if e.info else ""),
+            )
+        )
+    return wire.Tags(models=listed)
+
+
+def _running(pipeline: Pipeline) -> wire.Running:
+    assert pipeline.models is not None
+    running = []
+    for e in pipeline.models.entries.values():
+        if e.state != "loaded" or e.info is None:
+            continue
+        running.append(
+            wire.RunningModel(
+                name=e.id,
+                model=e.id,
+                size=e.weights_bytes,
+                digest=_digest(e.id, e.info.model_dir),
+                details=_details(e.info.model_dir, e.info.backend),
+                expires_at=_expires(pipeline, e.id),
+                size_vram=e.weights_bytes,
+                context_length=e.info.context_length,
+            )
+        )
+    return wire.Running(models=running)
+
+
+def _capabilities(kind: str) -> list[str]:
+    if kind == "embedding":
+        return ["embedding"]
+    return ["completion", "tools", *(["vision"] if kind == "vision" else [])]
+
+
+async def _show(pipeline: Pipeline, model: str) -> wire.Show:
+    """A model's card; it loads the model if need be (its files say what it is)."""
+    assert pipeline.models is not None
+    entry = pipeline.models.entries[model]
+    if entry.info is None:
+        await _load_only(pipeline, Shape(True, model, False), model, None)
+    info = entry.info
+    assert info is not None
+    config = _config(info.model_dir)
+    arch = str(config.get("model_type", "unknown"))
+    model_info = {
+        "general.architecture": arch,
+        f"{arch}.context_length": info.context_length,
+        "general.vocab_size": info.vocab_size,
+    }
+    template = getattr(info.tokenizer, "chat_template", None)
+    return wire.Show(
+        modelfile=f"# served by mlxd\nFROM {info.model_dir}\n",
+        parameters="",
+        template=template if isinstance(template, str) else "",
+        details=_details(info.model_dir, info.backend),
+        model_info=model_info,
+        capabilities=_capabilities(info.kind),
+        modified_at=_modified(info.model_dir),
+    )
+
+
+# ---- routes -----------------------------------------------------------------------------
+
+
+def install(
+    app: QuartTrio, pipeline: Pipeline, v: Validator, select: Select, on_error: OnError
+) -> None:
+    """Register the Ollama routes on the app, their errors in Ollama's format."""
+    api = Blueprint("ollama", __name__)
+    _routes(api, pipeline, v, select)
+    install_errors(api, ERRORS, on_error, v.max_body_bytes)
+    app.register_blueprint(api)
+
+
+def _named(select: Select) -> Select:
+    """Ollama's requests must name their model (400 otherwise)."""
+
+    def named(model: str | None) -> tuple[str, Validator]:
+        check(bool(model), "model", "model is required")
+        return select(model)
+
+    return named
+
+
+def _routes(app: Blueprint, pipeline: Pipeline, v: Validator, any_model: Select) -> None:
+    select = _named(any_model)
+
+    def ready() -> None:
+        any_model(None)  # 503 until the server is ready
+
+    @app.post("/api/chat")
+    async def chat() -> Response:
+        w = v.decode(wire.chat_decoder, await request.get_data(cache=False))
+        model, mv = select(w.model)
+        shape = Shape(True, w.model, w.logprobs)
+        if not w.messages:
+            return await _load_only(pipeline, shape, model, w.keep_alive)
+        req = chat_request(w, f"ollama-{uuid.uuid4().hex}", mv)
+        return await _run(pipeline, shape, model, req, w)
+
+    @app.post("/api/generate")
+    async def generate() -> Response:
+        w = v.decode(wire.generate_decoder, await request.get_data(cache=False))
+        model, mv = select(w.model)
+        shape = Shape(False, w.model, w.logprobs)
+        if not w.prompt and not w.images:
+            return await _load_only(pipeline, shape, model, w.keep_alive)
+        req = generate_request(w, f"ollama-{uuid.uuid4().hex}", mv)
+        return await _run(pipeline, shape, model, req, w)
+
+    @app.get("/api/tags")
+    async def tags() -> Response:
+        ready()
+        return json_response(_tags(pipeline))
+
+    @app.get("/api/ps")
+    async def ps() -> Response:
+        ready()
+        return json_response(_running(pipeline))
+
+    @app.post("/api/show")
+    async def show() -> Response:
+        w = v.decode(wire.show_decoder, await request.get_data(cache=False))
+        model, _ = select(w.model or w.name)
+        return json_response(await _show(pipeline, model))
+
+    @app.get("/api/version")
+    async def version() -> Response:
+        return json_response(wire.Version(version=wire.API_VERSION))
+
+
+__all__ = ["ERRORS", "install"]

@@ -1,0 +1,309 @@
+"""Ollama's API through the official ``ollama`` Python client, unchanged.
+
+Most tests share one real ``mlxd serve`` process on a tiny random-weight model: chat,
+generate, streaming, options, ``format``, the model listings, ``keep_alive`` and the
+error shapes. The tool-call round trip (and ``thinking``) runs in-process over the real
+runner with a scripted answer (``tests/scripted.py``): a random model calls no tools.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+import httpx
+import msgspec
+import pytest
+import trio
+from mlxd.daemon.settings import load_settings
+
+from tests.processes import free_port, wait_healthy
+from tests.scripted import Script, recording_server
+
+pytestmark = pytest.mark.mlx
+
+ollama = pytest.importorskip("ollama", reason="the ollama client (pip install -e '.[test]')")
+
+ROOT = Path(__file__).resolve().parent.parent
+MODEL = "tiny"
+WAIT_S = 300.0  # a hang, not a slow machine
+GREEDY = {"temperature": 0, "num_predict": 6}
+
+
+@pytest.fixture(scope="module")
+def url(tmp_path_factory, tiny_models):
+    """``mlxd serve`` on the tiny llama, served as ``tiny``; unknown ids are 404s."""
+    tmp = tmp_path_factory.mktemp("ollama")
+    config = tmp / "mlxd.toml"
+    config.write_text(
+        f'[model]\nserved_id = "{MODEL}"\naccept_other_ids = false\ncache_dir = "{tmp}"\n'
+    )
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
+    log = tmp / "mlxd.log"
+    command = [sys.executable, "-m", "mlxd.daemon.cli", "serve", str(tiny_models("llama"))]
+    with log.open("w") as out:
+        proc = subprocess.Popen(
+            [*command, "--port", str(port), "--config", str(config)],
+            cwd=ROOT,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, "HF_HUB_OFFLINE": "1"},
+        )
+    try:
+        wait_healthy(base, lambda: proc.poll() is None, WAIT_S, log.read_text)
+        yield base
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.fixture
+def client(url):
+    with ollama.Client(host=url, timeout=WAIT_S) as c:
+        yield c
+
+
+def _user(text: str = "Hello there") -> list[dict]:
+    return [{"role": "user", "content": text}]
+
+
+def _status(exc: pytest.ExceptionInfo) -> int:
+    return exc.value.status_code
+
+
+# ---- chat and generate --------------------------------------------------------------------
+
+
+def test_chat_answers_with_counts_and_durations(client):
+    r = client.chat(model=MODEL, messages=_user(), options=GREEDY)
+    assert r.done is True and r.done_reason == "length"
+    assert r.message.role == "assistant" and r.message.content
+    assert r.eval_count == 6 and r.prompt_eval_count > 0
+    assert r.total_duration >= r.eval_duration > 0 and r.load_duration == 0
+    assert r.prompt_eval_duration >= 0 and r.model == MODEL
+
+
+def test_streaming_chat_is_the_unstreamed_answer_in_pieces(client):
+    whole = client.chat(model=MODEL, messages=_user(), options=GREEDY)
+    chunks = list(client.chat(model=MODEL, messages=_user(), options=GREEDY, stream=True))
+    assert all(not c.done for c in chunks[:-1]) and chunks[-1].done
+    assert chunks[-1].done_reason == "length" and chunks[-1].eval_count == 6
+    assert "".join(c.message.content for c in chunks) == whole.message.content
+
+
+def test_generate_streams_ndjson_and_answers_once_unstreamed(client, url):
+    whole = client.generate(model=MODEL, prompt="Once upon a time", options=GREEDY)
+    assert whole.done and whole.eval_count == 6 and whole.response
+    parts = list(
+        client.generate(model=MODEL, prompt="Once upon a time", options=GREEDY, stream=True)
+    )
+    assert "".join(p.response for p in parts) == whole.response
+    # the default is to stream, one JSON object a line
+    body = {"model": MODEL, "prompt": "Once upon a time", "options": GREEDY}
+    with httpx.stream("POST", f"{url}/api/generate", json=body, timeout=WAIT_S) as r:
+        assert r.headers["content-type"].startswith("application/x-ndjson")
+        lines = [json.loads(line) for line in r.iter_lines() if line]
+    assert lines[-1]["done"] is True and len(lines) > 1
+    assert "".join(line["response"] for line in lines) == whole.response
+
+
+def test_raw_generate_skips_the_template(client):
+    raw = client.generate(model=MODEL, prompt="Once upon a time", raw=True, options=GREEDY)
+    templated = client.generate(model=MODEL, prompt="Once upon a time", options=GREEDY)
+    assert raw.prompt_eval_count < templated.prompt_eval_count
+
+
+def test_sampling_options_are_honoured(client):
+    drawn = {"temperature": 1.0, "seed": 7, "num_predict": 8, "top_k": 50, "top_p": 0.9}
+    a = client.generate(model=MODEL, prompt="Hi", options=drawn)
+    b = client.generate(model=MODEL, prompt="Hi", options=drawn)
+    c = client.generate(model=MODEL, prompt="Hi", options={**drawn, "seed": 8})
+    assert a.response == b.response != c.response
+    # runtime options change no answer: accepted
+    tuned = {**GREEDY, "num_thread": 2, "num_gpu": 1, "use_mmap": False}
+    assert client.generate(model=MODEL, prompt="Hi", options=tuned).eval_count == 6
+    # a stop string taken from the greedy answer ends it there
+    text = client.generate(model=MODEL, prompt="Hi", options={**GREEDY, "num_predict": 12})
+    stop = text.response[len(text.response) // 2 :].strip()[:3]
+    if stop:
+        cut = client.generate(model=MODEL, prompt="Hi", options={**GREEDY, "stop": [stop]})
+        assert stop not in cut.response and cut.done_reason == "stop"
+
+
+def test_num_ctx_bounds_prompt_and_answer(client):
+    long = "word " * 60
+    with pytest.raises(ollama.ResponseError) as exc:
+        client.generate(model=MODEL, prompt=long, options={"num_ctx": 16})
+    assert _status(exc) == 400 and "num_ctx" in exc.value.error
+    counted = client.generate(model=MODEL, prompt="Hi", options=GREEDY).prompt_eval_count
+    fit = client.generate(model=MODEL, prompt="Hi", options={"num_ctx": counted + 2})
+    assert fit.eval_count == 2 and fit.done_reason == "length"
+
+
+@pytest.mark.parametrize(
+    ("options", "field"),
+    [
+        ({"mirostat": 2}, "mirostat"),
+        ({"typical_p": 0.5}, "typical_p"),
+        ({"repeat_penalty": 1.3, "repeat_last_n": 64}, "repeat_last_n"),
+        ({"temperature": -1}, "temperature"),
+        ({"num_predict": 0}, "num_predict"),
+    ],
+)
+def test_options_that_cannot_be_honoured_are_400s(client, options, field):
+    with pytest.raises(ollama.ResponseError) as exc:
+        client.chat(model=MODEL, messages=_user(), options=options)
+    assert _status(exc) == 400 and field in exc.value.error
+
+
+def test_format_json_schema_and_json(client, url):
+    schema = {
+        "type": "object",
+        "properties": {"city": {"enum": ["Paris", "Rome"]}},
+        "required": ["city"],
+        "additionalProperties": False,
+    }
+    r = client.chat(
+        model=MODEL, messages=_user("Where?"), format=schema, options={"num_predict": 40}
+    )
+    assert r.done_reason == "stop"
+    assert json.loads(r.message.content)["city"] in ("Paris", "Rome")
+    j = client.generate(
+        model=MODEL, prompt="JSON please", format="json", options={"num_predict": 5}
+    )
+    assert j.response.lstrip().startswith("{")
+    r = httpx.post(f"{url}/api/generate", json={"model": MODEL, "prompt": "x", "format": "yaml"})
+    assert r.status_code == 400 and "format" in r.json()["error"]
+
+
+# ---- models -------------------------------------------------------------------------------
+
+
+def test_list_show_ps_version(client, url):
+    names = [m.model for m in client.list().models]
+    assert names == [MODEL]
+    shown = client.show(MODEL)
+    assert "completion" in shown.capabilities and "tools" in shown.capabilities
+    assert shown.modelinfo["general.architecture"] == "llama"
+    assert shown.details.family == "llama"
+    running = client.ps().models
+    assert [m.model for m in running] == [MODEL] and running[0].context_length > 0
+    assert httpx.get(f"{url}/api/version").json()["version"]
+
+
+def _ps(client) -> dict:
+    return {m.model: m for m in client.ps().models}
+
+
+def _until(predicate, what: str) -> None:
+    deadline = time.monotonic() + WAIT_S
+    while not predicate():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.05)
+
+
+def test_keep_alive_sets_the_pools_idle_unload(client):
+    client.chat(model=MODEL, messages=_user(), options=GREEDY, keep_alive="10m")
+    expires = _ps(client)[MODEL].expires_at
+    now = datetime.now(UTC)
+    assert now + timedelta(minutes=9) < expires < now + timedelta(minutes=11)
+    client.chat(model=MODEL, messages=_user(), options=GREEDY, keep_alive=-1)
+    _until(lambda: _ps(client)[MODEL].expires_at.year > 2200, "keep_alive -1: never")
+    # keep_alive 0: unloaded once the answer is done; the next request loads it again
+    client.chat(model=MODEL, messages=_user(), options=GREEDY, keep_alive=0)
+    _until(lambda: MODEL not in _ps(client), "keep_alive 0 unloads the model")
+    again = client.chat(model=MODEL, messages=_user(), options=GREEDY)
+    assert again.load_duration > 0 and MODEL in _ps(client)
+    # an empty prompt only unloads (keep_alive 0) or loads
+    gone = client.generate(model=MODEL, prompt="", keep_alive=0)
+    assert gone.done and gone.done_reason == "unload"
+    _until(lambda: MODEL not in _ps(client), "an empty prompt with keep_alive 0 unloads")
+    loaded = client.generate(model=MODEL, prompt="")
+    assert loaded.done_reason == "load" and MODEL in _ps(client)
+
+
+# ---- errors -------------------------------------------------------------------------------
+
+
+def test_errors_in_ollamas_shape(client, url):
+    with pytest.raises(ollama.ResponseError) as exc:
+        client.chat(model="no-such-model", messages=_user())
+    assert _status(exc) == 404 and "no-such-model" in exc.value.error
+    r = httpx.post(f"{url}/api/chat", json={"model": MODEL, "messages": [{"role": "x"}]})
+    assert r.status_code == 400 and set(r.json()) == {"error"}
+    r = httpx.post(f"{url}/api/generate", json={"prompt": "hi"})
+    assert r.status_code == 400 and "model is required" in r.json()["error"]
+    r = httpx.post(f"{url}/api/chat", json={"model": MODEL, "messages": 3})
+    assert r.status_code == 400 and "messages" in r.json()["error"]
+    with pytest.raises(ollama.ResponseError) as exc:  # a text model refuses images
+        client.generate(model=MODEL, prompt="What is it?", images=[b"\x89PNG\r\n\x1a\n"])
+    assert _status(exc) == 400 and "image" in exc.value.error
+    with pytest.raises(ollama.ResponseError) as exc:
+        client.chat(model=MODEL, messages=_user(), keep_alive="soon")
+    assert _status(exc) == 400 and "keep_alive" in exc.value.error
+    for field, value in (("suffix", "end"), ("context", [1, 2]), ("template", "{{ .Prompt }}")):
+        r = httpx.post(f"{url}/api/generate", json={"model": MODEL, "prompt": "a", field: value})
+        assert r.status_code == 400 and field in r.json()["error"]
+    assert client.chat(model=MODEL, messages=_user(), options=GREEDY).done  # still serving
+
+
+# ---- tools and thinking (scripted through the real runner) ---------------------------------
+
+
+@pytest.fixture(scope="module")
+def scripted_settings(tmp_path_factory, tiny_models):
+    base = msgspec.to_builtins(load_settings())
+    base["model"]["path"] = str(tiny_models("llama"))
+    base["model"]["served_id"] = MODEL
+    base["model"]["cache_dir"] = str(tmp_path_factory.mktemp("mlxd-cache"))
+    base["tokenizer"]["reasoning_tags"] = "<think>,</think>"
+    return msgspec.convert(base, type=type(load_settings()))
+
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}},
+            "required": ["city"],
+        },
+    },
+}
+
+
+def _tool_round_trip(url: str) -> None:
+    client = ollama.Client(host=url, timeout=WAIT_S)
+    messages = _user("Weather in Paris?")
+    r = client.chat(model=MODEL, messages=messages, tools=[WEATHER])
+    (call,) = r.message.tool_calls
+    assert call.function.name == "get_weather" and call.function.arguments == {"city": "Paris"}
+    assert r.done_reason == "stop"
+    streamed = list(client.chat(model=MODEL, messages=messages, tools=[WEATHER], stream=True))
+    calls = [c for chunk in streamed for c in chunk.message.tool_calls or ()]
+    assert [c.function.arguments for c in calls] == [{"city": "Paris"}]
+    messages += [r.message, {"role": "tool", "content": "sunny", "tool_name": "get_weather"}]
+    final = client.chat(model=MODEL, messages=messages, tools=[WEATHER], think=True)
+    assert final.message.content == "Done." and final.message.thinking == "Sunny, say so."
+    assert not final.message.tool_calls
+
+
+async def test_tool_call_round_trip_and_thinking(scripted_settings):
+    script = Script({"get_weather": {"city": "Paris"}}, final="<think>Sunny, say so.</think>Done.")
+    async with recording_server(scripted_settings, script) as served:
+        await trio.to_thread.run_sync(_tool_round_trip, served.url)
+    last = served.recorder.posts("/api/chat")[-1]
+    assert "sunny" in last.request.decode()
+    assert served.runner.started[-1].reply.endswith("Done.")
