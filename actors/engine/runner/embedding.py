@@ -46,10 +46,13 @@ _ST_POOLING = {  # sentence-transformers' pooling modes, as mlxd names them
 
 
 class EmbeddingRunner:
-    """One embedding model: ``embed`` runs a padded batch and pools it (engine thread)."""
+    """One embedding model: ``embed`` runs a padded batch and pools it (engine thread).
+    ``options`` carries the engine's batching limits to its ``EmbeddingCore``."""
 
-    def __init__(self, body: nn.Module, info: EmbeddingInfo, pad_id: int = 0):
-        self.body, self.info, self.pad_id = body, info, pad_id
+    def __init__(
+        self, body: nn.Module, info: EmbeddingInfo, options: EmbeddingOptions, pad_id: int = 0
+    ):
+        self.body, self.info, self.options, self.pad_id = body, info, options, pad_id
 
     def embed(self, batch: list[tuple[int, ...]]) -> np.ndarray:
         lengths = np.array([len(ids) for ids in batch], dtype=np.int32)
@@ -152,7 +155,12 @@ def embedding_info(
 
 
 def embedding_runner(
-    model: nn.Module, config: dict[str, Any], model_dir: Path, context: int, vocab: int, o
+    model: nn.Module,
+    config: dict[str, Any],
+    model_dir: Path,
+    context: int,
+    vocab: int,
+    o: EmbeddingOptions,
 ) -> EmbeddingRunner:
     """The runner for a loaded mlx-lm model (engine thread), its traits logged."""
     hidden = config.get("hidden_size") or config.get("text_config", {}).get("hidden_size")
@@ -168,4 +176,5 @@ def embedding_runner(
         info.max_tokens,
         f", matryoshka sizes {list(info.matryoshka)}" if info.matryoshka else "",
     )
-    return EmbeddingRunner(body, info, pad if isinstance(pad, int) and 0 <= pad < vocab else 0)
+    pad_id = pad if isinstance(pad, int) and 0 <= pad < vocab else 0
+    return EmbeddingRunner(body, info, o, pad_id)
