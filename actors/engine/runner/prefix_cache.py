@@ -22,15 +22,20 @@ prompt plus how many of its tokens it covers.
   carrying that key. So a keyed conversation keeps its latest state through a burst
   of other traffic that plain LRU would let push it out; a key that more than
   ``affinity_keys`` other keys have been used after loses its protection.
+- Disk tier (``disk_tier``): an evicted snapshot goes to ``on_evict`` (the runner
+  writes it to disk) instead of being lost, and so does every snapshot on ``spill_all``
+  (shutdown, model unload). A snapshot read back from disk is inserted with
+  ``from_disk``; its first hit counts as a disk hit.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
 from mlxd.protocol.messages import PrefixCacheCounters
 
 
@@ -40,6 +45,7 @@ class Entry:
     snapshot: Any
     nbytes: int
     trimmable: bool
+    from_disk: bool = False  # read back from the disk tier, not hit since
 
 
 @dataclass(frozen=True)
@@ -80,6 +86,8 @@ class PrefixCache:
     # cache key -> its newest snapshot, least recently used key first
     _newest: OrderedDict[str, tuple[int, ...]] = field(default_factory=OrderedDict)
     stats: PrefixCacheCounters = field(default_factory=PrefixCacheCounters)
+    on_evict: Callable[[Entry], None] | None = None  # the disk tier's spill (None: off)
+    disk: Any = None  # the disk tier's view (``disk_tier.DiskView``), for its counters
 
     def __post_init__(self) -> None:
         self.stats.max_bytes = self.max_bytes
@@ -98,6 +106,10 @@ class PrefixCache:
         self.claim(best.entry.tokens, key)
         self.stats.hits += 1
         self.stats.cached_tokens += best.length
+        if best.entry.from_disk:
+            best.entry.from_disk = False
+            self.stats.disk_hits += 1
+            self.stats.disk_cached_tokens += best.length
         return best
 
     def peek(self, prompt: Sequence[int], limit: int) -> int:
@@ -144,16 +156,24 @@ class PrefixCache:
         candidates = [k for k in self._entries if k != spare] or [spare]
         return next((k for k in candidates if k not in protected), candidates[0])
 
-    def insert(self, tokens: Sequence[int], snapshot: Any, nbytes: int, trimmable: bool) -> None:
+    def insert(
+        self,
+        tokens: Sequence[int],
+        snapshot: Any,
+        nbytes: int,
+        trimmable: bool,
+        *,
+        from_disk: bool = False,
+    ) -> None:
         """Add a snapshot of the cache after ``tokens``; evict entries over budget (least
-        recently used first, keys' newest last)."""
+        recently used first, keys' newest last; to disk when the tier is on)."""
         key = tuple(tokens)
         if not key or nbytes > self.max_bytes:
             return
         owners = self._owners(key)
         if key in self._entries:
             self._drop(key)
-        self._entries[key] = Entry(key, snapshot, nbytes, trimmable)
+        self._entries[key] = Entry(key, snapshot, nbytes, trimmable, from_disk)
         self._newest.update(dict.fromkeys(owners, key))  # a replaced snapshot keeps its keys
         hashes = block_hashes(key, self.block_size)
         for h in hashes:
@@ -164,8 +184,7 @@ class PrefixCache:
         if trimmable:
             self._drop_trimmable_prefixes_of(key)
         while self.stats.bytes > self.max_bytes:
-            self._drop(self._victim(spare=key))
-            self.stats.evictions += 1
+            self._evict_one(self._victim(spare=key))
         self.stats.entries = len(self._entries)
 
     def _drop_trimmable_prefixes_of(self, key: tuple[int, ...]) -> None:
@@ -197,9 +216,30 @@ class PrefixCache:
         while freed < nbytes and self._entries:
             key = self._victim()
             freed += self._entries[key].nbytes
-            self._drop(key)
-            self.stats.evictions += 1
+            self._evict_one(key)
         return freed
+
+    def _evict_one(self, key: tuple[int, ...]) -> None:
+        entry = self._entries[key]
+        self._drop(key)
+        self.stats.evictions += 1
+        if self.on_evict is not None:
+            self.on_evict(entry)
+
+    def spill_all(self) -> int:
+        """Hand every snapshot to ``on_evict``, most recently used first, and drop them
+        (shutdown, model unload); how many went."""
+        entries = list(reversed(self._entries.values()))
+        if self.on_evict is not None:
+            for entry in entries:
+                self.on_evict(entry)
+        self.clear()
+        return len(entries)
+
+    def counters(self) -> PrefixCacheCounters:
+        """A copy of the counters to publish, with the disk tier's (shared) ones."""
+        disk = self.disk.store.counters() if self.disk is not None else None
+        return msgspec.structs.replace(self.stats, disk=disk)
 
     def clear(self) -> None:
         for key in list(self._entries):

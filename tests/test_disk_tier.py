@@ -1,0 +1,420 @@
+"""The prefix cache's disk tier: files that survive restarts, kills, evictions and unloads.
+
+The store (``disk_tier``, no mlx) is tested by hand: budget, checksums, torn writes,
+incompatible spaces, a disk that cannot be written, and a writer process killed at 20
+random moments. The codec round-trips every mlx-lm cache kind bit for bit. One daemon
+serving SmolLM2, a GatedDeltaNet hybrid and a sliding-window model (``max_loaded = 1``,
+so every switch unloads) is restarted with SIGTERM and with ``kill -9``: the next turns
+are disk hits whose greedy output equals a cold run's.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import random
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from mlxd.actors.engine.runner import disk_tier
+from mlxd.actors.engine.runner.disk_tier import DiskStore, Encoded
+
+from tests.processes import free_port, wait_healthy
+
+ROOT = Path(__file__).resolve().parent.parent
+WAIT_S = 300.0  # a hang, not a slow machine
+
+
+# ---- the store, by hand (no mlx) --------------------------------------------------------
+
+
+def _payload(tokens: tuple[int, ...], size: int) -> bytes:
+    seed = hashlib.sha256(repr(tokens).encode()).digest()
+    return (seed * (size // len(seed) + 1))[:size]
+
+
+def _enc(tokens: tuple[int, ...], size: int = 4096) -> Encoded:
+    data = _payload(tokens, size)
+    return Encoded([{"c": "fake", "state": {"a": "uint8", "s": [size], "o": 0, "n": size}}], [data], size)
+
+
+def _store(root: Path, max_bytes: int = 1 << 20, models=("m",)) -> DiskStore:
+    store = DiskStore(root, max_bytes, models, fsync=False)
+    store.scanned.result()
+    return store
+
+
+def _read_all(store: DiskStore, space: str) -> dict[tuple[int, ...], bytes]:
+    """Every entry the store would serve, read back through its checks."""
+    out = {}
+    with store._lock:
+        entries = list(store._spaces.get(space, disk_tier._Space()).entries.values())
+    for entry in entries:
+        loaded = store.read(entry).result()
+        if loaded is not None:
+            out[entry.tokens] = bytes(loaded.payload)
+    return out
+
+
+def _disk_bytes(root: Path) -> int:
+    return sum(p.stat().st_size for p in root.rglob("*") if p.is_file())
+
+
+def test_budget_holds_over_many_inserts_and_lru_order(tmp_path):
+    store = _store(tmp_path, max_bytes=40_000)
+    view = store.space("m", {"k": 1})
+    for i in range(60):
+        view.spill(tuple(range(i * 100, i * 100 + 70)), False, _enc((i,), 4096))
+        if i % 7 == 0:
+            store.flush()
+            assert _disk_bytes(tmp_path) <= 40_000
+    store.flush()
+    c = store.counters()
+    assert 0 < c.bytes <= 40_000 and c.evictions > 0 and c.entries < 60
+    assert _disk_bytes(tmp_path) == c.bytes
+    # the newest survive; a rebuilt index keeps the budget too
+    kept = set(_read_all(store, view.space))
+    assert tuple(range(5900, 5970)) in kept and tuple(range(0, 70)) not in kept
+    store.close()
+    smaller = DiskStore(tmp_path, 20_000, ["m"], fsync=False)
+    smaller.scanned.result()
+    assert _disk_bytes(tmp_path) <= 20_000 and smaller.counters().evictions > 0
+
+
+def test_matching_follows_the_ram_tier_rules(tmp_path):
+    store = _store(tmp_path)
+    view = store.space("m", {"k": 1})
+    exact, trim = tuple(range(200)), tuple(range(1000, 1300))
+    view.spill(exact, False, _enc(exact))
+    view.spill(trim, True, _enc(trim))
+    store.flush()
+    assert view.best(exact + (7, 8), 201)[1] == 200  # a whole prefix: served
+    assert view.best(exact[:150] + (9,) * 60, 209) is None  # exact-length: not a prefix
+    assert view.best(trim[:130] + (9,) * 60, 189)[1] == 130  # trimmable: any prefix
+    # a longer trimmable file covers a shorter one: not written again, and replaces it
+    longer = trim + (5, 6, 7)
+    view.spill(longer, True, _enc(longer))
+    store.flush()
+    assert view.spill(trim, True, _enc(trim)) and store.counters().entries == 2
+
+
+def test_corrupt_truncated_and_torn_files_are_counted_removed_never_served(tmp_path):
+    store = _store(tmp_path)
+    view = store.space("m", {"k": 1})
+    keys = [tuple(range(i, i + 90)) for i in range(6)]
+    for k in keys:
+        view.spill(k, False, _enc(k))
+    store.flush()
+    store.close()
+    files = sorted((tmp_path / view.space).glob("*.kv"))
+    files[0].write_bytes(files[0].read_bytes()[:-100])  # truncated
+    data = bytearray(files[1].read_bytes())
+    data[-10] ^= 0xFF  # a flipped payload byte: only a read sees it
+    files[1].write_bytes(bytes(data))
+    data = bytearray(files[2].read_bytes())
+    data[20] ^= 0xFF  # a flipped header byte
+    files[2].write_bytes(bytes(data))
+    (tmp_path / view.space / "abc.tmp").write_bytes(b"half a file")  # a crash mid-write
+    store = _store(tmp_path)
+    view = store.space("m", {"k": 1})
+    c = store.counters()
+    assert c.corrupt_removed == 2 and c.torn_removed == 1 and c.entries == 4
+    served = _read_all(store, view.space)
+    assert store.counters().corrupt_removed == 3 and len(served) == 3
+    for k, payload in served.items():
+        assert payload == _payload(k, 4096)  # byte-identical, or not served at all
+    assert len(list((tmp_path / view.space).iterdir())) == 3
+
+
+def test_incompatible_spaces_are_never_used_and_cleaned(tmp_path):
+    store = _store(tmp_path, models=("m", "gone"))
+    old = store.space("m", {"template": "a", "kv_bits": 0})
+    other = store.space("gone", {"template": "a"})
+    k = tuple(range(100))
+    old.spill(k, False, _enc(k))
+    other.spill(k, False, _enc(k))
+    store.flush()
+    store.close()
+    (tmp_path / "junk").write_text("not ours")
+    # a file of another format version in the right place
+    header = old.space
+    stale = tmp_path / header / "f.kv"
+    stale.write_bytes((tmp_path / header).glob("*.kv").__next__().read_bytes())
+    store = _store(tmp_path, models=("m",))  # "gone" is no longer configured
+    assert not (tmp_path / other.space).exists() and not (tmp_path / "junk").exists()
+    new = store.space("m", {"template": "b", "kv_bits": 0})  # the template changed
+    assert new.best(k + (1,), 100) is None
+    store.flush()
+    assert not (tmp_path / old.space).exists()
+    assert store.counters().incompatible_removed >= 3 and store.counters().entries == 0
+
+
+def test_format_version_change_cleans_files(tmp_path, monkeypatch):
+    store = _store(tmp_path)
+    view = store.space("m", {"k": 1})
+    k = tuple(range(100))
+    view.spill(k, False, _enc(k))
+    store.flush()
+    store.close()
+    monkeypatch.setattr(disk_tier, "FORMAT_VERSION", disk_tier.FORMAT_VERSION + 1)
+    store = _store(tmp_path)
+    assert store.counters().incompatible_removed == 1 and store.counters().entries == 0
+    assert not list(tmp_path.rglob("*.kv"))
+
+
+def test_unwritable_dir_degrades_to_ram_with_one_log_line(tmp_path, caplog):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("disk_dir cannot be made under a file")
+    with caplog.at_level(logging.WARNING, logger="mlxd.disk_cache"):
+        store = _store(blocker / "cache")
+        view = store.space("m", {"k": 1})
+        for i in range(5):
+            k = tuple(range(i, i + 80))
+            view.spill(k, False, _enc(k))
+        store.flush()
+    c = store.counters()
+    assert not c.writable and c.entries == 0 and c.spills_dropped == 5
+    assert len([r for r in caplog.records if "writes off" in r.getMessage()]) == 1
+
+
+def test_a_full_disk_degrades_to_ram_with_one_log_line(tmp_path, caplog, monkeypatch):
+    store = _store(tmp_path)
+    view = store.space("m", {"k": 1})
+
+    def full(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(disk_tier.os, "replace", full)
+    with caplog.at_level(logging.WARNING, logger="mlxd.disk_cache"):
+        for i in range(4):
+            k = tuple(range(i, i + 80))
+            view.spill(k, False, _enc(k))
+        store.flush()
+    assert not store.counters().writable and store.counters().entries == 0
+    assert not list(tmp_path.rglob("*.tmp"))  # the temporary file went too
+    assert len([r for r in caplog.records if "writes off" in r.getMessage()]) == 1
+
+
+_WRITER = textwrap.dedent(
+    """
+    import hashlib, sys
+    from mlxd.actors.engine.runner.disk_tier import DiskStore, Encoded
+    root, budget = sys.argv[1], int(sys.argv[2])
+    store = DiskStore(root, budget, ["m"])
+    view = store.space("m", {"k": 1})
+    store.scanned.result()
+    print("ready", flush=True)
+    i = int(sys.argv[3])
+    while True:
+        tokens = tuple(range(i, i + 100))
+        seed = hashlib.sha256(repr(tokens).encode()).digest()
+        size = 20000 + (i % 7) * 5000
+        data = (seed * (size // 32 + 1))[:size]
+        layers = [{"c": "fake", "state": {"a": "uint8", "s": [size], "o": 0, "n": size}}]
+        view.spill(tokens, False, Encoded(layers, [data], size))
+        store.flush()
+        i += 1
+    """
+)
+
+
+def test_kill_9_at_20_random_moments_loses_only_the_file_being_written(tmp_path):
+    """A subprocess running the real store writer (fsync and all) is killed with SIGKILL
+    at 20 random moments (a daemon per kill would take minutes); afterwards the files stay
+    within the budget and a reopened store serves only intact, byte-identical entries."""
+    budget = 400_000
+    rng = random.Random(22)
+    for round_ in range(20):
+        proc = subprocess.Popen(
+            [sys.executable, "-c", _WRITER, str(tmp_path), str(budget), str(round_ * 1000)],
+            stdout=subprocess.PIPE,
+            cwd=ROOT,
+        )
+        assert proc.stdout.readline().strip() == b"ready"
+        time.sleep(rng.uniform(0.0, 0.3))
+        proc.kill()
+        proc.wait()
+        assert _disk_bytes(tmp_path) <= budget
+    store = DiskStore(tmp_path, budget, ["m"])
+    store.scanned.result()
+    view = store.space("m", {"k": 1})
+    served = _read_all(store, view.space)
+    assert served and store.counters().bytes <= budget
+    for tokens, payload in served.items():
+        assert payload == _payload(tokens, len(payload))
+        assert len(payload) == 20000 + (tokens[0] % 7) * 5000
+    assert not list(tmp_path.rglob("*.tmp"))
+
+
+# ---- the codec: every cache kind, bit for bit ------------------------------------------
+
+
+@pytest.mark.mlx
+def test_codec_round_trips_every_cache_kind_bit_for_bit():
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+    from mlx_lm.models.cache import (
+        ArraysCache,
+        CacheList,
+        KVCache,
+        QuantizedKVCache,
+        RotatingKVCache,
+    )
+    from mlxd.actors.engine.runner import disk_codec
+
+    kv = KVCache()
+    kv.update_and_fetch(mx.random.normal((1, 2, 10, 4)), mx.random.normal((1, 2, 10, 4)))
+    rot = RotatingKVCache(max_size=8)
+    x = mx.random.normal((1, 2, 12, 4)).astype(mx.bfloat16)
+    rot.update_and_fetch(x, x)
+    arrays = ArraysCache(2)
+    arrays[0] = mx.random.normal((1, 3, 4))
+    both = CacheList(ArraysCache(1), KVCache())
+    both.caches[0][0] = mx.ones((1, 2))
+    both.caches[1].update_and_fetch(mx.ones((1, 1, 3, 2)), mx.ones((1, 1, 3, 2)))
+    quant = QuantizedKVCache(group_size=32, bits=4)
+    quant.update_and_fetch(mx.random.normal((1, 2, 5, 64)), mx.random.normal((1, 2, 5, 64)))
+    snapshot = [kv, rot, arrays, both, quant]
+    mx.eval([c.state for c in snapshot])
+    enc = disk_codec.encode(snapshot)
+    back = disk_codec.decode(enc.layers, memoryview(b"".join(bytes(b) for b in enc.buffers)))
+    for a, b in zip(snapshot, back, strict=True):
+        assert type(a) is type(b)
+        for (ka, va), (kb, vb) in zip(tree_flatten(a.state), tree_flatten(b.state), strict=True):
+            assert ka == kb
+            if isinstance(va, mx.array):
+                assert va.dtype == vb.dtype and mx.array_equal(va, vb).item()
+            else:
+                assert va == vb
+    assert back[1].offset == rot.offset and back[1]._idx == rot._idx
+
+
+# ---- one daemon, three models, restarts --------------------------------------------------
+
+SYSTEM = (
+    "You are a careful assistant for a software team. You answer questions about code, "
+    "explain build failures, review patches and write short tests. Keep answers brief, "
+    "name files and functions exactly, and say when you are not sure. The project is a "
+    "serving daemon with an HTTP front end, a tokenizer stage, one generation thread and "
+    "a streamer; its prefix cache keeps snapshots of prompts in memory and on disk. "
+) * 2
+MODELS = ("smol", "hybrid", "swa")
+
+
+class Daemon:
+    """``mlxd serve`` with three [[models]] (max_loaded 1) and a disk tier, restartable."""
+
+    def __init__(self, tmp: Path, paths: dict[str, Path]):
+        self.tmp, self.port = tmp, free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.config = tmp / "mlxd.toml"
+        entries = "".join(f'[[models]]\nid = "{m}"\npath = "{p}"\n' for m, p in paths.items())
+        self.config.write_text(
+            f'[model]\ncache_dir = "{tmp / "cache"}"\n'
+            "[model_pool]\nmax_loaded = 1\n"
+            f'[prefix_cache]\ndisk_dir = "{tmp / "disk"}"\n' + entries
+        )
+        self.conversations = {m: [{"role": "system", "content": SYSTEM}] for m in MODELS}
+        self.proc: subprocess.Popen | None = None
+        self.turn = 0
+
+    def start(self) -> None:
+        self.log = self.tmp / f"mlxd-{time.monotonic_ns()}.log"
+        with self.log.open("w") as out:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "mlxd.daemon.cli", "serve", "--port", str(self.port)]
+                + ["--config", str(self.config)],
+                cwd=ROOT,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                env={**os.environ, "HF_HUB_OFFLINE": "1"},
+            )
+        wait_healthy(self.url, lambda: self.proc.poll() is None, WAIT_S, self.log.read_text)
+
+    def stop(self, sig: int) -> None:
+        self.proc.send_signal(sig)
+        code = self.proc.wait(timeout=WAIT_S)
+        assert code == (0 if sig == signal.SIGTERM else -signal.SIGKILL), self.log.read_text()
+
+    def chat(self, model: str, messages: list[dict]) -> tuple[str, int]:
+        body = {"model": model, "messages": messages, "max_tokens": 6, "temperature": 0}
+        r = httpx.post(f"{self.url}/v1/chat/completions", json=body, timeout=WAIT_S)
+        assert r.status_code == 200, r.text
+        data = r.json()
+        cached = data["usage"].get("prompt_tokens_details", {}).get("cached_tokens", 0)
+        return data["choices"][0]["message"]["content"], cached
+
+    def cache(self, model: str) -> dict:
+        r = httpx.get(f"{self.url}/v1/cache", params={"model": model}, timeout=WAIT_S)
+        return r.json()
+
+    def ask(self, model: str) -> list[dict]:
+        self.turn += 1
+        messages = [*self.conversations[model], {"role": "user", "content": f"Step {self.turn}?"}]
+        return messages
+
+    def turn_cold(self, model: str) -> None:
+        messages = self.ask(model)
+        text, _ = self.chat(model, messages)
+        self.conversations[model] = [*messages, {"role": "assistant", "content": text}]
+
+    def turn_warm(self, model: str) -> None:
+        """The next turn is a disk hit, and the same answer as a cold run (both tiers cleared)."""
+        messages = self.ask(model)
+        text, cached = self.chat(model, messages)
+        stats = self.cache(model)  # the model is loaded: its counters are published
+        assert cached > 0 and stats["disk_hits"] >= 1, (model, cached, stats)
+        r = httpx.delete(f"{self.url}/v1/cache", params={"model": model}, timeout=WAIT_S)
+        assert r.status_code == 200
+        cold, cold_cached = self.chat(model, messages)
+        assert cold_cached == 0 and cold == text, (model, cold, text)
+        self.conversations[model] = [*messages, {"role": "assistant", "content": text}]
+
+    def wait_written(self, model: str) -> None:
+        deadline = time.monotonic() + WAIT_S
+        while (disk := self.cache(model)["disk"])["pending_writes"] or not disk["entries"]:
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+
+
+@pytest.mark.mlx
+def test_restarts_and_unloads_keep_contexts_warm(tmp_path, tiny_models, smollm_tokenizer):
+    """SmolLM2, a GatedDeltaNet hybrid and a sliding-window model in one pool of one:
+    an unload spills (the reload is a disk hit), SIGTERM spills what RAM holds, and files
+    written before a ``kill -9`` serve the next start; every warm answer equals a cold one."""
+    paths = {"smol": smollm_tokenizer, "hybrid": tiny_models("qwen3_5")}
+    paths["swa"] = tiny_models("baichuan_m1")
+    d = Daemon(tmp_path, paths)
+    d.start()
+    try:
+        for m in MODELS:
+            d.turn_cold(m)  # each switch unloads the other model: its snapshots spill
+        d.turn_warm("smol")  # unloaded, reloaded: warm from disk
+        d.stop(signal.SIGTERM)  # smol's snapshots are only in RAM: the drain spills them
+        d.start()
+        for m in MODELS:
+            d.turn_warm(m)
+        d.chat("smol", d.ask("smol"))  # unloads swa: its last snapshots spill
+        d.wait_written("smol")
+        d.stop(signal.SIGKILL)
+        d.start()
+        for m in MODELS:
+            d.turn_warm(m)
+        text = d.log.read_text()
+        assert "Traceback" not in text
+        status = httpx.get(f"{d.url}/v1/status", timeout=WAIT_S).json()
+        assert status["cache"]["disk"]["bytes"] > 0
+        metrics = httpx.get(f"{d.url}/metrics", timeout=WAIT_S).text
+        assert 'mlxd_prefix_cache_hits_total{model="swa",tier="disk"}' in metrics
+    finally:
+        if d.proc is not None and d.proc.poll() is None:
+            d.proc.kill()
+            d.proc.wait()
