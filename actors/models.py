@@ -49,6 +49,7 @@ class Entry:
 
     id: str
     state: str = "unloaded"  # unloaded, loading, loaded or failed
+    kind: str = "auto"  # as configured: an "embedding" model embeds and never chats
     info: ModelInfo | None = None
     error: str = ""
     failed_at: float = -float("inf")
@@ -78,8 +79,9 @@ class ModelRegistry:
         options: RegistryOptions,
         *,
         accept_other_ids: bool | str = "auto",
+        kinds: dict[str, str] | None = None,
     ):
-        self.entries = {i: Entry(i) for i in ids}
+        self.entries = {i: Entry(i, kind=(kinds or {}).get(i, "auto")) for i in ids}
         self.default = ids[0]
         self.engine, self.mailboxes = engine, mailboxes
         self.prompts, self.options = prompts, options
@@ -126,13 +128,32 @@ class ModelRegistry:
         """The model's prompt builder once it is loaded (asking the engine to load it).
 
         Raises ``ModelUnavailable`` when the request may not wait (too many wait, the
-        load takes too long, or the model failed to load)."""
+        load takes too long, or the model failed to load), or for an embedding model."""
+        entry = self.entries[model]
+        if entry.kind == "embedding":
+            raise ModelUnavailable(
+                Failed(
+                    request_id=request_id or "",
+                    reason="invalid_request",
+                    param="model",
+                    message=f"model {model!r} is an embedding model: it serves /v1/embeddings "
+                    "only, not chat or completions",
+                )
+            )
+        await self.loaded(model, request_id)
+        return await self.builder(entry)
+
+    async def loaded(self, model: str, request_id: str | None) -> ModelInfo:
+        """The model's info once it is loaded (asking the engine to load it; ``request_id``
+        keeps it loaded until that request is submitted or aborted). Raises
+        ``ModelUnavailable`` as ``prepare`` does."""
         entry = self.entries[model]
         self._check_failed(entry, request_id)
         await self.engine.send(Load(model=model, request_id=request_id))
         if entry.state != "loaded":
             await self._wait_loaded(entry, request_id)
-        return await self.builder(entry)
+        assert entry.info is not None, "a loaded model without its info"
+        return entry.info
 
     def _check_failed(self, entry: Entry, request_id: str | None) -> None:
         since = trio.current_time() - entry.failed_at
@@ -215,9 +236,12 @@ class StreamStates:
 
     def on_step(self, step: EngineStep) -> list[str]:
         model = step.model or self.registry.default
-        if self.registry.info(model) is None:  # failures of a load that never succeeded
-            for failed in step.failed:
-                self.registry.mailboxes.deliver(failed)
+        info = self.registry.info(model)
+        # Failures of a load that never succeeded; an embedding model's whole news (no
+        # text to detokenize): straight to the requests' mailboxes.
+        if info is None or info.kind == "embedding":
+            for event in (*step.started, *step.embedded, *step.failed):
+                self.registry.mailboxes.deliver(event)
             return []
         return self.registry.stream_state(model).on_step(step)
 

@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from mlxd.actors.engine.scheduler.memory import MemoryModel
+from mlxd.protocol.embeddings import EmbeddingInfo
 from mlxd.protocol.messages import FinishReason, RunnerCounters, TokenizedRequest, TokenLogprob
 
 
@@ -104,18 +105,20 @@ class ModelInfo:
     vocab_size: int
     tokenizer: Any  # HF tokenizer (wrapped by mlx-lm); thread-safe for encode/decode
     backend: str
-    kind: str = "text"  # "text" or "vision"
+    kind: str = "text"  # "text", "vision" or "embedding"
     # A vision model's processor (chat template, image preprocessing, image-token
     # expansion); the tokenizer actor's worker threads use it. None for text models.
     processor: Any = None
     memory: MemoryModel | None = None  # None: no memory gate (estimates unknown)
+    embedding: EmbeddingInfo | None = None  # an embedding model's traits (kind "embedding")
 
 
-KINDS = ("auto", "text", "vision")
+KINDS = ("auto", "text", "vision", "embedding")
 
 
 def model_kind(config: dict[str, Any], override: str = "auto") -> str:
-    """ "vision" when the model's config describes a vision tower, else "text".
+    """ "vision" when the model's config describes a vision tower, else "text"
+    ("embedding" only where ``override`` names it).
 
     Decided from the config, never from the model's name; ``override`` (the
     ``model.kind`` setting) wins unless it is "auto".
