@@ -18,6 +18,7 @@ from pathlib import Path
 
 import httpx
 import msgspec
+import numpy as np
 import pytest
 import trio
 from mlxd.daemon.settings import load_settings
@@ -31,22 +32,29 @@ ollama = pytest.importorskip("ollama", reason="the ollama client (pip install -e
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = "tiny"
+EMBEDDER = "tiny-embed"
 WAIT_S = 300.0  # a hang, not a slow machine
 GREEDY = {"temperature": 0, "num_predict": 6}
 
 
 @pytest.fixture(scope="module")
-def url(tmp_path_factory, tiny_models):
-    """``mlxd serve`` on the tiny llama, served as ``tiny``; unknown ids are 404s."""
+def url(tmp_path_factory, tiny_models, smollm_tokenizer):
+    """``mlxd serve`` with the tiny llama as ``tiny`` (preloaded) and a tiny embedding
+    model as ``tiny-embed``; unknown ids are 404s."""
+    from mlxd.scripts import tiny_models as tm
+
     tmp = tmp_path_factory.mktemp("ollama")
+    embedder = tm.build_embedding_model(smollm_tokenizer, tmp / "embedder")
     config = tmp / "mlxd.toml"
     config.write_text(
-        f'[model]\nserved_id = "{MODEL}"\naccept_other_ids = false\ncache_dir = "{tmp}"\n'
+        f'[model]\naccept_other_ids = false\ncache_dir = "{tmp}"\n'
+        f'[[models]]\nid = "{MODEL}"\npath = "{tiny_models("llama")}"\npreload = true\n'
+        f'[[models]]\nid = "{EMBEDDER}"\npath = "{embedder}"\nkind = "embedding"\n'
     )
     port = free_port()
     base = f"http://127.0.0.1:{port}"
     log = tmp / "mlxd.log"
-    command = [sys.executable, "-m", "mlxd.daemon.cli", "serve", str(tiny_models("llama"))]
+    command = [sys.executable, "-m", "mlxd.daemon.cli", "serve"]
     with log.open("w") as out:
         proc = subprocess.Popen(
             [*command, "--port", str(port), "--config", str(config)],
@@ -59,6 +67,8 @@ def url(tmp_path_factory, tiny_models):
         wait_healthy(base, lambda: proc.poll() is None, WAIT_S, log.read_text)
         yield base
     finally:
+        if proc.poll() is not None:  # it died during the tests: say why
+            print(log.read_text()[-6000:])
         proc.terminate()
         try:
             proc.wait(30)
@@ -191,7 +201,7 @@ def test_format_json_schema_and_json(client, url):
 
 def test_list_show_ps_version(client, url):
     names = [m.model for m in client.list().models]
-    assert names == [MODEL]
+    assert names == [MODEL, EMBEDDER]
     shown = client.show(MODEL)
     assert "completion" in shown.capabilities and "tools" in shown.capabilities
     assert shown.modelinfo["general.architecture"] == "llama"
@@ -230,6 +240,31 @@ def test_keep_alive_sets_the_pools_idle_unload(client):
     _until(lambda: MODEL not in _ps(client), "an empty prompt with keep_alive 0 unloads")
     loaded = client.generate(model=MODEL, prompt="")
     assert loaded.done_reason == "load" and MODEL in _ps(client)
+
+
+# ---- embeddings ---------------------------------------------------------------------------
+
+
+def test_embed_and_the_legacy_embeddings(client):
+    r = client.embed(model=EMBEDDER, input=["a cat", "a dog", "a cat"])
+    cat, dog, cat_again = (np.array(v) for v in r.embeddings)
+    assert r.model == EMBEDDER and r.prompt_eval_count > 0 and len(cat) == len(dog) > 0
+    assert float(cat @ cat_again) == pytest.approx(1.0, abs=1e-5)  # normalised, identical
+    assert float(cat @ dog) < 0.9999
+    (one,) = client.embed(model=EMBEDDER, input="a cat").embeddings
+    assert np.allclose(one, cat, atol=1e-5)
+    legacy = client.embeddings(model=EMBEDDER, prompt="a cat").embedding
+    assert np.allclose(legacy, cat, atol=1e-5)
+    assert client.show(EMBEDDER).capabilities == ["embedding"]
+    with pytest.raises(ollama.ResponseError) as exc:
+        client.embed(model=EMBEDDER, input="a cat", dimensions=len(cat) + 1)
+    assert _status(exc) == 400 and "dimensions" in exc.value.error
+
+
+def test_a_chat_model_does_not_embed(client):
+    with pytest.raises(ollama.ResponseError) as exc:
+        client.embed(model=MODEL, input="a cat")
+    assert _status(exc) == 400 and "embeddings" in exc.value.error
 
 
 # ---- errors -------------------------------------------------------------------------------

@@ -40,6 +40,7 @@ from mlxd.daemon.api.common import (
     reasoning_kwargs,
     start,
 )
+from mlxd.daemon.api.embeddings import EmbeddingLimits, EmbeddingResult, embed
 from mlxd.daemon.api.errors import ApiError, ErrorFormat, OnError, install_errors
 from mlxd.daemon.api.ollama_options import keep_alive_seconds, sampling_from, within_context
 from mlxd.daemon.pipeline import Pipeline
@@ -649,15 +650,81 @@ async def _show(pipeline: Pipeline, model: str) -> wire.Show:
     )
 
 
+# ---- embeddings -------------------------------------------------------------------------
+
+
+def _no_num_ctx(options: wire.Options | None) -> None:
+    check(
+        options is None or options.num_ctx is None,
+        "options.num_ctx",
+        "num_ctx is not supported for embeddings: inputs are cut at the model's own limit "
+        "(truncate) or refused",
+    )
+
+
+async def _embed(
+    pipeline: Pipeline, model: str, texts: list[str], limits: EmbeddingLimits, **kw
+) -> tuple[EmbeddingResult | None, Clock]:
+    """The texts' vectors through the embeddings core (none: the model is only loaded,
+    as Ollama answers an empty input)."""
+    clock = Clock(pipeline, model)
+    if not texts:
+        await _load_only(pipeline, Shape(False, model, False), model, None)
+        return None, clock
+    return await embed(pipeline, model, texts, limits=limits, **kw), clock
+
+
+def _inputs(value: str | list[str]) -> list[str]:
+    texts = [value] if isinstance(value, str) else list(value)
+    return [t for t in texts if t] if isinstance(value, str) else texts
+
+
+def _embed_routes(app: Blueprint, pipeline: Pipeline, v: Validator, select, limits) -> None:
+    @app.post("/api/embed")
+    async def embed_route() -> Response:
+        w = v.decode(wire.embed_decoder, await request.get_data(cache=False))
+        model, _ = select(w.model)
+        _no_num_ctx(w.options)
+        texts = _inputs(w.input)
+        result, clock = await _embed(
+            pipeline, model, texts, limits, dimensions=w.dimensions, truncate=w.truncate
+        )
+        await _keep_alive(pipeline, model, w.keep_alive)
+        timings = clock.timings(None)
+        body = wire.Embed(
+            model=w.model,
+            embeddings=result.vectors.tolist() if result else [],
+            total_duration=timings.total_duration,
+            load_duration=timings.load_duration,
+            prompt_eval_count=result.prompt_tokens if result else 0,
+        )
+        return json_response(body)
+
+    @app.post("/api/embeddings")
+    async def embeddings_route() -> Response:
+        w = v.decode(wire.embeddings_decoder, await request.get_data(cache=False))
+        model, _ = select(w.model)
+        _no_num_ctx(w.options)
+        result, _ = await _embed(pipeline, model, _inputs(w.prompt), limits, truncate=True)
+        await _keep_alive(pipeline, model, w.keep_alive)
+        return json_response(wire.Embedding(embedding=result.vectors[0].tolist() if result else []))
+
+
 # ---- routes -----------------------------------------------------------------------------
 
 
 def install(
-    app: QuartTrio, pipeline: Pipeline, v: Validator, select: Select, on_error: OnError
+    app: QuartTrio,
+    pipeline: Pipeline,
+    v: Validator,
+    select: Select,
+    on_error: OnError,
+    limits: EmbeddingLimits,
 ) -> None:
     """Register the Ollama routes on the app, their errors in Ollama's format."""
     api = Blueprint("ollama", __name__)
     _routes(api, pipeline, v, select)
+    _embed_routes(api, pipeline, v, _named(select), limits)
     install_errors(api, ERRORS, on_error, v.max_body_bytes)
     app.register_blueprint(api)
 
