@@ -35,6 +35,8 @@ class Sample(msgspec.Struct, kw_only=True):
 
     seq: int
     t: float
+    seconds: float  # the period's length (longer than ``sample_period_s`` when late)
+    tokens: int  # generated in the period
     tokens_per_s: float
     running: int  # requests past admission (tokenizing, generating, streaming)
     queued: int  # requests in the admission queue
@@ -165,6 +167,8 @@ class History:
         sample = Sample(
             seq=self._next_sample,
             t=wall,
+            seconds=elapsed,
+            tokens=tokens,
             tokens_per_s=tokens / elapsed,
             running=running,
             queued=queued,
@@ -213,15 +217,14 @@ class History:
 
     def window(self, wall: float) -> Window:
         """The samples of the last ``window_s`` (tokens per second over the time they
-        cover, as the samples hold it)."""
+        cover)."""
         start = wall - self.window_s
         recent = [s for s in self.samples if s.t > start]
-        tokens = sum(s.tokens_per_s for s in recent) * self.period_s
-        covered = min(self.window_s, len(recent) * self.period_s) or self.period_s
+        covered = sum(s.seconds for s in recent)
         ttfts = [v for t, values in self._ttfts if t > start for v in values]
         return Window(
             seconds=self.window_s,
-            tokens_per_s=tokens / covered,
+            tokens_per_s=sum(s.tokens for s in recent) / covered if covered else 0.0,
             requests=sum(s.finished for s in recent),
             ttft_p50=percentile(ttfts, 0.5),
             ttft_p95=percentile(ttfts, 0.95),

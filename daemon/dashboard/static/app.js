@@ -224,12 +224,17 @@ function lineChart(svg, series, from, to, format, fixedMax) {
   end.textContent = "now";
   children.push(start, end);
   series.forEach((points, i) => {
-    let d = "", pen = "M";
+    let d = "", run = [];
+    const flush = () => {  // a point alone (gaps on both sides) is drawn as a dot
+      if (run.length === 1) d += `M${run[0]}h0.01`;
+      else if (run.length) d += `M${run.join("L")}`;
+      run = [];
+    };
     for (const [t, v] of points) {
-      if (v === null || v === undefined || t < from) { pen = "M"; continue; }
-      d += `${pen}${x(t).toFixed(1)},${y(Math.min(v, max)).toFixed(1)}`;
-      pen = "L";
+      if (v === null || v === undefined || t < from) { flush(); continue; }
+      run.push(`${x(t).toFixed(1)},${y(Math.min(v, max)).toFixed(1)}`);
     }
+    flush();
     if (d) children.push(svgEl("path", { class: `s${i}`, d }));
   });
   svg.replaceChildren(...children);
