@@ -12,7 +12,12 @@ from __future__ import annotations
 from typing import Any
 
 import msgspec
-from mlxd.protocol.messages import EngineStats, SpecPrefillCounters, SpeculativeCounters
+from mlxd.protocol.messages import (
+    DiskCounters,
+    EngineStats,
+    SpecPrefillCounters,
+    SpeculativeCounters,
+)
 
 
 class RequestStatus(msgspec.Struct, kw_only=True):
@@ -67,6 +72,9 @@ class CacheStatus(msgspec.Struct, kw_only=True):
     entries: int = 0
     bytes: int = 0
     max_bytes: int = 0
+    disk_hits: int = 0  # of the hits, snapshots read back from the disk tier
+    disk_cached_tokens: int = 0
+    disk: DiskCounters | None = None  # the disk tier (shared by the models); None: off
 
 
 class ModelStatus(msgspec.Struct, kw_only=True):

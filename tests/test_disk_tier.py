@@ -23,7 +23,6 @@ from pathlib import Path
 
 import httpx
 import pytest
-
 from mlxd.actors.engine.runner import disk_tier
 from mlxd.actors.engine.runner.disk_tier import DiskStore, Encoded
 
@@ -43,7 +42,9 @@ def _payload(tokens: tuple[int, ...], size: int) -> bytes:
 
 def _enc(tokens: tuple[int, ...], size: int = 4096) -> Encoded:
     data = _payload(tokens, size)
-    return Encoded([{"c": "fake", "state": {"a": "uint8", "s": [size], "o": 0, "n": size}}], [data], size)
+    return Encoded(
+        [{"c": "fake", "state": {"a": "uint8", "s": [size], "o": 0, "n": size}}], [data], size
+    )
 
 
 def _store(root: Path, max_bytes: int = 1 << 20, models=("m",)) -> DiskStore:

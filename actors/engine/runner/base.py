@@ -35,6 +35,7 @@ from mlx_lm.sample_utils import greedy_sampler, make_logits_processors
 from mlxd.actors.engine.kernels.openblas import OpenBlas
 from mlxd.actors.engine.runner import caches
 from mlxd.actors.engine.runner.caches import check_batchable, layer_kinds
+from mlxd.actors.engine.runner.disk_codec import DiskReads
 from mlxd.actors.engine.runner.guards import RowGuard, bias_processor
 from mlxd.actors.engine.runner.logits import GrammarProcessor, token_logprobs
 from mlxd.actors.engine.runner.prefix_cache import PrefixCache
@@ -189,6 +190,9 @@ class MlxRunner:
     ):
         self.model = model
         self.prefix_cache = prefix_cache
+        # the disk tier's reads (None: no disk tier); see ``disk_codec``
+        disk = prefix_cache.disk if prefix_cache is not None else None
+        self._disk = DiskReads(prefix_cache, disk) if prefix_cache and disk else None
         self.spec_prefill = spec_prefill  # None: off
         if spec_prefill is not None:
             self.spec_prefill_stats = spec_prefill.stats
@@ -231,9 +235,9 @@ class MlxRunner:
 
     def counters(self) -> RunnerCounters:
         """Copies of the live counters, for the engine's published ``EngineStats``."""
-        cache = self.prefix_cache.stats if self.prefix_cache is not None else None
+        cache = self.prefix_cache.counters() if self.prefix_cache is not None else None
         return RunnerCounters(
-            prefix_cache=_copy(cache),
+            prefix_cache=cache,
             speculative=_copy(self.spec_stats),
             spec_prefill=_copy(self.spec_prefill_stats),
         )
@@ -269,7 +273,11 @@ class MlxRunner:
         this one than the cache holds: it gets a checkpoint at the shared block boundary
         (so it snapshots there), and its id is returned so this one waits and then starts
         from that snapshot. K agents sending the same system prompt at once compute it once.
-        Exact boundaries, so hybrid (SSM) models share too."""
+        Exact boundaries, so hybrid (SSM) models share too. A request whose prompt the
+        disk tier covers further than RAM waits ("disk") while its file is read."""
+        idle = not self._pending and not self._rid_to_uid
+        if self._disk and self._disk.waiting(request.request_id, request.prompt_tokens, idle):
+            return "disk"
         if self.prefix_cache is None or not self._pending:
             return None
         prompt = request.prompt_tokens
@@ -599,10 +607,26 @@ class MlxRunner:
         self._sparse.discard(request_id)
         self._keys.pop(request_id, None)
         self._seeded.pop(request_id, None)
+        if self._disk is not None:
+            self._disk.forget(request_id)
 
-    def clear_cache(self) -> None:
-        if self.prefix_cache is not None:
+    def clear_cache(self, tier: str = "", every_model: bool = False) -> None:
+        """Drop the prefix cache's snapshots: in RAM, on disk (this model's, or every
+        model's), or both ("")."""
+        if self.prefix_cache is not None and tier in ("", "ram"):
             self.prefix_cache.clear()
+        if self._disk is not None and tier in ("", "disk"):
+            self._disk.view.clear(every_space=every_model)
+
+    def spill_cache(self, wait: bool = False) -> None:
+        """Write every RAM snapshot to the disk tier (shutdown, unload); ``wait``: until
+        they are on disk. Nothing without a disk tier."""
+        if self._disk is None or self.prefix_cache is None:
+            return
+        n = self.prefix_cache.spill_all()
+        log.info("prefix cache: %d snapshots spilled to disk", n)
+        if wait:
+            self._disk.view.store.flush()
 
     @property
     def cache_held(self) -> int:

@@ -297,7 +297,9 @@ class DiskStore:
             self.stats.incompatible_removed += 1
             return
         tokens = tuple(header["tokens"])
-        entry = DiskEntry(path, space, tokens, bool(header["trimmable"]), size, path.stat().st_mtime)
+        entry = DiskEntry(
+            path, space, tokens, bool(header["trimmable"]), size, path.stat().st_mtime
+        )
         with self._lock:
             self._add(entry)
 
@@ -566,4 +568,3 @@ def _fsync_dir(directory: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-
