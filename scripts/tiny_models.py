@@ -400,6 +400,12 @@ def build_embedding_model(
     and sentence-transformers' ``modules.json`` + ``1_Pooling/config.json`` naming
     ``pooling`` (mean, cls or last) and a Normalize module."""
     build_text_model(QWEN3_EMBEDDING, tokenizer_dir, out, seed)
+    _sentence_transformers_files(out, pooling, QWEN3_EMBEDDING["hidden_size"])
+    return out
+
+
+def _sentence_transformers_files(out: Path, pooling: str, size: int) -> None:
+    """``modules.json`` (transformer, pooling, normalise) and the pooling module's config."""
     modes = {"mean": "mean_tokens", "cls": "cls_token", "last": "lasttoken"}
     modules = [
         {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
@@ -418,7 +424,66 @@ def build_embedding_model(
     ]
     (out / "modules.json").write_text(json.dumps(modules, indent=2))
     (out / "1_Pooling").mkdir(exist_ok=True)
-    pooling_config = {"word_embedding_dimension": QWEN3_EMBEDDING["hidden_size"]}
+    pooling_config = {"word_embedding_dimension": size}
     pooling_config |= {f"pooling_mode_{m}": m == modes[pooling] for m in modes.values()}
     (out / "1_Pooling" / "config.json").write_text(json.dumps(pooling_config, indent=2))
+
+
+# An encoder embedding model (run by mlx-embeddings): a tiny random BERT under a
+# sentence-transformers cls-pooling + normalise head, with a WordPiece tokenizer trained
+# here on a small corpus (BERT's [CLS] / [SEP] / [PAD] conventions; mlxd pads with id 0).
+BERT = {
+    "model_type": "bert",
+    "architectures": ["BertModel"],
+    "hidden_size": 32,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "intermediate_size": 64,
+    "max_position_embeddings": 128,
+    "type_vocab_size": 2,
+    "layer_norm_eps": 1e-12,
+    "pad_token_id": 0,
+}
+_CORPUS = (
+    "the quick brown fox jumps over the lazy dog . embeddings turn text into vectors , "
+    "and similar texts get similar vectors . mlx runs models on the cpu backend here ; "
+    "an encoder reads every token at once , a decoder reads them in order . hello world !"
+)
+
+
+def build_bert_embedding_model(out: Path, pooling: str = "cls", seed: int = 0) -> Path:
+    """A ``kind = "embedding"`` encoder directory: random BERT weights (mlx-embeddings'
+    model), a WordPiece tokenizer and sentence-transformers files naming ``pooling``."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+    from mlx_embeddings.models import bert
+    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+    wordpiece = Tokenizer(models.WordPiece(unk_token="[UNK]"))
+    wordpiece.normalizer = normalizers.BertNormalizer(lowercase=True)
+    wordpiece.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    wordpiece.train_from_iterator([_CORPUS], trainers.WordPieceTrainer(special_tokens=specials))
+    cls, sep = wordpiece.token_to_id("[CLS]"), wordpiece.token_to_id("[SEP]")
+    wordpiece.post_processor = processors.TemplateProcessing(
+        single="[CLS] $A [SEP]", special_tokens=[("[CLS]", cls), ("[SEP]", sep)]
+    )
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=wordpiece,
+        unk_token="[UNK]",
+        pad_token="[PAD]",
+        cls_token="[CLS]",
+        sep_token="[SEP]",
+        mask_token="[MASK]",
+    )
+    config = {**BERT, "vocab_size": wordpiece.get_vocab_size()}
+    mx.random.seed(seed)
+    model = bert.Model(bert.ModelArgs.from_dict(config))
+    mx.eval(model.parameters())
+    out.mkdir(parents=True, exist_ok=True)
+    mx.save_safetensors(str(out / "model.safetensors"), dict(tree_flatten(model.parameters())))
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    tokenizer.save_pretrained(str(out))
+    _sentence_transformers_files(out, pooling, config["hidden_size"])
     return out

@@ -175,22 +175,37 @@ def test_pooling_ignores_padding():
     assert np.array(pool(hidden, lengths, "cls")).tolist() == [[0, 1], [6, 7]]
 
 
+@pytest.fixture(scope="module")
+def bert_dir(tmp_path_factory):
+    from mlxd.scripts import tiny_models as tm
+
+    return tm.build_bert_embedding_model(tmp_path_factory.mktemp("bert") / "m")
+
+
 @pytest.mark.mlx
-@pytest.mark.parametrize("pooling", ["mean", "last", "cls"])
-def test_runner_batch_equals_alone(embedding_dir, pooling):
+@pytest.mark.parametrize(
+    ("model", "pooling"),
+    [("qwen3", "mean"), ("qwen3", "last"), ("qwen3", "cls"), ("bert", "cls"), ("bert", "mean")],
+)
+def test_runner_batch_equals_alone(request, model, pooling):
+    """A decoder (mlx-lm, causal) and an encoder (mlx-embeddings, masked attention)."""
     from mlxd.actors.engine.loading.load import load_runner
 
+    path = request.getfixturevalue("embedding_dir" if model == "qwen3" else "bert_dir")
     options = EmbeddingOptions(pooling=pooling)
     runner, info = load_runner(
-        str(embedding_dir), embedding_dir, dequantize_on_cpu=True, max_batch=8,
-        kind="embedding", embedding=options,
-    )  # fmt: skip
-    assert info.kind == "embedding" and info.embedding.pooling == pooling
-    assert info.embedding.dimensions == 64 and info.embedding.matryoshka == (16, 32)
+        str(path), path, dequantize_on_cpu=True, max_batch=8, kind="embedding", embedding=options
+    )
+    e = info.embedding
+    assert info.kind == "embedding" and e.pooling == pooling
+    if model == "qwen3":
+        assert (e.backend, e.dimensions, e.matryoshka) == ("mlx-lm", 64, (16, 32))
+    else:
+        assert (e.backend, e.dimensions, e.matryoshka) == ("mlx-embeddings", 32, ())
     batch = [tuple(info.tokenizer.encode(t)) for t in TEXTS]
     together = runner.embed(batch)
     alone = np.concatenate([runner.embed([ids]) for ids in batch])
-    assert together.shape == (len(TEXTS), 64)
+    assert together.shape == (len(TEXTS), e.dimensions)
     np.testing.assert_allclose(together, alone, atol=2e-5)
     np.testing.assert_allclose(np.linalg.norm(together, axis=1), 1.0, atol=1e-5)
     assert not np.allclose(together[0], together[1])  # the inputs are told apart
@@ -200,15 +215,17 @@ def test_runner_batch_equals_alone(embedding_dir, pooling):
 
 
 @pytest.fixture(scope="module")
-def served(tmp_path_factory, embedding_dir, tiny_models):
-    """``mlxd serve`` with a chat model and an embedding model (module-wide)."""
+def served(tmp_path_factory, embedding_dir, bert_dir, tiny_models):
+    """``mlxd serve`` with a chat model and two embedding models (module-wide)."""
     tmp = tmp_path_factory.mktemp("serve")
     config = tmp / "mlxd.toml"
     config.write_text(
         f'[model]\ncache_dir = "{tmp}"\n'
         "[embeddings]\nmax_inputs = 8\nmax_input_tokens = 40\nmax_batch_inputs = 4\n"
+        "[model_pool]\nmax_loaded = 3\n"
         f'[[models]]\nid = "chat"\npath = "{tiny_models("llama")}"\n'
         f'[[models]]\nid = "embed"\npath = "{embedding_dir}"\nkind = "embedding"\n'
+        f'[[models]]\nid = "bert"\npath = "{bert_dir}"\nkind = "embedding"\n'
     )
     port, log = free_port(), tmp / "mlxd.log"
     url = f"http://127.0.0.1:{port}"
@@ -233,8 +250,8 @@ def served(tmp_path_factory, embedding_dir, tiny_models):
     assert "Traceback" not in log.read_text()
 
 
-def embed(http, input, **extra):
-    r = http.post("/v1/embeddings", json={"model": "embed", "input": input, **extra})
+def embed(http, input, model="embed", **extra):
+    r = http.post("/v1/embeddings", json={"model": model, "input": input, **extra})
     assert r.status_code == 200, r.text
     return r.json()
 
@@ -273,6 +290,10 @@ def test_api_batch_equals_alone_and_identical_texts(served):
     assert together.shape == (len(texts), 64)
     assert float(together[1] @ together[-1]) == pytest.approx(1.0, abs=1e-5)  # cosine
     assert float(together[0] @ together[2]) < 0.999
+    encoded = vectors(embed(served, texts, model="bert"))  # an encoder, masked padding
+    assert encoded.shape == (len(texts), 32)
+    alone = np.concatenate([vectors(embed(served, t, model="bert")) for t in texts[:3]])
+    np.testing.assert_allclose(encoded[:3], alone, atol=2e-5)
     usage = body["usage"]
     assert (
         usage["prompt_tokens"]

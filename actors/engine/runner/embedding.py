@@ -1,30 +1,42 @@
-"""Embedding runner: an mlx-lm model body with a pooling head, on the generation thread.
+"""Embedding runner: a model body with mlxd's pooling head, on the generation thread.
 
-An embedding model (a ``[[models]]`` entry with ``kind = "embedding"``) loads through
-mlx-lm like a chat model (a model directory or a GGUF file, quantized weights
-dequantized on the CPU backend alike); its language-model head is never run. The
-runner pads a batch of token lists on the right into one forward pass of the model's
-body and pools each row's hidden states over its own tokens only: ``mean``, the
-first token's (``cls``) or the last one's (``last``), then L2-normalises. The bodies
-are causal, so a row's states never see the padding after it: an input gives the
-same vector alone or in any batch (up to float rounding).
+An embedding model (a ``[[models]]`` entry with ``kind = "embedding"``) runs one of two
+bodies, and its language-model head (if any) never runs:
 
-Contract with mlx-lm, checked at load (``find_body``): the model holds its body as
-``model`` (or ``transformer`` / ``backbone`` / ``language_model``), and calling it
-on a (batch, length) array of token ids returns hidden states of shape (batch,
-length, hidden size). A model that does not is refused at load with the reason.
+- decoder models (Qwen3-Embedding and the like: any architecture mlx-lm has) load
+  through mlx-lm like a chat model: a model directory or a GGUF file, quantized weights
+  dequantized on the CPU backend alike. The body is causal: a row's states never see
+  the padding after it.
+- encoder models (``ENCODERS``: BERT, XLM-RoBERTa, ModernBERT, which mlx-lm does not
+  have) load through the ``mlx-embeddings`` package, whose bodies take an attention
+  mask: padding is masked out of every row's attention.
+
+The runner pads a batch of token lists on the right into one forward pass and pools
+each row's hidden states over its own tokens only: ``mean``, the first token's
+(``cls``) or the last one's (``last``), then L2-normalises. So an input gives the same
+vector alone or in any batch (up to float rounding).
+
+Contracts, checked at load: an mlx-lm model holds its body as ``model`` (or
+``transformer`` / ``backbone`` / ``language_model``) and calling it on a (batch,
+length) array of token ids returns hidden states (batch, length, hidden size)
+(``find_body``); an mlx-embeddings model is of a tested version
+(``MLX_EMBEDDINGS_TESTED``) and returns ``last_hidden_state`` of that shape for ids
+and a mask (``load_encoder``). A model that does not is refused at load, with why.
 
 Pooling comes from the entry's ``pooling`` setting, or, with ``auto``, from the
 model's sentence-transformers files (``modules.json`` naming a ``Pooling`` module
-whose ``config.json`` sets ``pooling_mode_*``); with neither, ``last`` (the only
-token of a causal model that has seen the whole input). Matryoshka sizes come from
-the entry, or the model's ``config.json`` (``matryoshka_dimensions``).
+whose ``config.json`` sets ``pooling_mode_*``); with neither, ``last`` for a decoder
+(its only token that has seen the whole input) and ``mean`` for an encoder.
+Matryoshka sizes come from the entry, or the model's ``config.json``
+(``matryoshka_dimensions``).
 """
 
 from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Callable
+from importlib import metadata
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +50,11 @@ from mlxd.protocol.messages import RunnerCounters
 log = logging.getLogger("mlxd.runner")
 
 _BODY_NAMES = ("model", "transformer", "backbone", "language_model")
+# Encoder architectures mlx-lm lacks, run by mlx-embeddings (its model_type names).
+ENCODERS = frozenset({"bert", "xlm-roberta", "xlm_roberta", "modernbert"})
+MLX_EMBEDDINGS_TESTED = ((0, 1), (0, 2))  # versions [0.1, 0.2)
+# A body: (token ids, mask) of shape (batch, length) → hidden states (batch, length, size).
+Body = Callable[[mx.array, mx.array], mx.array]
 _ST_POOLING = {  # sentence-transformers' pooling modes, as mlxd names them
     "pooling_mode_mean_tokens": "mean",
     "pooling_mode_cls_token": "cls",
@@ -49,9 +66,7 @@ class EmbeddingRunner:
     """One embedding model: ``embed`` runs a padded batch and pools it (engine thread).
     ``options`` carries the engine's batching limits to its ``EmbeddingCore``."""
 
-    def __init__(
-        self, body: nn.Module, info: EmbeddingInfo, options: EmbeddingOptions, pad_id: int = 0
-    ):
+    def __init__(self, body: Body, info: EmbeddingInfo, options: EmbeddingOptions, pad_id=0):
         self.body, self.info, self.options, self.pad_id = body, info, options, pad_id
 
     def embed(self, batch: list[tuple[int, ...]]) -> np.ndarray:
@@ -59,7 +74,8 @@ class EmbeddingRunner:
         ids = np.full((len(batch), int(lengths.max())), self.pad_id, dtype=np.int32)
         for row, tokens in enumerate(batch):
             ids[row, : len(tokens)] = tokens
-        hidden = self.body(mx.array(ids)).astype(mx.float32)
+        mask = (np.arange(ids.shape[1])[None, :] < lengths[:, None]).astype(np.float32)
+        hidden = self.body(mx.array(ids), mx.array(mask)).astype(mx.float32)
         pooled = pool(hidden, mx.array(lengths), self.info.pooling)
         if self.info.normalize:
             pooled = pooled / mx.maximum(mx.linalg.norm(pooled, axis=-1, keepdims=True), 1e-12)
@@ -91,9 +107,10 @@ def pool(hidden: mx.array, lengths: mx.array, pooling: str) -> mx.array:
     return (hidden * mask[..., None]).sum(axis=1) / lengths[:, None].astype(hidden.dtype)
 
 
-def find_body(model: nn.Module, hidden_size: int | None, vocab_size: int) -> nn.Module:
-    """The model's body (hidden states, not logits), checked on a probe input; a
-    ``ValueError`` saying why where mlx-lm's model does not fit the contract."""
+def find_body(model: nn.Module, hidden_size: int | None, vocab_size: int) -> Body:
+    """An mlx-lm model's body (hidden states, not logits), checked on a probe input; a
+    ``ValueError`` saying why where the model does not fit the contract. Causal: it
+    needs no mask (the padding comes after every row's tokens)."""
     kind = type(model).__module__
     for name in _BODY_NAMES:
         body = getattr(model, name, None)
@@ -106,7 +123,7 @@ def find_body(model: nn.Module, hidden_size: int | None, vocab_size: int) -> nn.
         shape = tuple(getattr(out, "shape", ()))
         size_ok = shape[-1:] != (vocab_size,) and (hidden_size is None or shape[-1] == hidden_size)
         if len(shape) == 3 and shape[:2] == (1, 3) and size_ok:
-            return body
+            return lambda ids, mask, body=body: body(ids)
     raise ValueError(
         f"{kind}: mlxd cannot embed with this model: none of its "
         f"{', '.join(_BODY_NAMES)} returns hidden states for token ids"
@@ -132,12 +149,44 @@ def model_pooling(model_dir: Path) -> tuple[str | None, bool]:
     return None, normalize
 
 
+def load_encoder(model_dir: Path, config: dict[str, Any]) -> tuple[Body, Any]:
+    """An encoder (``ENCODERS``) through mlx-embeddings, and its tokenizer; a ``ValueError``
+    saying why where the package is missing, untested, or its model breaks the contract."""
+    try:
+        version = metadata.version("mlx-embeddings")
+        from mlx_embeddings.utils import load_model
+    except (ImportError, metadata.PackageNotFoundError) as exc:
+        raise ValueError(f"{config['model_type']} models need the mlx-embeddings package") from exc
+    low, high = MLX_EMBEDDINGS_TESTED
+    if not low <= tuple(int(p) for p in version.split(".")[:2]) < high:
+        raise ValueError(f"mlx-embeddings {version} is untested: mlxd needs >=0.1, <0.2")
+    from transformers import AutoTokenizer
+
+    model = load_model(model_dir)  # a local directory: never the hub
+
+    def body(ids: mx.array, mask: mx.array) -> mx.array:
+        return model(ids, attention_mask=mask).last_hidden_state
+
+    out = getattr(
+        model(mx.array([[1, 2]]), attention_mask=mx.ones((1, 2))), "last_hidden_state", None
+    )
+    if out is None or tuple(out.shape[:2]) != (1, 2) or out.ndim != 3:
+        raise ValueError(f"mlx-embeddings' {config['model_type']} model returns no hidden states")
+    return body, AutoTokenizer.from_pretrained(str(model_dir))
+
+
 def embedding_info(
-    model_dir: Path, config: dict[str, Any], dimensions: int, context: int, o: EmbeddingOptions
+    model_dir: Path,
+    config: dict[str, Any],
+    dimensions: int,
+    context: int,
+    o: EmbeddingOptions,
+    backend: str = "mlx-lm",
 ) -> EmbeddingInfo:
     """The model's traits from its files and the entry's settings (which win)."""
     declared, _ = model_pooling(model_dir)
-    pooling = o.pooling if o.pooling != "auto" else (declared or "last")
+    fallback = "last" if backend == "mlx-lm" else "mean"  # a causal body's last token saw all
+    pooling = o.pooling if o.pooling != "auto" else (declared or fallback)
     if pooling not in POOLINGS:
         raise ValueError(f"pooling must be one of {POOLINGS}, not {pooling!r}")
     sizes = o.matryoshka or tuple(config.get("matryoshka_dimensions") or ())
@@ -151,25 +200,26 @@ def embedding_info(
         normalize=o.normalize,
         matryoshka=tuple(sorted(set(sizes))),
         max_tokens=max_tokens,
+        backend=backend,
     )
 
 
 def embedding_runner(
-    model: nn.Module,
+    body: Body,
     config: dict[str, Any],
     model_dir: Path,
     context: int,
     vocab: int,
     o: EmbeddingOptions,
+    backend: str = "mlx-lm",
 ) -> EmbeddingRunner:
-    """The runner for a loaded mlx-lm model (engine thread), its traits logged."""
-    hidden = config.get("hidden_size") or config.get("text_config", {}).get("hidden_size")
-    body = find_body(model, hidden, vocab)
-    dimensions = int(body(mx.array([[1]])).shape[-1])
-    info = embedding_info(model_dir, config, dimensions, context, o)
+    """The runner for a loaded model's body (engine thread), its traits logged."""
+    dimensions = int(body(mx.array([[1]]), mx.ones((1, 1))).shape[-1])
+    info = embedding_info(model_dir, config, dimensions, context, o, backend)
     pad = config.get("pad_token_id")
     log.info(
-        "embedding model: %d dimensions, %s pooling%s, inputs up to %d tokens%s",
+        "embedding model (%s): %d dimensions, %s pooling%s, inputs up to %d tokens%s",
+        backend,
         info.dimensions,
         info.pooling,
         ", normalised" if info.normalize else "",
