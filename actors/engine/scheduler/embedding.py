@@ -78,7 +78,7 @@ class EmbeddingCore:
         self.pending: OrderedDict[str, _Pending] = OrderedDict()  # arrival order
         self.solo: set[str] = set()  # requests to run alone (a shared pass of theirs failed)
         self._refused: list[Failed] = []  # submits refused, reported at the next step
-        self._steps = self._batches = self._inputs = self._last_batch = 0
+        self._steps = self._last_batch = 0
         self._failed_steps = 0
 
     # ---- the pool's interface --------------------------------------------------------
@@ -118,12 +118,10 @@ class EmbeddingCore:
         active, peak = self.runner.memory_stats()
         running = sum(1 for p in self.pending.values() if p.next > 0)
         return EngineStats(
-            steps=self._steps,
-            decode_steps=self._batches,
+            steps=self._steps,  # no decode steps: the decode averages stay the text models'
             waiting=len(self.pending) - running,
             prefilling=running,
             batch_size=self._last_batch,
-            batch_tokens_total=self._inputs,
             memory_active=active,
             memory_peak=peak,
             failed_steps=self._failed_steps,
@@ -161,9 +159,7 @@ class EmbeddingCore:
         except Exception as exc:  # noqa: BLE001 - a failed pass fails its requests, not the daemon
             self._failed(batch, exc, failed)
             return
-        self._batches += 1
         self._last_batch = len(batch)
-        self._inputs += len(batch)
         for (pending, i), vector in zip(batch, vectors, strict=True):
             pending.vectors[i] = vector
             pending.next = i + 1
