@@ -302,6 +302,9 @@ def test_errors_in_ollamas_shape(client, url):
     for field, value in (("suffix", "end"), ("context", [1, 2]), ("template", "{{ .Prompt }}")):
         r = httpx.post(f"{url}/api/generate", json={"model": MODEL, "prompt": "a", field: value})
         assert r.status_code == 400 and field in r.json()["error"]
+    with pytest.raises(ollama.ResponseError) as exc:
+        client.pull(MODEL)
+    assert _status(exc) == 404 and "pull" in exc.value.error
     assert client.chat(model=MODEL, messages=_user(), options=GREEDY).done  # still serving
 
 

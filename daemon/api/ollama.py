@@ -474,24 +474,28 @@ def _unavailable(exc: ModelUnavailable) -> ApiError:
     return ApiError(f.reason, f.message, retry_after=f.retry_after)
 
 
-async def _load_only(pipeline: Pipeline, shape: Shape, model: str, keep: wire.KeepAliveValue):
-    """An empty prompt: load the model (``done_reason: "load"``) or, with ``keep_alive``
-    0, let it unload (``"unload"``), as ``ollama run`` / ``ollama stop`` ask."""
-    seconds = keep_alive_seconds(keep)
-    clock = Clock(pipeline, model)
-    if seconds == 0:
-        await _keep_alive(pipeline, model, keep)
-        return json_response(shape.last("unload"))
+async def _load(pipeline: Pipeline, model: str) -> None:
+    """Load ``model`` unless it is loaded (a 503 / 500 when it cannot be)."""
     rid = f"ollama-load-{uuid.uuid4().hex}"
     assert pipeline.models is not None
     try:  # pinned by the request id until the Abort
-        await pipeline.models.prepare(model, rid)
+        await pipeline.models.loaded(model, rid)
     except ModelUnavailable as exc:
         raise _unavailable(exc) from exc
     finally:
         with trio.CancelScope(shield=True):
             await pipeline.engine.send(Abort(request_id=rid))
+
+
+async def _load_only(pipeline: Pipeline, shape: Shape, model: str, keep: wire.KeepAliveValue):
+    """An empty prompt: load the model (``done_reason: "load"``) or, with ``keep_alive``
+    0, let it unload (``"unload"``), as ``ollama run`` / ``ollama stop`` ask."""
+    clock = Clock(pipeline, model)
+    if keep_alive_seconds(keep) != 0:
+        await _load(pipeline, model)
     await _keep_alive(pipeline, model, keep)
+    if keep_alive_seconds(keep) == 0:
+        return json_response(shape.last("unload"))
     return json_response(shape.last("load", clock.timings(None)))
 
 
@@ -628,7 +632,7 @@ async def _show(pipeline: Pipeline, model: str) -> wire.Show:
     assert pipeline.models is not None
     entry = pipeline.models.entries[model]
     if entry.info is None:
-        await _load_only(pipeline, Shape(True, model, False), model, None)
+        await _load(pipeline, model)
     info = entry.info
     assert info is not None
     config = _config(info.model_dir)
@@ -784,6 +788,27 @@ def _routes(app: Blueprint, pipeline: Pipeline, v: Validator, any_model: Select)
     @app.get("/api/version")
     async def version() -> Response:
         return json_response(wire.Version(version=wire.API_VERSION))
+
+    @app.route("/api/<path:rest>", methods=["GET", "POST", "PUT", "DELETE", "HEAD"])
+    async def elsewhere(rest: str) -> Response:
+        raise ApiError(
+            "not_found",
+            f"/api/{rest} is not served: mlxd serves the models of its configuration "
+            "(pull, push, create, copy and delete are not available); it answers "
+            + ", ".join(SERVED),
+        )
+
+
+SERVED = (
+    "/api/chat",
+    "/api/generate",
+    "/api/embed",
+    "/api/embeddings",
+    "/api/tags",
+    "/api/show",
+    "/api/ps",
+    "/api/version",
+)
 
 
 __all__ = ["ERRORS", "install"]
