@@ -327,6 +327,12 @@ def test_api_base64_and_dimensions(served):
         [np.frombuffer(base64.b64decode(d["embedding"]), "<f4") for d in packed["data"]]
     )
     np.testing.assert_array_equal(decoded, full)
+    from openai import OpenAI  # the SDK asks for base64 and decodes it itself
+
+    client = OpenAI(base_url=f"{served.base_url}/v1", api_key="unused", max_retries=0)
+    sdk = client.embeddings.create(model="embed", input=TEXTS[:2])
+    np.testing.assert_allclose(np.array([d.embedding for d in sdk.data]), full, atol=1e-6)
+    assert sdk.usage.prompt_tokens == packed["usage"]["prompt_tokens"]
     cut = vectors(embed(served, TEXTS[:2], dimensions=16))
     assert cut.shape == (2, 16)
     expected = full[:, :16] / np.linalg.norm(full[:, :16], axis=1, keepdims=True)
