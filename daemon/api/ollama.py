@@ -1,5 +1,7 @@
 """Ollama's API: ``/api/chat``, ``/api/generate``, ``/api/tags``, ``/api/show``, ``/api/ps``,
-``/api/version``, ``/api/embed`` and the legacy ``/api/embeddings``.
+``/api/version``, ``/api/embed`` and the legacy ``/api/embeddings`` (the model listings are
+in ``ollama_models.py``, the options in ``ollama_options.py``, the wire structs in
+``protocol/ollama.py``).
 
 Chat and generate run through the same pipeline as the OpenAI routes; they stream
 NDJSON (one JSON object a line) unless ``stream`` is false, and their last object has
@@ -15,18 +17,16 @@ idle (a ``KeepAlive`` to the model pool); an empty prompt just loads the model, 
 
 from __future__ import annotations
 
-import hashlib
 import json
 import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from pathlib import Path
 
 import msgspec
-import trio
 from mlxd.actors.tokenizer import ModelUnavailable, PromptError
+from mlxd.daemon.api import ollama_models as listings
 from mlxd.daemon.api.common import (
     Choice,
     ChoiceEvent,
@@ -42,11 +42,11 @@ from mlxd.daemon.api.common import (
 )
 from mlxd.daemon.api.embeddings import EmbeddingLimits, EmbeddingResult, embed
 from mlxd.daemon.api.errors import ApiError, ErrorFormat, OnError, install_errors
+from mlxd.daemon.api.ollama_models import load, unavailable
 from mlxd.daemon.api.ollama_options import keep_alive_seconds, sampling_from, within_context
 from mlxd.daemon.pipeline import Pipeline
 from mlxd.protocol import ollama as wire
 from mlxd.protocol.messages import (
-    Abort,
     ChatRequest,
     CompletionRequest,
     Constraint,
@@ -434,14 +434,10 @@ async def _ndjson(
                     case TextDelta():
                         clock.token()
                         sent = calls.add(event)
-                        yield _line(
-                            shape.piece(
-                                event.text,
-                                event.reasoning,
-                                _out_calls(sent, calls.sent - len(sent)),
-                                _logprobs(event.logprobs) if shape.logprobs else None,
-                            )
-                        )
+                        lp = _logprobs(event.logprobs) if shape.logprobs else None
+                        if event.text or event.reasoning or sent or lp:
+                            out = _out_calls(sent, calls.sent - len(sent))
+                            yield _line(shape.piece(event.text, event.reasoning, out, lp))
                     case Finished():
                         sent = calls.flush()
                         if sent:
@@ -469,30 +465,12 @@ async def _keep_alive(pipeline: Pipeline, model: str, value: wire.KeepAliveValue
     await pipeline.engine.send(KeepAlive(model=model, seconds=keep_alive_seconds(value)))
 
 
-def _unavailable(exc: ModelUnavailable) -> ApiError:
-    f = exc.failed
-    return ApiError(f.reason, f.message, retry_after=f.retry_after)
-
-
-async def _load(pipeline: Pipeline, model: str) -> None:
-    """Load ``model`` unless it is loaded (a 503 / 500 when it cannot be)."""
-    rid = f"ollama-load-{uuid.uuid4().hex}"
-    assert pipeline.models is not None
-    try:  # pinned by the request id until the Abort
-        await pipeline.models.loaded(model, rid)
-    except ModelUnavailable as exc:
-        raise _unavailable(exc) from exc
-    finally:
-        with trio.CancelScope(shield=True):
-            await pipeline.engine.send(Abort(request_id=rid))
-
-
 async def _load_only(pipeline: Pipeline, shape: Shape, model: str, keep: wire.KeepAliveValue):
     """An empty prompt: load the model (``done_reason: "load"``) or, with ``keep_alive``
     0, let it unload (``"unload"``), as ``ollama run`` / ``ollama stop`` ask."""
     clock = Clock(pipeline, model)
     if keep_alive_seconds(keep) != 0:
-        await _load(pipeline, model)
+        await load(pipeline, model)
     await _keep_alive(pipeline, model, keep)
     if keep_alive_seconds(keep) == 0:
         return json_response(shape.last("unload"))
@@ -511,7 +489,7 @@ async def _fit(pipeline: Pipeline, model: str, req, num_ctx: int | None):
     except PromptError as exc:
         raise ApiError(exc.reason, str(exc), param=exc.param) from exc
     except ModelUnavailable as exc:
-        raise _unavailable(exc) from exc
+        raise unavailable(exc) from exc
     return msgspec.structs.replace(req, sampling=within_context(req.sampling, num_ctx, prompt))
 
 
@@ -538,120 +516,6 @@ async def _timed(rest: AsyncIterator[list[ChoiceEvent]], clock: Clock):
             yield batch
     finally:
         await rest.aclose()  # type: ignore[attr-defined]
-
-
-# ---- model listings ---------------------------------------------------------------------
-
-
-def _config(model_dir: Path | None) -> dict:
-    try:
-        return json.loads((model_dir / "config.json").read_text()) if model_dir else {}
-    except (OSError, ValueError):
-        return {}
-
-
-def _details(model_dir: Path | None, backend: str = "") -> wire.Details:
-    config = _config(model_dir)
-    family = str(config.get("model_type", ""))
-    quant = config.get("quantization") or {}
-    bits = quant.get("bits") if isinstance(quant, dict) else None
-    return wire.Details(
-        format="gguf" if backend == "gguf" else "safetensors",
-        family=family,
-        families=[family] if family else None,
-        quantization_level=f"Q{bits}" if bits else str(config.get("torch_dtype", "")).upper(),
-    )
-
-
-def _digest(model: str, model_dir: Path | None) -> str:
-    return hashlib.sha256(f"{model}\0{model_dir}".encode()).hexdigest()
-
-
-def _modified(model_dir: Path | None) -> str:
-    try:
-        stamp = model_dir.stat().st_mtime if model_dir else time.time()
-    except OSError:
-        stamp = time.time()
-    return datetime.fromtimestamp(stamp, UTC).isoformat().replace("+00:00", "Z")
-
-
-def _expires(pipeline: Pipeline, model: str) -> str:
-    """When the pool unloads an idle model (far in the future: never)."""
-    at = pipeline.stats_of(model).expires_at
-    moment = datetime.fromtimestamp(at, UTC) if at > 0 else datetime(2318, 1, 1, tzinfo=UTC)
-    return moment.isoformat().replace("+00:00", "Z")
-
-
-def _tags(pipeline: Pipeline) -> wire.Tags:
-    assert pipeline.models is not None
-    listed = []
-    for e in pipeline.models.entries.values():
-        model_dir = e.info.model_dir if e.info else None
-        listed.append(
-            wire.ListedModel(
-                name=e.id,
-                model=e.id,
-                modified_at=_modified(model_dir),
-                size=e.weights_bytes,
-                digest=_digest(e.id, model_dir),
-                details=_details(model_dir, e.info.backend if e.info else ""),
-            )
-        )
-    return wire.Tags(models=listed)
-
-
-def _running(pipeline: Pipeline) -> wire.Running:
-    assert pipeline.models is not None
-    running = []
-    for e in pipeline.models.entries.values():
-        if e.state != "loaded" or e.info is None:
-            continue
-        running.append(
-            wire.RunningModel(
-                name=e.id,
-                model=e.id,
-                size=e.weights_bytes,
-                digest=_digest(e.id, e.info.model_dir),
-                details=_details(e.info.model_dir, e.info.backend),
-                expires_at=_expires(pipeline, e.id),
-                size_vram=e.weights_bytes,
-                context_length=e.info.context_length,
-            )
-        )
-    return wire.Running(models=running)
-
-
-def _capabilities(kind: str) -> list[str]:
-    if kind == "embedding":
-        return ["embedding"]
-    return ["completion", "tools", *(["vision"] if kind == "vision" else [])]
-
-
-async def _show(pipeline: Pipeline, model: str) -> wire.Show:
-    """A model's card; it loads the model if need be (its files say what it is)."""
-    assert pipeline.models is not None
-    entry = pipeline.models.entries[model]
-    if entry.info is None:
-        await _load(pipeline, model)
-    info = entry.info
-    assert info is not None
-    config = _config(info.model_dir)
-    arch = str(config.get("model_type", "unknown"))
-    model_info = {
-        "general.architecture": arch,
-        f"{arch}.context_length": info.context_length,
-        "general.vocab_size": info.vocab_size,
-    }
-    template = getattr(info.tokenizer, "chat_template", None)
-    return wire.Show(
-        modelfile=f"# served by mlxd\nFROM {info.model_dir}\n",
-        parameters="",
-        template=template if isinstance(template, str) else "",
-        details=_details(info.model_dir, info.backend),
-        model_info=model_info,
-        capabilities=_capabilities(info.kind),
-        modified_at=_modified(info.model_dir),
-    )
 
 
 # ---- embeddings -------------------------------------------------------------------------
@@ -772,18 +636,18 @@ def _routes(app: Blueprint, pipeline: Pipeline, v: Validator, any_model: Select)
     @app.get("/api/tags")
     async def tags() -> Response:
         ready()
-        return json_response(_tags(pipeline))
+        return json_response(listings.tags(pipeline))
 
     @app.get("/api/ps")
     async def ps() -> Response:
         ready()
-        return json_response(_running(pipeline))
+        return json_response(listings.running(pipeline))
 
     @app.post("/api/show")
     async def show() -> Response:
         w = v.decode(wire.show_decoder, await request.get_data(cache=False))
         model, _ = select(w.model or w.name)
-        return json_response(await _show(pipeline, model))
+        return json_response(await listings.show(pipeline, model))
 
     @app.get("/api/version")
     async def version() -> Response:

@@ -1,0 +1,149 @@
+"""Ollama's model routes: ``/api/tags``, ``/api/show`` and ``/api/ps`` (the served models as
+Ollama lists them: details read from each model's config.json, the pool's unload time),
+and loading a model with no prompt (``load``), which the chat, generate and embed
+routes use too."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+import uuid
+from datetime import UTC, datetime
+from pathlib import Path
+
+import trio
+from mlxd.actors.tokenizer import ModelUnavailable
+from mlxd.daemon.api.errors import ApiError
+from mlxd.daemon.pipeline import Pipeline
+from mlxd.protocol import ollama as wire
+from mlxd.protocol.messages import Abort
+
+
+def unavailable(exc: ModelUnavailable) -> ApiError:
+    f = exc.failed
+    return ApiError(f.reason, f.message, retry_after=f.retry_after)
+
+
+async def load(pipeline: Pipeline, model: str) -> None:
+    """Load ``model`` unless it is loaded (a 503 / 500 when it cannot be)."""
+    rid = f"ollama-load-{uuid.uuid4().hex}"
+    assert pipeline.models is not None
+    try:  # pinned by the request id until the Abort
+        await pipeline.models.loaded(model, rid)
+    except ModelUnavailable as exc:
+        raise unavailable(exc) from exc
+    finally:
+        with trio.CancelScope(shield=True):
+            await pipeline.engine.send(Abort(request_id=rid))
+
+
+def _config(model_dir: Path | None) -> dict:
+    try:
+        return json.loads((model_dir / "config.json").read_text()) if model_dir else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def _details(model_dir: Path | None, backend: str = "") -> wire.Details:
+    config = _config(model_dir)
+    family = str(config.get("model_type", ""))
+    quant = config.get("quantization") or {}
+    bits = quant.get("bits") if isinstance(quant, dict) else None
+    return wire.Details(
+        format="gguf" if backend == "gguf" else "safetensors",
+        family=family,
+        families=[family] if family else None,
+        quantization_level=f"Q{bits}" if bits else str(config.get("torch_dtype", "")).upper(),
+    )
+
+
+def _digest(model: str, model_dir: Path | None) -> str:
+    return hashlib.sha256(f"{model}\0{model_dir}".encode()).hexdigest()
+
+
+def _modified(model_dir: Path | None) -> str:
+    try:
+        stamp = model_dir.stat().st_mtime if model_dir else time.time()
+    except OSError:
+        stamp = time.time()
+    return datetime.fromtimestamp(stamp, UTC).isoformat().replace("+00:00", "Z")
+
+
+def _expires(pipeline: Pipeline, model: str) -> str:
+    """When the pool unloads an idle model (far in the future: never)."""
+    at = pipeline.stats_of(model).expires_at
+    moment = datetime.fromtimestamp(at, UTC) if at > 0 else datetime(2318, 1, 1, tzinfo=UTC)
+    return moment.isoformat().replace("+00:00", "Z")
+
+
+def tags(pipeline: Pipeline) -> wire.Tags:
+    assert pipeline.models is not None
+    listed = []
+    for e in pipeline.models.entries.values():
+        model_dir = e.info.model_dir if e.info else None
+        listed.append(
+            wire.ListedModel(
+                name=e.id,
+                model=e.id,
+                modified_at=_modified(model_dir),
+                size=e.weights_bytes,
+                digest=_digest(e.id, model_dir),
+                details=_details(model_dir, e.info.backend if e.info else ""),
+            )
+        )
+    return wire.Tags(models=listed)
+
+
+def running(pipeline: Pipeline) -> wire.Running:
+    assert pipeline.models is not None
+    running = []
+    for e in pipeline.models.entries.values():
+        if e.state != "loaded" or e.info is None:
+            continue
+        running.append(
+            wire.RunningModel(
+                name=e.id,
+                model=e.id,
+                size=e.weights_bytes,
+                digest=_digest(e.id, e.info.model_dir),
+                details=_details(e.info.model_dir, e.info.backend),
+                expires_at=_expires(pipeline, e.id),
+                size_vram=e.weights_bytes,
+                context_length=e.info.context_length,
+            )
+        )
+    return wire.Running(models=running)
+
+
+def _capabilities(kind: str) -> list[str]:
+    if kind == "embedding":
+        return ["embedding"]
+    return ["completion", "tools", *(["vision"] if kind == "vision" else [])]
+
+
+async def show(pipeline: Pipeline, model: str) -> wire.Show:
+    """A model's card; it loads the model if need be (its files say what it is)."""
+    assert pipeline.models is not None
+    entry = pipeline.models.entries[model]
+    if entry.info is None:
+        await load(pipeline, model)
+    info = entry.info
+    assert info is not None
+    config = _config(info.model_dir)
+    arch = str(config.get("model_type", "unknown"))
+    model_info = {
+        "general.architecture": arch,
+        f"{arch}.context_length": info.context_length,
+        "general.vocab_size": info.vocab_size,
+    }
+    template = getattr(info.tokenizer, "chat_template", None)
+    return wire.Show(
+        modelfile=f"# served by mlxd\nFROM {info.model_dir}\n",
+        parameters="",
+        template=template if isinstance(template, str) else "",
+        details=_details(info.model_dir, info.backend),
+        model_info=model_info,
+        capabilities=_capabilities(info.kind),
+        modified_at=_modified(info.model_dir),
+    )
