@@ -40,6 +40,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import trio
+from mlxd.actors.engine.scheduler.types import ModelInfo
 from mlxd.actors.tokenizer import ModelUnavailable, PromptError, utf8_text
 from mlxd.daemon.api.common import Select, Validator, check, json_response
 from mlxd.daemon.api.errors import ApiError, OnError, install_errors
@@ -108,8 +109,9 @@ async def embed(
         except ModelUnavailable as exc:
             raise ApiError.from_failed(exc.failed) from None
         assert info.embedding is not None, "an embedding entry loaded without its traits"
-        tokens = await _tokenize(pipeline, info.tokenizer, inputs, param)
-        tokens = _check_tokens(tokens, info.vocab_size, info.embedding, truncate, param)
+        tokens = await trio.to_thread.run_sync(  # CPU work: off the trio thread
+            _tokens, info, inputs, truncate, param, limiter=pipeline.count_limiter
+        )
         size = _check_dimensions(dimensions, info.embedding, model)
         request = EmbedRequest(request_id=rid, model=model, inputs=tuple(tokens))
         await pipeline.engine.send(Embed(request=request))
@@ -137,22 +139,18 @@ def _check_inputs(inputs: Sequence[EmbeddingInput], limits: EmbeddingLimits, par
                 raise ApiError("invalid_request", str(exc), param=where) from None
 
 
-async def _tokenize(
-    pipeline: Pipeline, tokenizer, inputs: Sequence[EmbeddingInput], param: str
+def _tokens(
+    info: ModelInfo, inputs: Sequence[EmbeddingInput], truncate: bool, param: str
 ) -> list[tuple[int, ...]]:
-    """Texts tokenized as the model's tokenizer does (its special tokens included), in a
-    worker thread; token-id inputs as given."""
-    texts = [(i, t) for i, t in enumerate(inputs) if isinstance(t, str)]
-
-    def encode() -> list[list[int]]:
-        return [tokenizer.encode(t) for _, t in texts]
-
-    encoded = await trio.to_thread.run_sync(encode, limiter=pipeline.count_limiter)
-    out = [tuple(t) if not isinstance(t, str) else () for t in inputs]
-    for (i, _), ids in zip(texts, encoded, strict=True):
+    """Texts tokenized as the model's tokenizer does (its special tokens included),
+    token-id inputs as given; then checked (worker thread)."""
+    out = []
+    for i, item in enumerate(inputs):
+        ids = tuple(info.tokenizer.encode(item)) if isinstance(item, str) else tuple(item)
         check(len(ids) > 0, f"{param}[{i}]", f"{param}[{i}] has no tokens")
-        out[i] = tuple(ids)
-    return out
+        out.append(ids)
+    assert info.embedding is not None
+    return _check_tokens(out, info.vocab_size, info.embedding, truncate, param)
 
 
 def _check_tokens(
