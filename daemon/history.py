@@ -164,19 +164,19 @@ class History:
             if _within(trace.started_at, since, now):
                 prompt, cached = prompt + trace.prompt_tokens, cached + trace.cached_tokens
         tokens, self._tokens = self._tokens, 0
-        sample = Sample(
+        sample = Sample(  # rounded: a poll after a page opens carries every sample
             seq=self._next_sample,
-            t=wall,
-            seconds=elapsed,
+            t=round(wall, 3),
+            seconds=round(elapsed, 4),
             tokens=tokens,
-            tokens_per_s=tokens / elapsed,
+            tokens_per_s=round(tokens / elapsed, 2),
             running=running,
             queued=queued,
             finished=finished,
-            ttft_p50=percentile(ttfts, 0.5),
-            ttft_p95=percentile(ttfts, 0.95),
-            cache_hit_rate=cached / prompt if prompt else None,
-            spec_acceptance=self._acceptance(speculation or {}),
+            ttft_p50=_round(percentile(ttfts, 0.5)),
+            ttft_p95=_round(percentile(ttfts, 0.95)),
+            cache_hit_rate=_round(cached / prompt if prompt else None),
+            spec_acceptance=_round(self._acceptance(speculation or {})),
             memory_bytes=memory_bytes,
         )
         self._next_sample += 1
@@ -229,6 +229,10 @@ class History:
             ttft_p50=percentile(ttfts, 0.5),
             ttft_p95=percentile(ttfts, 0.95),
         )
+
+
+def _round(value: float | None) -> float | None:
+    return None if value is None else round(value, 4)
 
 
 def _within(at: float | None, since: float | None, now: float) -> bool:
