@@ -225,7 +225,7 @@ def served(tmp_path_factory, embedding_dir, bert_dir, tiny_models):
         "[model_pool]\nmax_loaded = 3\n"
         f'[[models]]\nid = "chat"\npath = "{tiny_models("llama")}"\n'
         f'[[models]]\nid = "embed"\npath = "{embedding_dir}"\nkind = "embedding"\n'
-        f'[[models]]\nid = "bert"\npath = "{bert_dir}"\nkind = "embedding"\n'
+        f'[[models]]\nid = "bert"\npath = "{bert_dir}"\nkind = "embedding"\npreload = true\n'
     )
     port, log = free_port(), tmp / "mlxd.log"
     url = f"http://127.0.0.1:{port}"
