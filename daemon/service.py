@@ -5,7 +5,9 @@
 ``config/launchd.plist.template``; ``mlxd launchd install --print`` renders it
 on any platform. ``mlxd systemd print`` renders ``config/systemd.service.template``.
 Both run this venv's interpreter with ``-m mlxd.daemon.cli serve ...`` and give the
-service manager a stop timeout longer than mlxd's drain, so SIGTERM drains.
+service manager a stop timeout longer than mlxd's drain, so SIGTERM drains. With
+``--router`` they run ``mlxd cluster --worker URL ...`` instead (``daemon/cluster.py``),
+from ``config/*.router.*.template``: always restarted, labelled ``com.mlxd.router``.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from pathlib import Path
 from string import Template
 from xml.sax.saxutils import escape
 
+from mlxd.daemon import cluster
 from mlxd.daemon.settings import SettingsError, load_settings
 
 # ``config/`` beside the packages: the checkout's, or ``mlxd/config`` in an installed wheel.
@@ -37,6 +40,7 @@ class ServiceSpec:
     working_directory: Path
     log_dir: Path
     exit_timeout: int
+    kind: str = "server"  # or "router": `mlxd cluster`, from the *.router.* templates
 
 
 def add_parsers(sub: argparse._SubParsersAction) -> None:
@@ -64,11 +68,17 @@ def _service_options(parser: argparse.ArgumentParser, label: str) -> None:
     parser.add_argument(
         "--env", action="append", default=[], metavar="KEY=VALUE", help="service environment"
     )
+    router = parser.add_argument_group("router (`mlxd cluster` in front of several daemons)")
+    router.add_argument("--router", action="store_true", help="run the router, not a daemon")
+    router.add_argument("--worker", action="append", metavar="URL", help="a daemon's URL")
+    router.add_argument("--policy", choices=cluster.POLICIES, help="routing policy")
 
 
 def spec_from_args(args: argparse.Namespace) -> ServiceSpec:
     """The service's command line; the config is validated now, not at the first start."""
     config = args.config.expanduser().resolve() if args.config else None
+    if args.router:
+        return _router_spec(args, config)
     settings = load_settings(config)  # SettingsError: reported by the caller
     serve = [sys.executable, "-m", "mlxd.daemon.cli", "serve"]
     if args.model:
@@ -88,6 +98,36 @@ def spec_from_args(args: argparse.Namespace) -> ServiceSpec:
         working_directory=Path.home(),  # installed or not, the code is imported by name
         log_dir=(args.log_dir or Path("~/Library/Logs/mlxd")).expanduser(),
         exit_timeout=int(s.drain_timeout_s + s.flush_timeout_s) + 10,
+    )
+
+
+ROUTER_LABELS = {DEFAULT_LABEL: "com.mlxd.router", "mlxd": "mlxd-router"}
+
+
+def _router_spec(args: argparse.Namespace, config: Path | None) -> ServiceSpec:
+    """``mlxd cluster`` as the service: the flags given are checked now, as it would."""
+    if args.model:
+        raise SettingsError("--router runs no model: give the daemons' URLs with --worker")
+    checked = argparse.Namespace(
+        config=config, worker=args.worker, policy=args.policy, host=args.host, port=args.port,
+        metrics_port=None,
+    )  # fmt: skip
+    cluster.router_command(cluster.cluster_settings(checked))  # vllm-router installed, too
+    command = [sys.executable, "-m", "mlxd.daemon.cli", "cluster"]
+    for url in args.worker or []:
+        command += ["--worker", url]
+    for flag, value in (("--config", config), ("--policy", args.policy), ("--host", args.host)):
+        command += [flag, str(value)] if value is not None else []
+    command += ["--port", str(args.port)] if args.port is not None else []
+    label = ROUTER_LABELS.get(args.label, args.label)
+    return ServiceSpec(
+        label=label,
+        arguments=tuple(command),
+        environment=_environment(args.env),
+        working_directory=Path.home(),
+        log_dir=(args.log_dir or Path("~/Library/Logs/mlxd")).expanduser(),
+        exit_timeout=30,  # the router holds no request of its own past its clients' streams
+        kind="router",
     )
 
 
@@ -115,7 +155,8 @@ def render_plist(spec: ServiceSpec) -> str:
         f"        <key>{escape(k)}</key>\n{string(v, '        ')}"
         for k, v in spec.environment.items()
     )
-    template = Template((TEMPLATES / "launchd.plist.template").read_text())
+    name = "launchd.router.plist.template" if spec.kind == "router" else "launchd.plist.template"
+    template = Template((TEMPLATES / name).read_text())
     return template.substitute(
         label=escape(spec.label),
         program_arguments="\n".join(string(a, "        ") for a in spec.arguments),
@@ -148,7 +189,8 @@ def render_unit(spec: ServiceSpec) -> str:
         f"Environment={systemd_quote(f'{k}={v}', expands_variables=False)}"
         for k, v in spec.environment.items()
     )
-    template = Template((TEMPLATES / "systemd.service.template").read_text())
+    kind = "systemd.router.service.template" if spec.kind == "router" else "systemd.service.template"
+    template = Template((TEMPLATES / kind).read_text())
     return template.substitute(
         label=spec.label,
         exec_start=" ".join(systemd_quote(a) for a in spec.arguments),

@@ -1,0 +1,322 @@
+"""``mlxd cluster``: two real daemons on a tiny model behind the real vllm-router process.
+
+Conversations stay on one daemon (per-daemon request counts from ``/metrics``); a
+session header pins requests under ``consistent_hash``; a draining daemon (SIGTERM,
+``server.drain_notice_s``) loses no request; a daemon killed mid-stream ends its stream
+with an error, the other takes new requests, and the daemon rejoins when it is back;
+a killed router is started again by ``mlxd cluster`` and the daemons keep their caches.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.conftest import metric
+from tests.processes import free_port, wait_healthy
+
+pytestmark = pytest.mark.mlx
+
+ROOT = Path(__file__).resolve().parent.parent
+WAIT_S = 300.0  # a hang, not a slow machine
+
+
+def _router_installed() -> None:
+    from mlxd.daemon.cluster import INSTALL_HINT, router_executable
+
+    if router_executable() is None:
+        reason = f"vllm-router is not installed ({INSTALL_HINT})"
+        if os.environ.get("CI") == "true":
+            pytest.fail(reason)
+        pytest.skip(reason)
+
+
+class Daemon:
+    """``mlxd serve`` on a fixed loopback port, stopped and started again as a test needs."""
+
+    def __init__(self, model: Path, tmp: Path, name: str):
+        self.model, self.port, self.name = model, free_port(), name
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = tmp / f"{name}.log"
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> None:
+        self.launch()
+        self.wait()
+
+    def wait(self) -> None:
+        wait_healthy(self.url, lambda: self.proc.poll() is None, WAIT_S, self.log.read_text)
+
+    def launch(self) -> None:
+        env = {**os.environ, "HF_HUB_OFFLINE": "1", "MLXD_SERVER__DRAIN_NOTICE_S": "3"}
+        command = [sys.executable, "-m", "mlxd.daemon.cli", "serve", str(self.model)]
+        with self.log.open("a") as out:
+            self.proc = subprocess.Popen(
+                [*command, "--port", str(self.port)],
+                cwd=ROOT,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                env=env,
+            )
+
+    def requests(self) -> float:
+        """Requests this daemon has finished (0 when it is down)."""
+        try:
+            text = httpx.get(f"{self.url}/metrics", timeout=WAIT_S).text
+        except httpx.HTTPError:
+            return 0.0
+        return metric(text, "mlxd_requests_total") if "mlxd_requests_total{" in text else 0.0
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+
+class Router:
+    """``mlxd cluster`` (the wrapper) in front of the daemons."""
+
+    def __init__(self, daemons: list[Daemon], tmp: Path, policy: str):
+        self.port, self.metrics_port = free_port(), free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = tmp / f"router-{policy}.log"
+        workers = [a for d in daemons for a in ("--worker", d.url)]
+        command = [sys.executable, "-m", "mlxd.daemon.cli", "cluster", *workers]
+        command += ["--port", str(self.port), "--metrics-port", str(self.metrics_port)]
+        env = {**os.environ, "MLXD_CLUSTER__RESTART_DELAY_S": "0.5"}
+        with self.log.open("w") as out:
+            self.proc = subprocess.Popen(
+                [*command, "--policy", policy], cwd=ROOT, stdout=out, stderr=out, env=env
+            )
+        self.wait_serving()
+
+    def router_pids(self) -> list[int]:
+        return [int(p) for p in re.findall(r"router started \(pid (\d+)\)", self.log.read_text())]
+
+    def wait_serving(self) -> None:
+        deadline = time.monotonic() + WAIT_S
+        while time.monotonic() < deadline:
+            assert self.proc.poll() is None, self.log.read_text()[-3000:]
+            try:
+                if httpx.get(f"{self.url}/v1/models", timeout=5).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        raise AssertionError(f"router not serving:\n{self.log.read_text()[-3000:]}")
+
+    def stop(self) -> int:
+        self.proc.send_signal(signal.SIGTERM)
+        return self.proc.wait(timeout=WAIT_S)
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_models, tmp_path_factory):
+    _router_installed()
+    tmp = tmp_path_factory.mktemp("cluster")
+    daemons = [Daemon(tiny_models("llama"), tmp, name) for name in ("a", "b")]
+    routers: list[Router] = []
+    try:
+        for d in daemons:  # both load at once
+            d.launch()
+        for d in daemons:
+            d.wait()
+        routers.append(Router(daemons, tmp, "cache_aware"))
+        yield daemons, routers[0], tmp
+    finally:
+        for r in routers:
+            r.proc.kill()
+        for d in daemons:
+            d.stop()
+
+
+def _chat(url: str, messages: list[dict], max_tokens: int = 4, headers=None) -> dict:
+    body = {"model": "llama", "messages": messages, "max_tokens": max_tokens, "temperature": 0}
+    r = httpx.post(f"{url}/v1/chat/completions", json=body, headers=headers, timeout=WAIT_S)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def _system(tag: str) -> dict:
+    """A system prompt of a few hundred tokens, its own for each conversation."""
+    text = " ".join(f"{tag} rule {i}: keep the {tag} ledger balanced." for i in range(40))
+    return {"role": "system", "content": text}
+
+
+def _conversation(url: str, tag: str, turns: int, headers=None) -> list[dict]:
+    messages, usages = [_system(tag)], []
+    for t in range(turns):
+        messages.append({"role": "user", "content": f"{tag} turn {t}: what next?"})
+        answer = _chat(url, messages, headers=headers)
+        usages.append(answer["usage"])
+        messages.append(answer["choices"][0]["message"])
+    return usages
+
+
+def _counts(daemons: list[Daemon]) -> list[float]:
+    return [d.requests() for d in daemons]
+
+
+def test_the_router_lists_the_daemons_model(cluster):
+    _, router, _ = cluster
+    models = httpx.get(f"{router.url}/v1/models", timeout=WAIT_S).json()
+    assert [m["id"] for m in models["data"]] == ["llama"]
+
+
+def test_conversations_stay_on_the_daemon_that_holds_their_cache(cluster):
+    daemons, router, _ = cluster
+    for c in range(4):
+        before = _counts(daemons)
+        usages = _conversation(router.url, f"conv{c}", turns=3)
+        delta = [after - b for after, b in zip(_counts(daemons), before, strict=True)]
+        assert sorted(delta) == [0, 3], f"conversation {c} was split: {delta}"
+        # turns 2 and 3 reuse the prefix cached on that daemon
+        assert all((u["prompt_tokens_details"] or {})["cached_tokens"] > 0 for u in usages[1:])
+
+
+def test_a_session_header_pins_requests_under_consistent_hash(cluster):
+    daemons, _, tmp = cluster
+    router = Router(daemons, tmp, "consistent_hash")
+    try:
+        for session in ("alpha", "beta", "gamma"):
+            before = _counts(daemons)
+            for i in range(3):  # unrelated prompts: only the header ties them
+                _chat(router.url, [{"role": "user", "content": f"{i} {session}"}],
+                      headers={"X-Session-ID": session})  # fmt: skip
+            delta = [a - b for a, b in zip(_counts(daemons), before, strict=True)]
+            assert sorted(delta) == [0, 3], f"session {session} was split: {delta}"
+        # The router killed: `mlxd cluster` starts it again; the daemons keep their caches,
+        # so a conversation's next turn (same session, same daemon) is served from cache.
+        messages = [_system("restart"), {"role": "user", "content": "first"}]
+        pin = {"X-Session-ID": "restart"}
+        first = _chat(router.url, messages, headers=pin)
+        messages += [first["choices"][0]["message"], {"role": "user", "content": "second"}]
+        (pid,) = router.router_pids()
+        os.kill(pid, signal.SIGKILL)
+        deadline = time.monotonic() + WAIT_S
+        while len(router.router_pids()) < 2:
+            assert time.monotonic() < deadline, router.log.read_text()[-3000:]
+            time.sleep(0.1)
+        router.wait_serving()
+        second = _chat(router.url, messages, headers=pin)
+        cached = second["usage"]["prompt_tokens_details"]["cached_tokens"]
+        assert cached >= first["usage"]["prompt_tokens"] - 1
+        assert router.stop() == 0
+    finally:
+        router.proc.kill()
+
+
+def test_a_killed_daemon_fails_its_stream_and_rejoins(cluster):
+    daemons, router, _ = cluster
+    body = {"model": "llama", "max_tokens": 4000, "stream": True,
+            "messages": [{"role": "user", "content": "a long story"}]}  # fmt: skip
+    outcome: dict = {}
+
+    def stream() -> None:
+        lines = []
+        try:
+            with httpx.stream(
+                "POST", f"{router.url}/v1/chat/completions", json=body, timeout=WAIT_S
+            ) as r:
+                for line in r.iter_lines():
+                    lines.append(line)
+            outcome["ended"] = "cleanly"
+        except httpx.HTTPError as exc:
+            outcome["ended"] = repr(exc)
+        outcome["lines"] = lines
+
+    reader = threading.Thread(target=stream)
+    reader.start()
+    deadline = time.monotonic() + WAIT_S
+    victim = None
+    while victim is None:
+        assert time.monotonic() < deadline and reader.is_alive(), outcome
+        for d in daemons:
+            running = httpx.get(f"{d.url}/metrics", timeout=WAIT_S).text
+            if metric(running, "mlxd_requests_running") > 0:
+                victim = d
+        time.sleep(0.05)
+    victim.proc.kill()
+    victim.proc.wait()
+    reader.join(timeout=WAIT_S)
+    # no silent truncation: the stream breaks (the router ends the chunked body early),
+    # or ends with an error event; never a finish_reason and [DONE] as if it were whole
+    data = [ln for ln in outcome["lines"] if ln.startswith("data:")]
+    assert outcome["ended"] != "cleanly" or any('"error"' in ln for ln in data), data[-3:]
+    assert "data: [DONE]" not in outcome["lines"]
+    other = daemons[1 - daemons.index(victim)]
+    before = other.requests()
+    for i in range(4):  # new requests go to the daemon still up
+        _chat(router.url, [{"role": "user", "content": f"after the kill {i}"}])
+    assert other.requests() - before == 4
+    victim.start()  # it rejoins, no router restart: healthy again, and it gets requests
+    deadline = time.monotonic() + WAIT_S
+    while not _healthy_in_router(router, victim):
+        assert time.monotonic() < deadline, router.log.read_text()[-3000:]
+        time.sleep(0.2)
+    before = victim.requests()
+    for burst in range(10):  # concurrent requests: the policy sends some to the idle daemon
+        clients = [threading.Thread(target=_chat, args=(router.url, [
+            {"role": "user", "content": f"rejoin {burst} {i}"}])) for i in range(4)]  # fmt: skip
+        for t in clients:
+            t.start()
+        for t in clients:
+            t.join(timeout=WAIT_S)
+        if victim.requests() > before:
+            break
+    assert victim.requests() > before, "the restarted daemon got no request"
+
+
+def _healthy_in_router(router: Router, daemon: Daemon) -> bool:
+    workers = httpx.get(f"{router.url}/workers", timeout=WAIT_S).json()["workers"]
+    return any(w["url"] == daemon.url and w["is_healthy"] for w in workers)
+
+
+def _load(url: str, stop: threading.Event, results: list, tag: str) -> None:
+    """Short requests one after another until ``stop``; each result is a status or error."""
+    i = 0
+    while not stop.is_set():
+        body = {"model": "llama", "max_tokens": 2,
+                "messages": [{"role": "user", "content": f"{tag} {i}"}]}  # fmt: skip
+        try:
+            r = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=WAIT_S)
+            results.append(r.status_code if r.status_code == 200 else f"{r.status_code} {r.text}")
+        except httpx.HTTPError as exc:
+            results.append(repr(exc))
+        i += 1
+
+
+def test_a_draining_daemon_loses_no_request(cluster):
+    daemons, router, _ = cluster
+    stop, results = threading.Event(), []
+    clients = [threading.Thread(target=_load, args=(router.url, stop, results, f"c{i}"))
+               for i in range(3)]  # fmt: skip
+    for t in clients:
+        t.start()
+    try:
+        while len(results) < 6:
+            time.sleep(0.1)
+        draining = daemons[0]
+        draining.proc.send_signal(signal.SIGTERM)
+        health = httpx.get(f"{draining.url}/health", timeout=WAIT_S)
+        # said at once (a router stops sending), while requests are still admitted
+        assert (health.status_code, health.json()) == (503, {"status": "draining"})
+        assert draining.proc.wait(timeout=WAIT_S) == 0
+        after = len(results)
+        while len(results) < after + 6:  # the other daemon serves on
+            time.sleep(0.1)
+    finally:
+        stop.set()
+        for t in clients:
+            t.join(timeout=WAIT_S)
+    assert [r for r in results if r != 200] == []
+    assert "draining in 3.0s" in draining.log.read_text()
