@@ -390,21 +390,22 @@ class Daemon:
 def test_restarts_and_unloads_keep_contexts_warm(tmp_path, tiny_models, smollm_tokenizer):
     """SmolLM2, a GatedDeltaNet hybrid and a sliding-window model in one pool of one:
     an unload spills (the reload is a disk hit), SIGTERM spills what RAM holds, and files
-    written before a ``kill -9`` serve the next start; every warm answer equals a cold one."""
+    written before a ``kill -9`` serve the next start; every warm answer equals a cold one.
+    (SmolLM2 loads once per start: the switches that test unloads use the tiny models.)"""
     paths = {"smol": smollm_tokenizer, "hybrid": tiny_models("qwen3_5")}
     paths["swa"] = tiny_models("baichuan_m1")
     d = Daemon(tmp_path, paths)
     d.start()
     try:
-        for m in MODELS:
+        for m in ("hybrid", "smol", "swa"):
             d.turn_cold(m)  # each switch unloads the other model: its snapshots spill
-        d.turn_warm("smol")  # unloaded, reloaded: warm from disk
-        d.stop(signal.SIGTERM)  # smol's snapshots are only in RAM: the drain spills them
+        d.turn_warm("hybrid")  # unloaded, reloaded: warm from disk
+        d.stop(signal.SIGTERM)  # hybrid's newest snapshots are only in RAM: the drain spills
         d.start()
-        for m in MODELS:
+        for m in ("hybrid", "swa", "smol"):
             d.turn_warm(m)
-        d.chat("smol", d.ask("smol"))  # unloads swa: its last snapshots spill
-        d.wait_written("smol")
+        d.chat("hybrid", d.ask("hybrid"))  # unloads smol: its last snapshots spill
+        d.wait_written("hybrid")
         d.stop(signal.SIGKILL)
         d.start()
         for m in MODELS:
