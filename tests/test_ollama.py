@@ -8,6 +8,7 @@ runner with a scripted answer (``tests/scripted.py``): a random model calls no t
 
 from __future__ import annotations
 
+import io
 import json
 import math
 import os
@@ -39,14 +40,15 @@ except ImportError:  # in the test extra: a CI run without it is broken
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = "tiny"
 EMBEDDER = "tiny-embed"
+VISION = "tiny-vl"
 WAIT_S = 300.0  # a hang, not a slow machine
 GREEDY = {"temperature": 0, "num_predict": 6}
 
 
 @pytest.fixture(scope="module")
 def url(tmp_path_factory, tiny_models, smollm_tokenizer):
-    """``mlxd serve`` with the tiny llama as ``tiny`` (preloaded) and a tiny embedding
-    model as ``tiny-embed``; unknown ids are 404s."""
+    """``mlxd serve`` with the tiny llama as ``tiny`` (preloaded), a tiny embedding model
+    as ``tiny-embed`` and a tiny vision model as ``tiny-vl``; unknown ids are 404s."""
     from mlxd.scripts import tiny_models as tm
 
     tmp = tmp_path_factory.mktemp("ollama")
@@ -56,6 +58,7 @@ def url(tmp_path_factory, tiny_models, smollm_tokenizer):
         f'[model]\naccept_other_ids = false\ncache_dir = "{tmp}"\n'
         f'[[models]]\nid = "{MODEL}"\npath = "{tiny_models("llama")}"\npreload = true\n'
         f'[[models]]\nid = "{EMBEDDER}"\npath = "{embedder}"\nkind = "embedding"\n'
+        f'[[models]]\nid = "{VISION}"\npath = "{tiny_models("qwen2_vl")}"\n'
     )
     port = free_port()
     base = f"http://127.0.0.1:{port}"
@@ -140,6 +143,26 @@ def test_generate_streams_ndjson_and_answers_once_unstreamed(client, url):
     assert "".join(line["response"] for line in lines) == whole.response
 
 
+def _png() -> bytes:
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.new("RGB", (64, 64), (200, 30, 30)).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def test_images_reach_a_vision_model(client):
+    plain = client.chat(model=VISION, messages=_user("What is it?"), options=GREEDY)
+    seen = client.chat(
+        model=VISION,
+        messages=[{"role": "user", "content": "What is it?", "images": [_png()]}],
+        options=GREEDY,
+        keep_alive=0,  # done with it: room for the others
+    )
+    assert seen.done and seen.prompt_eval_count > plain.prompt_eval_count  # the image's tokens
+    assert "vision" in client.show(VISION).capabilities
+
+
 def test_raw_generate_skips_the_template(client):
     raw = client.generate(model=MODEL, prompt="Once upon a time", raw=True, options=GREEDY)
     templated = client.generate(model=MODEL, prompt="Once upon a time", options=GREEDY)
@@ -214,7 +237,7 @@ def test_format_json_schema_and_json(client, url):
 
 def test_list_show_ps_version(client, url):
     names = [m.model for m in client.list().models]
-    assert names == [MODEL, EMBEDDER]
+    assert names == [MODEL, EMBEDDER, VISION]
     shown = client.show(MODEL)
     assert "completion" in shown.capabilities and "tools" in shown.capabilities
     assert shown.modelinfo["general.architecture"] == "llama"
@@ -274,10 +297,13 @@ def test_embed_and_the_legacy_embeddings(client):
     assert _status(exc) == 400 and "dimensions" in exc.value.error
 
 
-def test_a_chat_model_does_not_embed(client):
+def test_a_chat_model_does_not_embed_nor_an_embedding_model_chat(client):
     with pytest.raises(ollama.ResponseError) as exc:
         client.embed(model=MODEL, input="a cat")
     assert _status(exc) == 400 and "embeddings" in exc.value.error
+    with pytest.raises(ollama.ResponseError) as exc:
+        client.chat(model=EMBEDDER, messages=_user())
+    assert _status(exc) == 400 and "embedding model" in exc.value.error
 
 
 # ---- errors -------------------------------------------------------------------------------
