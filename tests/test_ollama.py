@@ -175,15 +175,26 @@ def test_sampling_options_are_honoured(client):
     b = client.generate(model=MODEL, prompt="Hi", options=drawn)
     c = client.generate(model=MODEL, prompt="Hi", options={**drawn, "seed": 8})
     assert a.response == b.response != c.response
+    long = {**GREEDY, "num_predict": 16}
+    plain = client.generate(model=MODEL, prompt="Hi", options=long).response
+    penalised = client.generate(model=MODEL, prompt="Hi", options={**long, "repeat_penalty": 3.0})
+    off = {**long, "repeat_penalty": 3.0, "repeat_last_n": 0}  # a window of 0: no penalty
+    assert (
+        penalised.response
+        != plain
+        == client.generate(model=MODEL, prompt="Hi", options=off).response
+    )
     # runtime options change no answer: accepted
     tuned = {**GREEDY, "num_thread": 2, "num_gpu": 1, "use_mmap": False}
     assert client.generate(model=MODEL, prompt="Hi", options=tuned).eval_count == 6
     # a stop string taken from the greedy answer ends it there
     text = client.generate(model=MODEL, prompt="Hi", options={**GREEDY, "num_predict": 12})
-    stop = text.response[len(text.response) // 2 :].strip()[:3]
-    if stop:
-        cut = client.generate(model=MODEL, prompt="Hi", options={**GREEDY, "stop": [stop]})
-        assert stop not in cut.response and cut.done_reason == "stop"
+    stop = text.response[len(text.response) // 2 :][:3]
+    assert stop
+    cut = client.generate(
+        model=MODEL, prompt="Hi", options={**GREEDY, "num_predict": 12, "stop": [stop]}
+    )
+    assert cut.done_reason == "stop" and text.response.startswith(cut.response + stop)
 
 
 def test_num_ctx_bounds_prompt_and_answer(client):
@@ -328,6 +339,8 @@ def test_errors_in_ollamas_shape(client, url):
     for field, value in (("suffix", "end"), ("context", [1, 2]), ("template", "{{ .Prompt }}")):
         r = httpx.post(f"{url}/api/generate", json={"model": MODEL, "prompt": "a", field: value})
         assert r.status_code == 400 and field in r.json()["error"]
+    r = httpx.post(f"{url}/api/chat", json={"model": MODEL, "messages": _user(), "think": "lots"})
+    assert r.status_code == 400 and "think" in r.json()["error"]
     with pytest.raises(ollama.ResponseError) as exc:
         client.pull(MODEL)
     assert _status(exc) == 404 and "pull" in exc.value.error
