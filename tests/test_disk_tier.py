@@ -10,6 +10,7 @@ are disk hits whose greedy output equals a cold run's.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import logging
 import os
@@ -158,6 +159,38 @@ def test_incompatible_spaces_are_never_used_and_cleaned(tmp_path):
     assert store.counters().incompatible_removed >= 3 and store.counters().entries == 0
 
 
+@pytest.mark.mlx
+def test_the_loader_keys_a_space_by_model_files_adapter_template_and_kv_bits(tmp_path):
+    from mlxd.actors.engine.loading import load
+    from mlxd.actors.engine.runner.prefix_cache import PrefixCache
+    from mlxd.actors.engine.scheduler.options import DiskTierOptions, LoadOptions
+
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "weights.safetensors").write_bytes(b"x" * 10)
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    (adapter / "adapters.safetensors").write_bytes(b"y")
+    store = _store(tmp_path / "disk", models=("m",))
+
+    def space(template: str = "", **fields) -> str:
+        cache = PrefixCache(block_size=64, max_bytes=1 << 20)
+        disk = DiskTierOptions(store=store, slug="m", chat_template=template)
+        options = LoadOptions(path="", cache_dir=tmp_path, dequantize_on_cpu=False, max_batch=1)
+        options = dataclasses.replace(options, disk_tier=disk, **fields)
+        load._attach_disk(cache, options, model, lambda: [])
+        return cache.disk.space
+
+    base = space()
+    assert space() == base
+    others = [space("{{ messages }}"), space(kv_bits=4), space(kv_bits=8)]
+    others.append(space(adapter_path=adapter))
+    (model / "weights.safetensors").write_bytes(b"z" * 11)  # the weights changed
+    others.append(space())
+    assert len({base, *others}) == 6
+    store.flush()
+
+
 def test_format_version_change_cleans_files(tmp_path, monkeypatch):
     store = _store(tmp_path)
     view = store.space("m", {"k": 1})
@@ -283,7 +316,11 @@ def test_codec_round_trips_every_cache_kind_bit_for_bit():
     both.caches[1].update_and_fetch(mx.ones((1, 1, 3, 2)), mx.ones((1, 1, 3, 2)))
     quant = QuantizedKVCache(group_size=32, bits=4)
     quant.update_and_fetch(mx.random.normal((1, 2, 5, 64)), mx.random.normal((1, 2, 5, 64)))
-    snapshot = [kv, rot, arrays, both, quant]
+    from mlxd.actors.engine.runner.kv_quant import QuantizedRowCache
+
+    rows = QuantizedRowCache(group_size=32, bits=8)  # mlxd's own (engine.kv_bits)
+    rows.update_and_fetch(mx.random.normal((1, 2, 7, 64)), mx.random.normal((1, 2, 7, 64)))
+    snapshot = [kv, rot, arrays, both, quant, rows]
     mx.eval([c.state for c in snapshot])
     enc = disk_codec.encode(snapshot)
     back = disk_codec.decode(enc.layers, memoryview(b"".join(bytes(b) for b in enc.buffers)))
@@ -296,6 +333,7 @@ def test_codec_round_trips_every_cache_kind_bit_for_bit():
             else:
                 assert va == vb
     assert back[1].offset == rot.offset and back[1]._idx == rot._idx
+    assert (back[5].offset, back[5].bits, back[5].group_size) == (7, 8, 32)
 
 
 # ---- one daemon, three models, restarts --------------------------------------------------
@@ -416,7 +454,89 @@ def test_restarts_and_unloads_keep_contexts_warm(tmp_path, tiny_models, smollm_t
         assert status["cache"]["disk"]["bytes"] > 0
         metrics = httpx.get(f"{d.url}/metrics", timeout=WAIT_S).text
         assert 'mlxd_prefix_cache_hits_total{model="swa",tier="disk"}' in metrics
+        bad = httpx.delete(f"{d.url}/v1/cache", params={"tier": "ssd"}, timeout=WAIT_S)
+        assert bad.status_code == 400 and "tier" in bad.text
+        r = httpx.delete(f"{d.url}/v1/cache", params={"tier": "disk"}, timeout=WAIT_S)
+        assert r.status_code == 200
+        deadline = time.monotonic() + WAIT_S
+        while (stats := d.cache("swa"))["disk"]["entries"]:  # the I/O thread clears it soon
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        assert stats["entries"] > 0  # RAM kept its snapshots
+        assert not list((tmp_path / "disk").rglob("*.kv"))
     finally:
         if d.proc is not None and d.proc.poll() is None:
             d.proc.kill()
             d.proc.wait()
+
+
+# ---- the engine: a read never stalls decoding -----------------------------------------
+
+
+@pytest.mark.mlx
+def test_a_request_waits_for_its_read_while_others_decode_and_a_bad_file_is_a_miss(
+    tmp_path, tiny_models
+):
+    import threading
+    from collections import defaultdict
+
+    from mlxd.actors.engine.loading.load import load_runner
+    from mlxd.actors.engine.scheduler.core import EngineCore
+    from mlxd.actors.engine.scheduler.options import DiskTierOptions, PrefixCacheOptions
+
+    from tests.engine_driver import request
+
+    store = _store(tmp_path / "disk", models=("m",))
+    runner, _ = load_runner(
+        str(tiny_models("llama")),
+        tmp_path,
+        dequantize_on_cpu=True,
+        max_batch=4,
+        prefix_cache=PrefixCacheOptions(block_size=16, max_bytes=64 << 20),
+        disk_tier=DiskTierOptions(store=store, slug="m"),
+    )
+    core = EngineCore(runner, max_batch=4, prefill_chunk_tokens=64)
+
+    def run(*requests, until=None):
+        out: dict[str, list[int]] = defaultdict(list)
+        started = {}
+        for r in requests:
+            core.submit(r)
+        while not core.idle and (until is None or not until(out)):
+            step = core.step()
+            started |= {s.request_id: s.cached_tokens for s in step.started}
+            for t in step.tokens:
+                out[t.request_id] += t.tokens
+        return out, started
+
+    prompt = [(7 * i) % 5000 + 10 for i in range(120)]
+    longer = prompt + [11, 12, 13]
+    cold, _ = run(request("cold", longer, 8))
+    runner.clear_cache()
+    run(request("first", prompt, 4))
+    runner.spill_cache(wait=True)  # RAM empty, the snapshot on disk
+    assert runner.prefix_cache.stats.entries == 0 and store.counters().entries == 1
+    gate = threading.Event()
+    store._io.submit(gate.wait)  # the I/O thread is busy: the read below waits
+    threading.Timer(WAIT_S, gate.set).start()  # a read on the engine thread: fail, not hang
+    out, _ = run(request("other", [5, 6, 7, 8] * 10, 40), until=lambda o: len(o["other"]) >= 2)
+    core.submit(request("warm", longer, 8))
+    before = len(out["other"])
+    for _ in range(5):
+        step = core.step()
+        out["other"] += [x for t in step.tokens for x in t.tokens]
+        assert not step.started  # the warm request waits, not prefilling
+    assert len(out["other"]) == before + 5  # decoding went on, a token per step
+    gate.set()
+    rest, started = run()
+    assert started["warm"] > 0 and runner.prefix_cache.stats.disk_hits == 1
+    assert rest["warm"] == cold["cold"]  # the same greedy answer as a cold run
+    runner.spill_cache(wait=True)
+    for path in (tmp_path / "disk").rglob("*.kv"):
+        data = bytearray(path.read_bytes())
+        data[-5] ^= 0xFF
+        path.write_bytes(bytes(data))
+    again, started = run(request("again", longer, 8))
+    assert started["again"] == 0 and again["again"] == cold["cold"]
+    assert store.counters().corrupt_removed >= 1
+    store.close()
