@@ -518,7 +518,9 @@ def test_a_request_waits_for_its_read_while_others_decode_and_a_bad_file_is_a_mi
     assert runner.prefix_cache.stats.entries == 0 and store.counters().entries == 1
     gate = threading.Event()
     store._io.submit(gate.wait)  # the I/O thread is busy: the read below waits
-    threading.Timer(WAIT_S, gate.set).start()  # a read on the engine thread: fail, not hang
+    timer = threading.Timer(WAIT_S, gate.set)  # a read on the engine thread: fail, not hang
+    timer.daemon = True
+    timer.start()
     out, _ = run(request("other", [5, 6, 7, 8] * 10, 40), until=lambda o: len(o["other"]) >= 2)
     core.submit(request("warm", longer, 8))
     before = len(out["other"])
@@ -528,6 +530,7 @@ def test_a_request_waits_for_its_read_while_others_decode_and_a_bad_file_is_a_mi
         assert not step.started  # the warm request waits, not prefilling
     assert len(out["other"]) == before + 5  # decoding went on, a token per step
     gate.set()
+    timer.cancel()
     rest, started = run()
     assert started["warm"] > 0 and runner.prefix_cache.stats.disk_hits == 1
     assert rest["warm"] == cold["cold"]  # the same greedy answer as a cold run
