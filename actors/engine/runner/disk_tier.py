@@ -194,6 +194,7 @@ class DiskStore:
         self._lock = threading.Lock()
         self._spaces: dict[str, _Space] = {}
         self._pending = 0  # bytes spilled, not yet written
+        self._doomed: list[Path] = []  # files dropped from the index, to delete unlocked
         self._io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mlxd-disk")
         self.scanned: Future[None] = self._io.submit(self._scan)
 
@@ -265,6 +266,7 @@ class DiskStore:
                 self._index_file(child.name, path)
         with self._lock:
             self._fit(0)
+        self._sweep()
         self._probe_writable()
         log.info(
             "prefix cache on disk: %d snapshots, %.0f MiB of %.0f MiB in %s",
@@ -328,13 +330,15 @@ class DiskStore:
             data = b""
         header = _parse(data)
         with self._lock:
-            if header is None or tuple(header["tokens"]) != entry.tokens:
+            bad = header is None or tuple(header["tokens"]) != entry.tokens
+            if bad:
                 self.stats.corrupt_removed += 1
                 self._forget(entry)
-                _unlink(entry.path)
-                return None
             now = time.time()
             entry.used = now
+        if bad:
+            _unlink(entry.path)
+            return None
         try:
             os.utime(entry.path, (now, now))
         except OSError:
@@ -377,9 +381,13 @@ class DiskStore:
         size = _HEAD.size + len(head) + enc.nbytes
         with self._lock:
             s = self._spaces.get(space)
-            if size > self.max_bytes or (s is not None and s.covers(tokens, trimmable)):
+            if s is not None and s.covers(tokens, trimmable):
+                return
+            if size > self.max_bytes:
+                self.stats.spills_dropped += 1
                 return
             self._fit(size)
+        self._sweep()
         directory = self.root / space
         directory.mkdir(parents=True, exist_ok=True)
         name = hashlib.sha256(repr(tokens).encode()).hexdigest()[:32]
@@ -405,6 +413,7 @@ class DiskStore:
             self.stats.writes += 1
             if trimmable:
                 self._drop_prefixes_of(entry)
+        self._sweep()
 
     def _clear(self, space: str | None) -> None:
         self.scanned.result()
@@ -446,7 +455,7 @@ class DiskStore:
             other = space.entries[key]
             if other is not entry and other.trimmable and entry.tokens[: len(key)] == key:
                 self._forget(other)
-                _unlink(other.path)
+                self._doomed.append(other.path)
 
     def _fit(self, incoming: int) -> None:
         """Delete least recently used files until ``incoming`` more bytes fit the budget."""
@@ -457,8 +466,15 @@ class DiskStore:
             if self.stats.bytes + incoming <= self.max_bytes:
                 return
             self._forget(victim)
-            _unlink(victim.path)
+            self._doomed.append(victim.path)
             self.stats.evictions += 1
+
+    def _sweep(self) -> None:
+        """Delete the files dropped from the index (I/O thread, outside the lock)."""
+        with self._lock:
+            doomed, self._doomed = self._doomed, []
+        for path in doomed:
+            _unlink(path)
 
     def _writes_off(self, exc: OSError) -> None:
         if self.stats.writable:
