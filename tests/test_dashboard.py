@@ -448,6 +448,7 @@ def test_the_unload_button_unloads_a_models_entry(tab, daemon):
     assert r.status_code == 200 and r.json()["state"] == "loaded"
     page = tab.open()
     page.wait_for_selector("#models tr[data-model=spare] .badge.loaded")
+    assert page.text_content("#models tr[data-model=spare] .activity").strip() == "idle"
     page.click("#models tr[data-model=spare] button[data-action=unload]")
     page.wait_for_selector("#models tr[data-model=spare] .badge.unloaded")
     view = httpx.get(f"{daemon}/v1/dashboard", headers=AUTH, timeout=WAIT_S).json()

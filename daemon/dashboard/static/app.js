@@ -133,6 +133,12 @@ function modelRow(m) {
   const badge = document.createElement("span");
   setBadge(badge, m.state);
   stateCell.append(badge);
+  if (m.state === "loaded") {  // idle: nothing for it in flight (an unload may go ahead)
+    const activity = document.createElement("span");
+    activity.className = "muted activity";
+    activity.textContent = m.open_requests ? " busy" : " idle";
+    stateCell.append(activity);
+  }
   if (m.error) {
     const error = document.createElement("div");
     error.className = "error";
@@ -226,13 +232,16 @@ function lineChart(svg, series, from, to, format, fixedMax) {
   series.forEach((points, i) => {
     let d = "", run = [];
     const flush = () => {  // a point alone (gaps on both sides) is drawn as a dot
-      if (run.length === 1) d += `M${run[0]}h0.01`;
-      else if (run.length) d += `M${run.join("L")}`;
+      if (run.length === 1) {
+        children.push(svgEl("circle", { class: `d${i}`, cx: run[0][0], cy: run[0][1], r: 2.5 }));
+      } else if (run.length) {
+        d += `M${run.map((p) => p.join(",")).join("L")}`;
+      }
       run = [];
     };
     for (const [t, v] of points) {
       if (v === null || v === undefined || t < from) { flush(); continue; }
-      run.push(`${x(t).toFixed(1)},${y(Math.min(v, max)).toFixed(1)}`);
+      run.push([x(t).toFixed(1), y(Math.min(v, max)).toFixed(1)]);
     }
     flush();
     if (d) children.push(svgEl("path", { class: `s${i}`, d }));
