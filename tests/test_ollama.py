@@ -303,6 +303,7 @@ def test_embed_and_the_legacy_embeddings(client):
     legacy = client.embeddings(model=EMBEDDER, prompt="a cat").embedding
     assert np.allclose(legacy, cat, atol=1e-5)
     assert client.show(EMBEDDER).capabilities == ["embedding"]
+    assert client.embed(model=EMBEDDER, input=[]).embeddings == []  # only loads it
     with pytest.raises(ollama.ResponseError) as exc:
         client.embed(model=EMBEDDER, input="a cat", dimensions=len(cat) + 1)
     assert _status(exc) == 400 and "dimensions" in exc.value.error

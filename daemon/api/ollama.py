@@ -537,7 +537,7 @@ async def _embed(
     as Ollama answers an empty input)."""
     clock = Clock(pipeline, model)
     if not texts:
-        await _load_only(pipeline, Shape(False, model, False), model, None)
+        await load(pipeline, model)
         return None, clock
     return await embed(pipeline, model, texts, limits=limits, **kw), clock
 
