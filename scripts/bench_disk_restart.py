@@ -86,7 +86,11 @@ def main() -> None:
         disk = sum(p.stat().st_size for p in (tmp / "disk").rglob("*.kv"))
         print(f"after SIGTERM: {disk / 2**20:.0f} MiB on disk")
         proc = _start(args.model, port, config, log)
-        second = [*first, {"role": "assistant", "content": "Hi."}, {"role": "user", "content": "Go on."}]
+        second = [
+            *first,
+            {"role": "assistant", "content": "Hi."},
+            {"role": "user", "content": "Go on."},
+        ]
         warm, cached, size = _ask(port, second)
         print(f"turn 2 after restart (disk hit, {size}, {cached} cached): {warm:.2f} s")
         httpx.delete(f"http://127.0.0.1:{port}/v1/cache", timeout=WAIT_S).raise_for_status()
