@@ -112,7 +112,7 @@ def _router_spec(args: argparse.Namespace, config: Path | None) -> ServiceSpec:
         config=config, worker=args.worker, policy=args.policy, host=args.host, port=args.port,
         metrics_port=None,
     )  # fmt: skip
-    cluster.router_command(cluster.cluster_settings(checked))  # vllm-router installed, too
+    cluster.router_command(cluster.cluster_settings(checked))  # the router installed, too
     command = [sys.executable, "-m", "mlxd.daemon.cli", "cluster"]
     for url in args.worker or []:
         command += ["--worker", url]
@@ -147,6 +147,11 @@ def _environment(pairs: list[str]) -> dict[str, str]:
 # ---- rendering ----------------------------------------------------------------------------
 
 
+def _suffix(spec: ServiceSpec) -> str:
+    """The template's name part: ``.router`` for the router's, none for the daemon's."""
+    return ".router" if spec.kind == "router" else ""
+
+
 def render_plist(spec: ServiceSpec) -> str:
     def string(value: str, indent: str) -> str:
         return f"{indent}<string>{escape(value)}</string>"
@@ -155,8 +160,7 @@ def render_plist(spec: ServiceSpec) -> str:
         f"        <key>{escape(k)}</key>\n{string(v, '        ')}"
         for k, v in spec.environment.items()
     )
-    name = "launchd.router.plist.template" if spec.kind == "router" else "launchd.plist.template"
-    template = Template((TEMPLATES / name).read_text())
+    template = Template((TEMPLATES / f"launchd{_suffix(spec)}.plist.template").read_text())
     return template.substitute(
         label=escape(spec.label),
         program_arguments="\n".join(string(a, "        ") for a in spec.arguments),
@@ -189,8 +193,7 @@ def render_unit(spec: ServiceSpec) -> str:
         f"Environment={systemd_quote(f'{k}={v}', expands_variables=False)}"
         for k, v in spec.environment.items()
     )
-    kind = "systemd.router.service.template" if spec.kind == "router" else "systemd.service.template"
-    template = Template((TEMPLATES / kind).read_text())
+    template = Template((TEMPLATES / f"systemd{_suffix(spec)}.service.template").read_text())
     return template.substitute(
         label=spec.label,
         exec_start=" ".join(systemd_quote(a) for a in spec.arguments),
