@@ -100,7 +100,7 @@ def _cursor(name: str) -> int:
     return int(raw)
 
 
-def install(app: QuartTrio, pipeline: Pipeline, settings: Settings, select) -> None:
+def install(app: QuartTrio, pipeline: Pipeline, settings: Settings) -> None:
     """The page (read once, now: a wheel serves its own copy) and the dashboard's routes."""
     pages = {path: (_static(name), kind) for path, (name, kind) in _STATIC.items()}
     history = pipeline.history
