@@ -19,6 +19,7 @@ from mlxd.actors.engine.scheduler.options import EmbeddingOptions
 from mlxd.protocol.messages import EmbedRequest, RunnerCounters, TokenizedRequest
 
 from tests.conftest import chat as chat_request
+from tests.conftest import metric
 from tests.processes import free_port, wait_healthy
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -377,3 +378,7 @@ def test_api_refusals(served):
     assert r.status_code == 200, r.text
     assert len(embed(served, "still here")["data"]) == 1
     assert_idle(served)
+    # a refusal once the request had a session (the input was too long) counts as a 400
+    metrics = served.get("/metrics").text
+    assert metric(metrics, "mlxd_requests_total", 'model="embed",status="400"') >= 1
+    assert 'model="embed",status="499"' not in metrics  # never as a client that left

@@ -116,9 +116,26 @@ async def embed(
         request = EmbedRequest(request_id=rid, model=model, inputs=tuple(tokens))
         await pipeline.engine.send(Embed(request=request))
         vectors = await _result(session)
+    except ApiError as error:
+        _observe(session, error)
+        raise
     finally:
         await session.close()
     return EmbeddingResult(model, _cut(vectors, size, info.embedding), tuple(map(len, tokens)))
+
+
+def _observe(session: Session, error: ApiError) -> None:
+    """A refusal after the session opened is the session's outcome (its trace, not the
+    error handler, counts it)."""
+    if not error.in_session:
+        failed = Failed(
+            request_id=session.request_id,
+            reason=error.reason,  # type: ignore[arg-type]
+            message=str(error),
+            param=error.param,
+        )
+        session.trace.observe([failed], trio.current_time())
+        error.in_session = True
 
 
 def _check_inputs(inputs: Sequence[EmbeddingInput], limits: EmbeddingLimits, param: str) -> None:
