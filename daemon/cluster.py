@@ -1,11 +1,12 @@
-"""``mlxd cluster``: vllm-router in front of several mlxd daemons, as one process to run.
+"""``mlxd cluster``: SGLang's router in front of several mlxd daemons, as one process to run.
 
 Each daemon serves the model on its own machine (or port); the router
-(``pip install 'mlxd[cluster]'``, a Rust binary in the ``vllm-router`` wheel) listens
-for clients and sends each request to one daemon. Its ``cache_aware`` policy keeps an
-approximate prefix tree of the request text per daemon, so an agent's next turn goes
-where its conversation is cached (past an in-flight imbalance it sends new requests to
-the idlest); ``consistent_hash`` pins requests by their ``X-Session-ID`` header;
+(``pip install 'mlxd[cluster]'``, a Rust binary in the ``sglang-router`` wheel, which
+exists for macOS arm64 and Linux) listens for clients and sends each request to one
+daemon. Its ``cache_aware`` policy keeps an approximate prefix tree of the request text
+per daemon, so an agent's next turn goes where its conversation is cached (past an
+in-flight imbalance it sends new requests to the idlest); ``manual`` pins requests by
+their ``X-SMG-Routing-Key`` header (a session key; none: a random daemon);
 ``round_robin`` ignores both.
 
 The router polls each daemon's ``/health``: 503 while the model loads or while the
@@ -34,14 +35,14 @@ from urllib.parse import urlsplit
 from mlxd.daemon.settings import ClusterSettings, Settings, SettingsError, load_settings
 
 log = logging.getLogger("mlxd.cluster")
-POLICIES = ("cache_aware", "round_robin", "consistent_hash")
-INSTALL_HINT = "pip install 'mlxd[cluster]' (the vllm-router wheel)"
+POLICIES = ("cache_aware", "round_robin", "manual")
+INSTALL_HINT = "pip install 'mlxd[cluster]' (the sglang-router wheel)"
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     """The ``cluster`` subcommand; its flags override ``[cluster]``."""
     cluster = sub.add_parser(
-        "cluster", help="run vllm-router in front of several mlxd daemons (see --help)"
+        "cluster", help="run a router in front of several mlxd daemons (see --help)"
     )
     cluster.add_argument(
         "--worker", action="append", metavar="URL", help="a daemon's URL (repeat per daemon)"
@@ -91,16 +92,16 @@ def check_worker_url(url: str) -> None:
 
 
 def router_executable() -> list[str] | None:
-    """How to run vllm-router: this interpreter when the wheel is installed beside mlxd,
-    else a ``vllm-router`` on PATH; None when neither is there."""
-    if importlib.util.find_spec("vllm_router") is not None:
-        return [sys.executable, "-m", "vllm_router.launch_router"]
-    found = shutil.which("vllm-router")
-    return [found] if found else None
+    """How to run the router: this interpreter when the wheel is installed beside mlxd,
+    else the ``smg`` launcher on PATH; None when neither is there."""
+    if importlib.util.find_spec("sglang_router") is not None:
+        return [sys.executable, "-m", "sglang_router.launch_router"]
+    found = shutil.which("smg")
+    return [found, "launch"] if found else None
 
 
 def router_arguments(c: ClusterSettings) -> list[str]:
-    """vllm-router's flags for ``[cluster]``: the daemons, the policy, fast health checks
+    """The router's flags for ``[cluster]``: the daemons, the policy, fast health checks
     (a draining or dead daemon gets no new request within ``health_check_interval_s``
     times ``health_failure_threshold``), retries on another daemon, and no circuit
     breaker (health checks alone take a daemon out and bring it back)."""
@@ -133,10 +134,10 @@ def router_arguments(c: ClusterSettings) -> list[str]:
 
 
 def router_command(c: ClusterSettings) -> list[str]:
-    """The whole command line; ``SettingsError`` when vllm-router is not installed."""
+    """The whole command line; ``SettingsError`` when the router is not installed."""
     executable = router_executable()
     if executable is None:
-        raise SettingsError(f"cluster: vllm-router is not installed: {INSTALL_HINT}")
+        raise SettingsError(f"cluster: the router is not installed: {INSTALL_HINT}")
     return [*executable, *router_arguments(c)]
 
 

@@ -1,10 +1,12 @@
-"""``mlxd cluster``: two real daemons on a tiny model behind the real vllm-router process.
+"""``mlxd cluster``: two real daemons on a tiny model behind the real SGLang router process.
 
 Conversations stay on one daemon (per-daemon request counts from ``/metrics``); a
-session header pins requests under ``consistent_hash``; a draining daemon (SIGTERM,
+session header pins requests under ``manual``; a draining daemon (SIGTERM,
 ``server.drain_notice_s``) loses no request; a daemon killed mid-stream ends its stream
 with an error, the other takes new requests, and the daemon rejoins when it is back;
 a killed router is started again by ``mlxd cluster`` and the daemons keep their caches.
+The router probes each daemon with a gRPC (HTTP/2) health check when it registers it:
+mlxd refuses HTTP/2 streams, and serves on.
 """
 
 from __future__ import annotations
@@ -24,8 +26,6 @@ import pytest
 from tests.conftest import metric
 from tests.processes import free_port, wait_healthy
 
-pytestmark = pytest.mark.mlx
-
 ROOT = Path(__file__).resolve().parent.parent
 WAIT_S = 300.0  # a hang, not a slow machine
 
@@ -34,7 +34,7 @@ def _router_installed() -> None:
     from mlxd.daemon.cluster import INSTALL_HINT, router_executable
 
     if router_executable() is None:
-        reason = f"vllm-router is not installed ({INSTALL_HINT})"
+        reason = f"the router is not installed ({INSTALL_HINT})"
         if os.environ.get("CI") == "true":
             pytest.fail(reason)
         pytest.skip(reason)
@@ -119,6 +119,58 @@ class Router:
         return self.proc.wait(timeout=WAIT_S)
 
 
+# ---- the command line and the service files (no daemon) ------------------------------------
+
+
+def test_the_router_command_line_comes_from_the_flags_and_settings(capsys, monkeypatch):
+    from mlxd.daemon.cli import main
+
+    _router_installed()
+    monkeypatch.setenv("MLXD_CLUSTER__HEALTH_CHECK_INTERVAL_S", "3")
+    argv = ["cluster", "--worker", "http://a.local:8000", "--worker", "http://b.local:8001/"]
+    assert main([*argv, "--policy", "round_robin", "--port", "9000", "--print"]) == 0
+    words = capsys.readouterr().out.split()
+    at = words.index("--worker-urls")
+    assert words[at + 1 : at + 3] == ["http://a.local:8000", "http://b.local:8001"]
+    pairs = dict(zip(words, words[1:], strict=False))
+    assert pairs["--policy"] == "round_robin" and pairs["--port"] == "9000"
+    assert pairs["--health-check-interval-secs"] == "3"
+    assert pairs["--health-check-endpoint"] == "/health"
+    assert "--cache-threshold" not in words  # cache_aware's own flags only for it
+
+
+@pytest.mark.parametrize(
+    ("url", "why"),
+    [("localhost:8000", "http(s)://HOST:PORT"), ("http://a.local", "no port"),
+     ("http://a.local:8000/v1", "no path"), ("http://a.local:x", "worker")],
+)  # fmt: skip
+def test_a_worker_url_the_router_cannot_use_is_refused(capsys, url, why):
+    from mlxd.daemon.cli import main
+
+    assert main(["cluster", "--worker", url, "--print"]) == 2
+    assert why in capsys.readouterr().err
+
+
+def test_the_router_service_runs_mlxd_cluster(capsys):
+    import configparser
+
+    from mlxd.daemon.cli import main
+
+    _router_installed()
+    argv = ["systemd", "print", "--router", "--worker", "http://a.local:8000", "--host", "0.0.0.0"]
+    assert main(argv) == 0
+    unit = configparser.ConfigParser(interpolation=None, strict=False)
+    unit.read_string(capsys.readouterr().out)
+    exec_start = unit["Service"]["ExecStart"].split()
+    assert exec_start[1:] == ["-m", "mlxd.daemon.cli", "cluster", "--worker",
+                              "http://a.local:8000", "--host", "0.0.0.0"]  # fmt: skip
+    assert unit["Service"]["Restart"] == "always"
+    assert main(["systemd", "print", "--router"]) == 2  # no daemon to route to
+
+
+# ---- two daemons behind the router -----------------------------------------------------------
+
+
 @pytest.fixture(scope="module")
 def cluster(tiny_models, tmp_path_factory):
     _router_installed()
@@ -166,12 +218,41 @@ def _counts(daemons: list[Daemon]) -> list[float]:
     return [d.requests() for d in daemons]
 
 
+@pytest.mark.mlx
+def test_an_http2_request_is_refused_and_the_daemon_serves_on(cluster):
+    import socket
+
+    import h2.config
+    import h2.connection
+    import h2.events
+
+    daemon = cluster[0][0]
+    conn = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
+    conn.initiate_connection()
+    headers = [(":method", "POST"), (":path", "/v1/chat/completions"), (":scheme", "http"),
+               (":authority", "127.0.0.1"), ("content-type", "application/grpc")]  # fmt: skip
+    conn.send_headers(1, headers, end_stream=True)
+    events = []
+    with socket.create_connection(("127.0.0.1", daemon.port), timeout=WAIT_S) as sock:
+        sock.sendall(conn.data_to_send())
+        while not any(isinstance(e, h2.events.StreamReset | h2.events.ConnectionTerminated)
+                      for e in events):  # fmt: skip
+            data = sock.recv(65536)
+            if not data:
+                break
+            events += conn.receive_data(data)
+    assert not any(isinstance(e, h2.events.ResponseReceived) for e in events), events
+    assert httpx.get(f"{daemon.url}/health", timeout=WAIT_S).status_code == 200
+
+
+@pytest.mark.mlx
 def test_the_router_lists_the_daemons_model(cluster):
     _, router, _ = cluster
     models = httpx.get(f"{router.url}/v1/models", timeout=WAIT_S).json()
     assert [m["id"] for m in models["data"]] == ["llama"]
 
 
+@pytest.mark.mlx
 def test_conversations_stay_on_the_daemon_that_holds_their_cache(cluster):
     daemons, router, _ = cluster
     for c in range(4):
@@ -183,38 +264,47 @@ def test_conversations_stay_on_the_daemon_that_holds_their_cache(cluster):
         assert all((u["prompt_tokens_details"] or {})["cached_tokens"] > 0 for u in usages[1:])
 
 
-def test_a_session_header_pins_requests_under_consistent_hash(cluster):
+@pytest.mark.mlx
+def test_a_session_header_pins_requests_under_the_manual_policy(cluster):
     daemons, _, tmp = cluster
-    router = Router(daemons, tmp, "consistent_hash")
+    router = Router(daemons, tmp, "manual")
     try:
         for session in ("alpha", "beta", "gamma"):
             before = _counts(daemons)
             for i in range(3):  # unrelated prompts: only the header ties them
                 _chat(router.url, [{"role": "user", "content": f"{i} {session}"}],
-                      headers={"X-Session-ID": session})  # fmt: skip
+                      headers={"X-SMG-Routing-Key": session})  # fmt: skip
             delta = [a - b for a, b in zip(_counts(daemons), before, strict=True)]
             assert sorted(delta) == [0, 3], f"session {session} was split: {delta}"
-        # The router killed: `mlxd cluster` starts it again; the daemons keep their caches,
-        # so a conversation's next turn (same session, same daemon) is served from cache.
-        messages = [_system("restart"), {"role": "user", "content": "first"}]
-        pin = {"X-Session-ID": "restart"}
-        first = _chat(router.url, messages, headers=pin)
-        messages += [first["choices"][0]["message"], {"role": "user", "content": "second"}]
-        (pid,) = router.router_pids()
-        os.kill(pid, signal.SIGKILL)
-        deadline = time.monotonic() + WAIT_S
-        while len(router.router_pids()) < 2:
-            assert time.monotonic() < deadline, router.log.read_text()[-3000:]
-            time.sleep(0.1)
-        router.wait_serving()
-        second = _chat(router.url, messages, headers=pin)
-        cached = second["usage"]["prompt_tokens_details"]["cached_tokens"]
-        assert cached >= first["usage"]["prompt_tokens"] - 1
         assert router.stop() == 0
     finally:
         router.proc.kill()
 
 
+@pytest.mark.mlx
+def test_a_killed_router_is_started_again_and_the_daemons_keep_their_caches(cluster):
+    daemons, router, _ = cluster
+    messages = [_system("restart"), {"role": "user", "content": "first"}]
+    before = _counts(daemons)
+    first = _chat(router.url, messages)
+    served = [a - b for a, b in zip(_counts(daemons), before, strict=True)]
+    holder = daemons[served.index(1)]
+    caches = [httpx.get(f"{d.url}/v1/cache", timeout=WAIT_S).json() for d in daemons]
+    pids = router.router_pids()
+    os.kill(pids[-1], signal.SIGKILL)  # the router itself, not `mlxd cluster`
+    deadline = time.monotonic() + WAIT_S
+    while len(router.router_pids()) == len(pids):
+        assert time.monotonic() < deadline, router.log.read_text()[-3000:]
+        time.sleep(0.1)
+    router.wait_serving()
+    assert caches == [httpx.get(f"{d.url}/v1/cache", timeout=WAIT_S).json() for d in daemons]
+    again = _chat(holder.url, messages)  # the conversation's prefix is still cached there
+    cached = again["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert cached >= first["usage"]["prompt_tokens"] - 1
+    _chat(router.url, messages)  # and the new router serves
+
+
+@pytest.mark.mlx
 def test_a_killed_daemon_fails_its_stream_and_rejoins(cluster):
     daemons, router, _ = cluster
     body = {"model": "llama", "max_tokens": 4000, "stream": True,
@@ -295,6 +385,7 @@ def _load(url: str, stop: threading.Event, results: list, tag: str) -> None:
         i += 1
 
 
+@pytest.mark.mlx
 def test_a_draining_daemon_loses_no_request(cluster):
     daemons, router, _ = cluster
     stop, results = threading.Event(), []
