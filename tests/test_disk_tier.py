@@ -344,7 +344,7 @@ SYSTEM = (
     "name files and functions exactly, and say when you are not sure. The project is a "
     "serving daemon with an HTTP front end, a tokenizer stage, one generation thread and "
     "a streamer; its prefix cache keeps snapshots of prompts in memory and on disk. "
-) * 2
+)  # past one 64-token block
 MODELS = ("smol", "hybrid", "swa")
 
 
@@ -384,7 +384,7 @@ class Daemon:
         assert code == (0 if sig == signal.SIGTERM else -signal.SIGKILL), self.log.read_text()
 
     def chat(self, model: str, messages: list[dict]) -> tuple[str, int]:
-        body = {"model": model, "messages": messages, "max_tokens": 6, "temperature": 0}
+        body = {"model": model, "messages": messages, "max_tokens": 4, "temperature": 0}
         r = httpx.post(f"{self.url}/v1/chat/completions", json=body, timeout=WAIT_S)
         assert r.status_code == 200, r.text
         data = r.json()
