@@ -12,7 +12,8 @@ their ``X-SMG-Routing-Key`` header (a session key; none: a random daemon);
 The router polls each daemon's ``/health``: 503 while the model loads or while the
 daemon drains (``server.drain_notice_s`` makes a daemon say so before it refuses any
 request), 200 once it serves, so daemons join, leave and come back without a router
-restart. This module only builds the router's command line from ``[cluster]`` and the
+restart. It reads ``/server_info`` once per daemon for the model it lists, and probes
+with gRPC over HTTP/2 first, which mlxd refuses (``supervisor.http_config``). This module only builds the router's command line from ``[cluster]`` and the
 flags, and supervises the process: SIGTERM/SIGINT/SIGHUP pass to it, and a router that
 exits on its own is started again after ``cluster.restart_delay_s``.
 """
@@ -163,7 +164,7 @@ class Supervisor:
         quick_exits = 0
         while True:
             started = time.monotonic()
-            self.proc = subprocess.Popen(self.command)
+            self.proc = subprocess.Popen(self.command, preexec_fn=_die_with_parent)
             log.info("router started (pid %d)", self.proc.pid)
             code = self.proc.wait()
             if self.stopping is not None:
@@ -177,6 +178,15 @@ class Supervisor:
             time.sleep(self.restart_delay_s)
             if self.stopping is not None:
                 return 0
+
+
+def _die_with_parent() -> None:
+    """Linux: the router gets SIGTERM when ``mlxd cluster`` dies, even by SIGKILL (macOS
+    has no such call: there a killed wrapper leaves the router running)."""
+    if sys.platform == "linux":
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
 def cluster_command(args: argparse.Namespace) -> int:

@@ -115,8 +115,13 @@ class Router:
         raise AssertionError(f"router not serving:\n{self.log.read_text()[-3000:]}")
 
     def stop(self) -> int:
-        self.proc.send_signal(signal.SIGTERM)
-        return self.proc.wait(timeout=WAIT_S)
+        """SIGTERM (passed on to the router); a kill only if that does not end it."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(timeout=WAIT_S)
+        finally:
+            self.proc.kill()
 
 
 # ---- the command line and the service files (no daemon) ------------------------------------
@@ -186,7 +191,7 @@ def cluster(tiny_models, tmp_path_factory):
         yield daemons, routers[0], tmp
     finally:
         for r in routers:
-            r.proc.kill()
+            r.stop()
         for d in daemons:
             d.stop()
 
@@ -278,7 +283,7 @@ def test_a_session_header_pins_requests_under_the_manual_policy(cluster):
             assert sorted(delta) == [0, 3], f"session {session} was split: {delta}"
         assert router.stop() == 0
     finally:
-        router.proc.kill()
+        router.stop()
 
 
 @pytest.mark.mlx
