@@ -78,6 +78,8 @@ def serve_once(mlxd: Path, model: Path, cwd: Path, env: dict[str, str]) -> tuple
         wait_healthy(base, lambda: proc.poll() is None, 60)
         body = {"model": "wheel", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}
         status = httpx.post(f"{base}/v1/chat/completions", json=body, timeout=30).status_code
+        page = httpx.get(f"{base}/", timeout=30)  # the dashboard, from the wheel's own files
+        assert page.status_code == 200 and "/dashboard/app.js" in page.text
     finally:
         proc.terminate()
         log = proc.communicate(timeout=60)[0]
@@ -92,6 +94,8 @@ def test_the_wheel_installs_into_a_fresh_venv_and_serves(tmp_path, tiny_models):
     assert {n.split("/")[0] for n in names} == {"mlxd", "mlxd-0.1.0.dist-info"}
     for data in ("default.toml", "launchd.plist.template", "systemd.service.template"):
         assert f"mlxd/config/{data}" in names
+    for page in ("index.html", "app.js", "style.css"):  # the dashboard at /
+        assert f"mlxd/daemon/dashboard/{page}" in names
 
     venv = fresh_venv(tmp_path, wheel, env)
     elsewhere = tmp_path / "elsewhere"

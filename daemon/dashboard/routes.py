@@ -28,7 +28,7 @@ from mlxd.protocol.messages import Abort, SpeculativeCounters, Unload
 from quart import Response, request
 from quart_trio import QuartTrio
 
-_STATIC = {  # path → (file in static/, content type)
+_STATIC = {  # path → (file beside this module, content type)
     "/": ("index.html", "text/html; charset=utf-8"),
     "/dashboard/app.js": ("app.js", "text/javascript; charset=utf-8"),
     "/dashboard/style.css": ("style.css", "text/css; charset=utf-8"),
@@ -89,7 +89,7 @@ class View(msgspec.Struct, kw_only=True):
 
 
 def _static(name: str) -> bytes:
-    return resources.files("mlxd.daemon.dashboard").joinpath("static", name).read_bytes()
+    return resources.files("mlxd.daemon.dashboard").joinpath(name).read_bytes()
 
 
 def _cursor(name: str) -> int:

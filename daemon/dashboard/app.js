@@ -191,9 +191,10 @@ async function modelAction(id, action, b) {
 function renderCharts(now) {
   const from = now - state.historyS;
   const series = (key) => state.samples.map((s) => [s.t, s[key]]);
-  lineChart($("chart-tps"), [series("tokens_per_s")], from, now, (v) => v.toFixed(0));
+  const count = (v) => (Number.isInteger(v) ? String(v) : v.toFixed(1));
+  lineChart($("chart-tps"), [series("tokens_per_s")], from, now, count);
   lineChart($("chart-ttft"), [series("ttft_p50"), series("ttft_p95")], from, now, seconds);
-  lineChart($("chart-requests"), [series("running"), series("queued")], from, now, (v) => v.toFixed(0));
+  lineChart($("chart-requests"), [series("running"), series("queued")], from, now, count);
   lineChart($("chart-cache"), [series("cache_hit_rate")], from, now, percent, 1);
   lineChart($("chart-spec"), [series("spec_acceptance")], from, now, percent, 1);
 }
