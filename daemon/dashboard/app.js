@@ -4,6 +4,7 @@
 "use strict";
 
 const KEY_STORE = "mlxd.apiKey";
+const POLL_MIN_MS = 2000;  // one poll and one redraw per 2 s at most (each sample still comes)
 const $ = (id) => document.getElementById(id);
 const state = {
   samples: [], recent: [], since: 0, recentSince: 0, periodS: 1, historyS: 900,
@@ -75,7 +76,7 @@ async function poll() {
     setBadge($("state"), "offline");
     $("updated").textContent = `no answer (${error.message}); retrying`;
   }
-  const period = Math.max(1000, state.periodS * 1000);
+  const period = Math.max(POLL_MIN_MS, state.periodS * 1000);
   state.timer = setTimeout(poll, document.hidden ? period * 5 : period);
 }
 
