@@ -5,8 +5,9 @@ Hybrid models mix cache kinds layer by layer: KVCache (attention), RotatingKVCac
 (several of those in one layer). mlx-lm's ``BatchGenerator`` batches a request's
 cache by calling each layer's ``merge`` and then ``filter`` / ``extend`` / ``extract``
 on the merged batch cache, so a model can join the batch only if every layer has
-them. This module checks that once at start-up (a QuantizedKVCache or ChunkedKVCache
-layer is refused with a clear message instead of failing mid-batch), and trims a
+them. This module checks that once at start-up (mlx-lm's QuantizedKVCache or a
+ChunkedKVCache layer is refused with a clear message instead of failing mid-batch;
+quantized KV joins the batch as ``kv_quant.QuantizedRowCache``), and trims a
 cache only when every layer can trim. Nothing here asks "what type is layer 0".
 
 ``RowDeltas`` rides along a batch's cache list to carry one small array per

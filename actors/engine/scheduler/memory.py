@@ -22,7 +22,9 @@ stages' views of "what is in memory" could drift apart.
 The estimate for one request: every attention layer's KV bytes per token times
 ``prompt + max_tokens`` (rounded up to the KV cache's allocation step, capped
 at a sliding-window layer's window), plus every recurrent (SSM) layer's fixed
-state. The runner measures the per-layer numbers on the loaded model; this
+state. The runner measures the per-layer numbers on the loaded model, on the
+caches it really makes: with ``engine.kv_bits`` an attention layer's bytes per
+token are its quantized packs plus their scales and biases. This
 module is pure arithmetic, with no mlx import. The estimate is per sequence:
 mlx-lm's batch cache pads every sequence to the longest one in the batch, and
 prefill needs activations; ``memory.headroom_mb`` is kept free for both.
