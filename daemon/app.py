@@ -1,14 +1,16 @@
 """The HTTP surface (quart-trio): the app, health, operations routes, guards and errors.
 
 ``daemon/api/openai.py`` serves OpenAI chat/completions/models,
-``daemon/api/anthropic.py`` Anthropic Messages and ``daemon/api/responses.py``
-the OpenAI Responses API, over the shared plumbing in ``daemon/api/common.py``.
+``daemon/api/embeddings.py`` OpenAI embeddings, ``daemon/api/anthropic.py`` Anthropic Messages and ``daemon/api/responses.py``
+the OpenAI Responses API, ``daemon/api/ollama.py`` Ollama's ``/api/*``, over the shared
+plumbing in ``daemon/api/common.py``.
 Errors before the first token get a real status code; errors after it end the
 stream with an error event. Each API module answers the errors raised on its
 routes in its own format; errors with no route (an unknown path or method) and
 the operations routes use OpenAI's.
-Every route but ``/health`` needs an API key when keys are configured; CORS
-headers are added only for configured origins. Before any of that, the Host
+Every route but ``/health`` and the dashboard's page (``daemon/dashboard/``: ``/``
+and its script and style; its data routes are guarded) needs an API key when keys
+are configured; CORS headers are added only for configured origins. Before any of that, the Host
 header must name this server (``server.allowed_hosts``, else 403), and a POST
 body must be declared JSON (else 415; a ``text/plain`` body, which a browser
 may send cross-origin without asking, is never parsed).
@@ -18,7 +20,8 @@ from __future__ import annotations
 
 import msgspec
 import trio
-from mlxd.daemon.api import anthropic, openai, responses
+from mlxd.daemon import dashboard
+from mlxd.daemon.api import anthropic, embeddings, ollama, openai, responses
 from mlxd.daemon.api.body import is_json_type
 from mlxd.daemon.api.common import Validator, json_response
 from mlxd.daemon.api.errors import ApiError, install_errors
@@ -26,7 +29,7 @@ from mlxd.daemon.connections import FinishResponses
 from mlxd.daemon.pipeline import Pipeline, ServerState
 from mlxd.daemon.security import AllowedHosts, ApiKeys, Cors, well_formed_host
 from mlxd.daemon.settings import Settings
-from mlxd.daemon.telemetry import request_log, status_snapshot
+from mlxd.daemon.telemetry import API_ROUTE, request_log, status_snapshot
 from mlxd.protocol.messages import ClearCache
 from prometheus_client import CONTENT_TYPE_LATEST
 from quart import Response, g, request
@@ -73,19 +76,28 @@ def create_app(pipeline: Pipeline, settings: Settings) -> QuartTrio:
     for api in (openai, anthropic):
         api.install(app, pipeline, validator, select, on_error)
     responses.install(app, pipeline, validator, select, on_error, settings.responses)
+    limits = embeddings.EmbeddingLimits.of(settings)
+    embeddings.install(app, pipeline, validator, select, on_error, limits)
+    ollama.install(app, pipeline, validator, select, on_error, limits)
 
     @app.get("/health")
     async def health() -> Response:
-        status = 200 if pipeline.state is ServerState.READY else 503
+        # SIGTERM's notice (server.drain_notice_s): draining for routers, still admitting
+        state = "draining" if app.config.get(DRAIN_NOTICE) else pipeline.state.value
+        status = 200 if state == ServerState.READY.value else 503
         return Response(
-            msgspec.json.encode({"status": pipeline.state.value}),
+            msgspec.json.encode({"status": state}),
             status=status,
             content_type="application/json",
         )
 
     _install_engine_routes(app, pipeline, select)
-    _install_observability(app, pipeline, settings)
-    _install_guards(app, settings)
+    _install_observability(app, pipeline, settings, select)
+    open_paths = _OPEN_PATHS
+    if settings.dashboard.enabled:  # the page at / (its data routes need the API key)
+        dashboard.install(app, pipeline, settings)
+        open_paths |= dashboard.PAGE_PATHS
+    _install_guards(app, settings, open_paths)
     hosts = AllowedHosts(settings.server.allowed_hosts, settings.server.host)
     server = settings.server
     app.asgi_app = FinishResponses(  # type: ignore[method-assign]
@@ -154,8 +166,11 @@ def _install_engine_routes(app: QuartTrio, pipeline: Pipeline, select) -> None:
     async def cache_clear() -> Response:
         named = request.args.get("model")
         model, _ = select(named)
-        await pipeline.engine.send(ClearCache(model=model if named else ""))
-        return json_response({"cleared": True})
+        tier = request.args.get("tier", "")
+        if tier not in ("", "ram", "disk"):
+            raise ApiError("invalid_request", f"tier: 'ram' or 'disk', not {tier!r}", param="tier")
+        await pipeline.engine.send(ClearCache(model=model if named else "", tier=tier))
+        return json_response({"cleared": True, "tier": tier or "all"})
 
     @app.get("/v1/speculative")
     async def speculative_stats() -> Response:
@@ -165,10 +180,18 @@ def _install_engine_routes(app: QuartTrio, pipeline: Pipeline, select) -> None:
         return json_response(body)
 
 
-def _install_observability(app: QuartTrio, pipeline: Pipeline, settings: Settings) -> None:
+def _install_observability(app: QuartTrio, pipeline: Pipeline, settings: Settings, select) -> None:
     @app.get("/metrics")
     async def metrics() -> Response:
         return Response(pipeline.telemetry.exposition(), content_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/server_info")
+    async def server_info() -> Response:
+        """What SGLang's router (``mlxd cluster``) reads when it registers this daemon: the
+        model it lists in its own /v1/models (503 while the model loads)."""
+        model, _ = select(None)
+        limits = {"max_running_requests": settings.admission.max_running}
+        return json_response({"served_model_name": model, **limits})
 
     @app.get("/v1/status")
     async def server_status() -> Response:
@@ -177,6 +200,7 @@ def _install_observability(app: QuartTrio, pipeline: Pipeline, settings: Setting
 
 
 _OPEN_PATHS = frozenset({"/health"})
+DRAIN_NOTICE = "MLXD_DRAIN_NOTICE"  # the app config flag the supervisor sets on SIGTERM
 _KEYS = "MLXD_API_KEYS"  # the app config entry holding the accepted keys (SIGHUP renews it)
 
 
@@ -192,9 +216,9 @@ def reload_api_keys(app: QuartTrio, settings: Settings) -> str:
     return f"re-read the API keys from {settings.auth.api_key_file}"
 
 
-def _install_guards(app: QuartTrio, settings: Settings) -> None:
-    """API keys on every route but /health; CORS preflight and headers for allowed
-    origins; JSON bodies only."""
+def _install_guards(app: QuartTrio, settings: Settings, open_paths: frozenset[str]) -> None:
+    """API keys on every route but ``open_paths`` (/health, the dashboard's page); CORS
+    preflight and headers for allowed origins; JSON bodies only."""
     app.config[_KEYS] = ApiKeys.from_settings(settings.auth)
     cors = Cors(settings.server.cors_origins)
 
@@ -206,8 +230,9 @@ def _install_guards(app: QuartTrio, settings: Settings) -> None:
         origin = request.headers.get("Origin")
         if request.method == "OPTIONS" and cors.allows(origin):
             return Response(b"", status=204, headers=cors.preflight_headers(origin or ""))
+        API_ROUTE.set(request.path)  # the handler's sessions record it (their task's context)
         keys: ApiKeys = app.config[_KEYS]
-        if keys.enabled and request.path not in _OPEN_PATHS and not keys.allows(request.headers):
+        if keys.enabled and request.path not in open_paths and not keys.allows(request.headers):
             raise ApiError(
                 "invalid_api_key",
                 "missing or invalid API key: send 'Authorization: Bearer KEY' or 'x-api-key: KEY'",

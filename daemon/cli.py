@@ -1,6 +1,7 @@
 """``mlxd`` command line: ``serve`` (the daemon), ``config`` (print the effective settings),
 ``bench`` (load generator), ``launchd`` / ``systemd`` (run as a service, see
-``daemon/service.py``).
+``daemon/service.py``), ``cluster`` (a router in front of several daemons,
+``daemon/cluster.py``), ``status`` (a running daemon's summary, ``daemon/dashboard/``).
 
 Settings come from ``config/default.toml``, then ``--config FILE``, then ``MLXD_<SECTION>__<KEY>``
 environment variables, then the flags in ``FLAGS`` (one table: the name, the setting(s) it
@@ -20,8 +21,9 @@ from typing import Any
 
 import msgspec
 from mlxd.actors.engine.loading.sources import is_hub_id
-from mlxd.daemon import blas, service
+from mlxd.daemon import blas, cluster, service
 from mlxd.daemon.bench import main as bench_main
+from mlxd.daemon.dashboard import terminal
 from mlxd.daemon.security import ApiKeys
 from mlxd.daemon.settings import Settings, SettingsError, load_settings
 
@@ -96,7 +98,9 @@ def _parser() -> argparse.ArgumentParser:
     config = sub.add_parser("config", help="print the effective settings as TOML and exit")
     _settings_options(config)
     sub.add_parser("bench", help="benchmark a server or the in-process engine (see --help)")
+    terminal.add_parser(sub)
     service.add_parsers(sub)
+    cluster.add_parser(sub)
     return parser
 
 
@@ -226,6 +230,19 @@ def _startup_cause(exc: BaseException) -> BaseException | None:
     return exc if isinstance(exc, RuntimeError) and str(exc).startswith("[load") else None
 
 
+def status(args: argparse.Namespace) -> int:
+    """Print a running daemon's summary (``--url``, else the settings' host and port)."""
+    url = args.url
+    if url is None:
+        try:
+            server = load_settings(None, None, os.environ).server
+        except SettingsError as exc:
+            print(f"mlxd: bad config: {exc}", file=sys.stderr)
+            return 2
+        url = terminal.default_url(server.host, server.port)
+    return terminal.main(args, url)
+
+
 def bench(argv: list[str]) -> int:
     return bench_main(argv)
 
@@ -233,8 +250,10 @@ def bench(argv: list[str]) -> int:
 COMMANDS = {
     "serve": serve,
     "config": config,
+    "status": status,
     "launchd": service.launchd_command,
     "systemd": service.systemd_command,
+    "cluster": cluster.cluster_command,
 }
 _RUNS_MLX = ("serve", "bench")
 

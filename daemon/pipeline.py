@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import enum
 import math
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
@@ -37,7 +38,8 @@ from mlxd.actors.engine.scheduler.types import ModelInfo
 from mlxd.actors.mailbox import Bell, Mailbox, Mailboxes
 from mlxd.actors.models import ModelRegistry
 from mlxd.actors.tokenizer import PromptBuilder, bad_input
-from mlxd.daemon.telemetry import Live, RequestTrace, Telemetry
+from mlxd.daemon.history import History
+from mlxd.daemon.telemetry import API_ROUTE, Live, RequestTrace, Telemetry
 from mlxd.protocol import status as wire
 from mlxd.protocol.messages import (
     Abort,
@@ -66,7 +68,9 @@ class Session:
         self._pipeline = pipeline
         self.mailbox = mailbox
         self._closed = self._released = False
-        self.trace = RequestTrace(mailbox.request_id, trio.current_time(), model=model)
+        self.trace = RequestTrace(
+            mailbox.request_id, trio.current_time(), model=model, api=API_ROUTE.get()
+        )
 
     @property
     def request_id(self) -> str:
@@ -82,6 +86,8 @@ class Session:
         p.timeouts.remove(self.request_id)
         self.trace.close(trio.current_time())
         p.telemetry.request_done(self.trace)
+        if p.history is not None:
+            p.history.request_done(self.trace, time.time())
         await self.release()
 
     async def release(self, *, shield: bool = True) -> None:
@@ -184,6 +190,7 @@ class Pipeline:
     sessions: dict[str, Session] = field(default_factory=dict)
     telemetry: Telemetry = field(default_factory=Telemetry)
     count_limiter: trio.CapacityLimiter | None = None  # its worker threads (tokenizer.workers)
+    history: History | None = None  # the dashboard's samples and recent requests (None: off)
 
     @property
     def info(self) -> ModelInfo | None:
@@ -309,6 +316,8 @@ class Pipeline:
     def publish(self, news: EngineNews) -> None:
         """The engine's snapshots and model events after each step (on the trio thread)."""
         self.model_stats.update(news.stats)
+        if self.history is not None:
+            self.history.add_tokens(news.tokens)
         for event in news.events:
             if event.state in ("unloaded", "failed"):
                 self.model_stats.pop(event.model, None)
@@ -316,6 +325,31 @@ class Pipeline:
                 self.models.on_event(event)
             else:  # the preloaded models' loads: replayed once the registry exists
                 self.early_events.append(event)
+
+    async def sample_history(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        """The dashboard's sampler: every ``dashboard.sample_period_s`` one sample of the
+        open requests, the admission counts and the loaded models' counters."""
+        history = self.history
+        assert history is not None, "sampling with the dashboard off"
+        task_status.started()
+        next_at = trio.current_time()
+        while True:  # a late wake-up (a busy thread) does not make up for lost periods
+            next_at = max(next_at + history.period_s, trio.current_time() + history.period_s / 2)
+            await trio.sleep_until(next_at)
+            admission, speculation = self._admission(), {}
+            for model, stats in self.model_stats.items():
+                spec = stats.counters.speculative
+                if spec is not None:
+                    speculation[model] = (spec.drafted, spec.accepted)
+            history.sample(
+                trio.current_time(),
+                time.time(),
+                [s.trace for s in self.sessions.values()],
+                admission.running,
+                admission.waiting,
+                speculation,
+                self.engine_stats.memory_active,
+            )
 
     async def expire(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         """The timer: fail each request at its queue timeout (if it has not started) and
@@ -355,6 +389,15 @@ class Pipeline:
             ),
         )
 
+    def open_session(self, request_id: str, model: str) -> Session:
+        """A session for a request that skips admission and the tokenizer actor (an
+        embedding request, ``daemon/api/embeddings.py``): its mailbox, trace and timeouts."""
+        mailbox = self.mailboxes.register(request_id)
+        session = self.sessions[request_id] = Session(self, mailbox, model)
+        self.timeouts.add(request_id, session.trace.start)
+        self._timer.ring()
+        return session
+
     async def submit(self, request: AdmittedRequest, bell: Bell | None = None) -> Session:
         """Register the request's mailbox (sharing ``bell`` with its siblings), start its
         timeouts and admit it."""
@@ -383,7 +426,7 @@ def _sum_stats(stats: list[EngineStats]) -> EngineStats:
         return stats[0]
     if not stats:
         return EngineStats()
-    largest = ("memory_active", "memory_peak")
+    largest = ("memory_active", "memory_peak", "expires_at")
     totals = {
         f.name: (max if f.name in largest else sum)(getattr(s, f.name) for s in stats)
         for f in msgspec.structs.fields(EngineStats)

@@ -34,6 +34,9 @@ class ServerSettings(_Section):
     host: str = "127.0.0.1"
     port: Port = 8000
     max_body_bytes: Positive = 4_194_304
+    # on SIGTERM/SIGINT, /health says "draining" (503) this long before new requests are
+    # refused, so a router in front (`mlxd cluster`) sends them elsewhere first
+    drain_notice_s: Seconds = 0.0
     drain_timeout_s: Seconds = 30.0
     flush_timeout_s: Seconds = 5.0
     send_timeout_s: Seconds = 30.0
@@ -58,7 +61,7 @@ class ModelSettings(_Section):
     accept_other_ids: bool | Literal["auto"] = "auto"
     cache_dir: str = "~/.cache/mlxd"
     dequantize_on_cpu: bool = True
-    kind: Literal["auto", "text", "vision"] = "auto"
+    kind: Literal["auto", "text", "vision", "embedding"] = "auto"
     chat_template: str = ""
 
     def chat_template_text(self) -> str:
@@ -154,6 +157,21 @@ class EngineSettings(_Section):
     max_n: Positive = 8
     max_top_logprobs: NonNegative = 20
     max_logit_bias: NonNegative = 300
+    # attention layers keep keys and values quantized to this many bits (4 or 8; 0 = off,
+    # the model's precision), in groups of kv_group_size (32, 64 or 128) values
+    kv_bits: NonNegative = 0
+    kv_group_size: Positive = 64
+
+    def __post_init__(self) -> None:
+        _require(
+            self.kv_bits in (0, 4, 8),
+            f"engine.kv_bits: 4 or 8 (bits per quantized key/value), or 0 for off; "
+            f"got {self.kv_bits}",
+        )
+        _require(
+            self.kv_group_size in (32, 64, 128),
+            f"engine.kv_group_size: 32, 64 or 128; got {self.kv_group_size}",
+        )
 
 
 class PrefixCacheSettings(_Section):
@@ -167,6 +185,12 @@ class PrefixCacheSettings(_Section):
     max_breakpoints: NonNegative = 4
     # cache keys (Responses prompt_cache_key) whose newest snapshot outlives keyless ones
     affinity_keys: NonNegative = 16
+    # the disk tier: snapshots evicted from RAM, unloaded or left at shutdown are written
+    # here and read back on a RAM miss; "" = off (it writes up to disk_max_bytes)
+    disk_dir: str = ""
+    disk_max_bytes: Positive = 20 << 30  # the files never take more (LRU)
+    # spilled snapshots waiting for the disk writer; past it a spill is dropped
+    disk_write_queue_bytes: Positive = 1 << 30
 
 
 class SpeculativeSettings(_Section):
@@ -246,7 +270,12 @@ class ModelEntry(_Section):
 
     id: str  # the request's ``model`` that selects it
     path: str = ""  # model dir, .gguf file or Hugging Face id; "" = SmolLM2-135M-Instruct
-    kind: Literal["auto", "text", "vision"] = "auto"
+    kind: Literal["auto", "text", "vision", "embedding"] = "auto"
+    # kind = "embedding" only: how hidden states become one vector ("auto": the model's
+    # sentence-transformers files, else "last"), and the sizes its vectors may be cut to
+    # (Matryoshka; [] = the model's config.json matryoshka_dimensions, if any)
+    pooling: Literal["auto", "mean", "cls", "last"] = "auto"
+    matryoshka_dimensions: list[Annotated[int, msgspec.Meta(ge=1)]] = []
     adapter_path: str = ""  # an mlx-lm LoRA adapter directory applied at load; "" = none
     max_batch: NonNegative = 0  # 0 = engine.max_batch
     preload: bool = False  # load at start-up instead of on first use
@@ -277,6 +306,17 @@ class ModelEntry(_Section):
             ) from None
 
 
+class EmbeddingsSettings(_Section):
+    """``/v1/embeddings``: the limits of a request and of the engine's batches."""
+
+    max_inputs: Positive = 2048  # inputs per request
+    max_input_tokens: NonNegative = 8192  # tokens per input (OpenAI's); 0 = the model's context
+    max_batch_inputs: Positive = 32  # inputs per forward pass
+    max_batch_tokens: Positive = 8192  # padded tokens per forward pass (inputs x the longest)
+    max_queued_inputs: Positive = 4096  # inputs waiting for one model; more: 429
+    normalize: bool = True  # L2-normalise vectors (cosine similarity = dot product)
+
+
 class ModelPoolSettings(_Section):
     max_loaded: Positive = 2
     max_loaded_mb: NonNegative = 0
@@ -293,6 +333,43 @@ class DistributedSettings(_Section):
     step_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 10.0
     prefill_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 60.0
     exit_grace_s: Seconds = 1.0
+
+
+class DashboardSettings(_Section):
+    """The live dashboard at ``/`` and the history it charts (``daemon/history.py``)."""
+
+    enabled: bool = True  # false: no page at /, no /v1/dashboard, no sampling
+    sample_period_s: Annotated[float, msgspec.Meta(ge=0.1, le=60)] = 1.0
+    history_s: Annotated[float, msgspec.Meta(gt=0, le=86_400)] = 900.0  # samples kept
+    recent_requests: Annotated[int, msgspec.Meta(ge=0, le=10_000)] = 100  # finished ones listed
+
+    @property
+    def max_samples(self) -> int:
+        return max(1, round(self.history_s / self.sample_period_s))
+
+
+class ClusterSettings(_Section):
+    """``mlxd cluster``: SGLang's router in front of several daemons (``daemon/cluster.py``)."""
+
+    host: str = "127.0.0.1"
+    port: Port = 8080
+    workers: list[str] = []  # daemon URLs; --worker flags replace them
+    policy: Literal["cache_aware", "round_robin", "manual"] = "cache_aware"
+    metrics_port: Port = 29000  # the router's Prometheus exporter
+    health_check_interval_s: Annotated[int, msgspec.Meta(ge=1, le=3600)] = 1
+    health_failure_threshold: Positive = 1
+    health_success_threshold: Positive = 1
+    # attempts per request on a refused connection or a 5xx; the waits between them double
+    # from retry_backoff_s, so together they outlast a dead daemon's health check
+    max_retries: Positive = 5
+    retry_backoff_s: Annotated[float, msgspec.Meta(gt=0, le=60)] = 0.25
+    balance_abs_threshold: NonNegative = 4  # cache_aware: in-flight gap that overrides affinity
+    balance_rel_threshold: Annotated[float, msgspec.Meta(ge=1)] = 1.5
+    cache_threshold: Annotated[float, msgspec.Meta(ge=0, le=1)] = 0.3
+    request_timeout_s: Positive = 1800
+    worker_startup_timeout_s: Positive = 600
+    restart_delay_s: Seconds = 2.0  # a router that exits on its own is started again after this
+    log_level: Literal["debug", "info", "warn", "error"] = "warn"
 
 
 class Settings(_Section):
@@ -313,6 +390,9 @@ class Settings(_Section):
     distributed: DistributedSettings = msgspec.field(default_factory=DistributedSettings)
     models: list[ModelEntry] = []
     model_pool: ModelPoolSettings = msgspec.field(default_factory=ModelPoolSettings)
+    embeddings: EmbeddingsSettings = msgspec.field(default_factory=EmbeddingsSettings)
+    dashboard: DashboardSettings = msgspec.field(default_factory=DashboardSettings)
+    cluster: ClusterSettings = msgspec.field(default_factory=ClusterSettings)
 
     def __post_init__(self) -> None:
         ids = [m.id for m in self.models]

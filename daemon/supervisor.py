@@ -15,7 +15,9 @@ the engine starts next, and ``nursery.start`` returns once the preloaded models
 load on first use. Then the model registry, the streamer, tokenizer and
 admission controller. SIGHUP (``launchctl kill HUP``, a closed terminal, a log
 rotator) re-reads the API key file, and serving goes on. SIGTERM/SIGINT switch
-to draining: new requests get 503, in-flight ones get ``drain_timeout_s`` to end,
+to draining: ``/health`` answers 503 "draining" at once, requests are still admitted
+for ``drain_notice_s`` (a router moves them away meanwhile), then new requests get
+503, in-flight ones get ``drain_timeout_s`` to end,
 and those still open then end with a 503 error (an error event in a stream).
 """
 
@@ -46,7 +48,10 @@ from mlxd.actors.engine.actor import (
     Publish,
     RunnerFactory,
 )
+from mlxd.actors.engine.runner.disk_tier import DiskStore, slug
 from mlxd.actors.engine.scheduler.options import (
+    DiskTierOptions,
+    EmbeddingOptions,
     LoadOptions,
     MemoryOptions,
     PrefixCacheOptions,
@@ -57,7 +62,8 @@ from mlxd.actors.mailbox import Mailboxes
 from mlxd.actors.models import ModelRegistry, RegistryOptions, StreamStates
 from mlxd.actors.tokenizer import TokenizerOptions
 from mlxd.actors.vision import ImageLimits
-from mlxd.daemon.app import create_app, reload_api_keys
+from mlxd.daemon.app import DRAIN_NOTICE, create_app, reload_api_keys
+from mlxd.daemon.history import History
 from mlxd.daemon.pipeline import Pipeline, ServerState, Timeouts
 from mlxd.daemon.settings import (
     ModelEntry,
@@ -85,7 +91,9 @@ def feature_options(section: Feature, kind: type[_Options]) -> _Options | None:
     return options_from(section, kind) if section.enabled else None
 
 
-def load_options(settings: Settings, entry: ModelEntry | None = None) -> LoadOptions:
+def load_options(
+    settings: Settings, entry: ModelEntry | None = None, disk: DiskStore | None = None
+) -> LoadOptions:
     """How one served model (the first entry unless named) loads: the one mapping of the
     settings onto the loader, for ``serve``, the ranks of ``serve --parallel``
     (``ranks.py``) and ``bench --engine`` (``bench.py``)."""
@@ -104,17 +112,58 @@ def load_options(settings: Settings, entry: ModelEntry | None = None) -> LoadOpt
         batch_prefill_max_context=s.engine.batch_prefill_max_context
         if s.engine.batch_prefill == "auto"
         else None,
+        kv_bits=s.engine.kv_bits,
+        kv_group_size=s.engine.kv_group_size,
         prefix_cache=feature_options(s.prefix_cache, PrefixCacheOptions),
+        disk_tier=None if disk is None else disk_tier_options(s, e, disk),
         memory=options_from(s.memory, MemoryOptions),
         speculative=feature_options(e.speculative or s.speculative, SpeculativeOptions),
         spec_prefill=feature_options(e.spec_prefill or s.spec_prefill, SpecPrefillOptions),
+        embedding=embedding_options(s, e),
     )
 
 
-def mlx_runner_factory(settings: Settings, entry: ModelEntry | None = None) -> RunnerFactory:
+def embedding_options(s: Settings, entry: ModelEntry) -> EmbeddingOptions:
+    """An embedding entry's pooling and the engine's batching of its inputs."""
+    b = s.embeddings
+    return EmbeddingOptions(
+        pooling=entry.pooling,
+        normalize=b.normalize,
+        matryoshka=tuple(entry.matryoshka_dimensions),
+        max_input_tokens=b.max_input_tokens,
+        max_batch_inputs=b.max_batch_inputs,
+        max_batch_tokens=b.max_batch_tokens,
+        max_queued_inputs=b.max_queued_inputs,
+    )
+
+
+def disk_store(s: Settings) -> DiskStore | None:
+    """The prefix cache's disk tier, shared by every model (None: ``disk_dir`` is empty).
+    Its I/O thread starts by rebuilding the index and deleting what is not ours."""
+    p = s.prefix_cache
+    if not p.enabled or not p.disk_dir:
+        return None
+    slugs = [disk_slug(e) for e in s.model_entries()]
+    return DiskStore(
+        Path(p.disk_dir), p.disk_max_bytes, slugs, max_pending_bytes=p.disk_write_queue_bytes
+    )
+
+
+def disk_slug(entry: ModelEntry) -> str:
+    return slug(entry.id or entry.path)
+
+
+def disk_tier_options(s: Settings, entry: ModelEntry, disk: DiskStore) -> DiskTierOptions:
+    template = entry.chat_template_text(s.model.chat_template_text())
+    return DiskTierOptions(store=disk, slug=disk_slug(entry), chat_template=template)
+
+
+def mlx_runner_factory(
+    settings: Settings, entry: ModelEntry | None = None, disk: DiskStore | None = None
+) -> RunnerFactory:
     """Loads one served model (the first entry unless named); runs on the generation
     thread (imports MLX there)."""
-    options = load_options(settings, entry)
+    options = load_options(settings, entry, disk)
 
     def factory():
         from mlxd.actors.engine.loading.load import load_served
@@ -153,9 +202,10 @@ def model_specs(settings: Settings, factories: Factories | None) -> list[ModelSp
     """The engine's models: each entry with its factory (``factories`` by id, or one
     factory for the one entry; None: the real ones)."""
     specs = []
+    disk = disk_store(settings) if factories is None else None
     for i, entry in enumerate(settings.model_entries()):
         if factories is None:
-            factory = mlx_runner_factory(settings, entry)
+            factory = mlx_runner_factory(settings, entry, disk)
         elif isinstance(factories, dict):
             factory = factories[entry.id]
         else:
@@ -190,6 +240,7 @@ def open_graph(s: Settings) -> Graph:
         timeouts=Timeouts(a.queue_timeout_s, a.request_timeout_s),
         retry_after_s=a.retry_after_s,
         keepalive_s=s.streaming.keepalive_s,
+        history=History.from_settings(s.dashboard) if s.dashboard.enabled else None,
     )
     return Graph(
         pipeline=pipeline,
@@ -267,6 +318,7 @@ async def run_actors(
             dict(zip(ids, prompts, strict=True)),
             registry_options(s),
             accept_other_ids=s.model.accept_other_ids,
+            kinds={i: e.kind for i, e in zip(ids, s.model_entries(), strict=True)},
         )
         pipeline.speculative = {
             i: _speculates(s, e) for i, e in zip(ids, s.model_entries(), strict=True)
@@ -274,7 +326,8 @@ async def run_actors(
         for event in pipeline.early_events:  # the preloaded models' loads
             models.on_event(event)
         for model in infos:  # their grammar compilers read the vocabulary (a worker thread)
-            await models.builder(models.entries[model])
+            if models.entries[model].kind != "embedding":  # which builds no prompts
+                await models.builder(models.entries[model])
         steps = StreamStates(models)
         await nursery.start(streamer.run, graph.steps[1], graph.engine[0].clone(), steps)
         pipeline.count_limiter = trio.CapacityLimiter(prompts[0].workers)
@@ -288,6 +341,8 @@ async def run_actors(
         await nursery.start(pipeline.release_ended)
         # Queue timeouts and deadlines, for every request wherever it is.
         await nursery.start(pipeline.expire)
+        if pipeline.history is not None:  # the dashboard's samples (dashboard.sample_period_s)
+            await nursery.start(pipeline.sample_history)
         pipeline.state = ServerState.READY
         for model, info in infos.items():
             log.info(
@@ -306,6 +361,17 @@ async def run_actors(
 def _speculates(s: Settings, entry: ModelEntry) -> bool:
     """Whether speculation is configured for the entry (its own section, or the global)."""
     return (entry.speculative or s.speculative).enabled
+
+
+async def drain_notice(app, notice_s: float) -> None:
+    """Say "draining" on /health (503) while still admitting for ``notice_s``: a router
+    polling it (``mlxd cluster``) sends new requests elsewhere before any is refused."""
+    if notice_s > 0:
+        app.config[DRAIN_NOTICE] = True
+        log.info(
+            "draining in %.1fs: /health answers 503 draining, requests still admitted", notice_s
+        )
+        await trio.sleep(notice_s)
 
 
 async def drain(pipeline: Pipeline, deadline_s: float) -> None:
@@ -374,6 +440,10 @@ def http_config(s: Settings) -> HttpConfig:
     config.graceful_timeout = s.server.flush_timeout_s
     config.backlog = s.server.backlog
     config.send_timeout_s = s.server.send_timeout_s
+    # No HTTP/2 stream is accepted (cleartext h2 is only ever a probe here, e.g. a router's
+    # gRPC health check): a response streamed to an h2 client that hangs up at once can
+    # race hypercorn's close of the socket and end the server (BusyResourceError).
+    config.h2_max_concurrent_streams = 0
     return config
 
 
@@ -404,6 +474,7 @@ async def serve(
                 if signum != signal.SIGHUP:
                     break
                 log.info("SIGHUP: %s; serving on", reload_api_keys(app, settings))
+            await drain_notice(app, settings.server.drain_notice_s)
             await drain(graph.pipeline, settings.server.drain_timeout_s)
             stop_http.set()
             # hypercorn returns once open responses are written (flush_timeout_s)

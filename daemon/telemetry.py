@@ -282,6 +282,7 @@ class _LiveCollector(Collector):
         )
         for model, stats in loaded:
             yield from _spec_metrics(model, stats.counters.speculative)
+        yield from _prefix_metrics(loaded)
         yield _gauge(
             "mlxd_ready", "1 when serving, 0 when loading or draining", float(live.state == "ready")
         )
@@ -301,6 +302,53 @@ _ENGINE_COUNTERS = (
     ),
     ("mlxd_failed_steps", "Decode steps that failed (their requests failed)", "failed_steps"),
 )
+
+
+_DISK_COUNTERS = (
+    ("writes", "Snapshots written to the disk tier"),
+    ("reads", "Snapshots read back from the disk tier"),
+    ("evictions", "Disk-tier files deleted to stay within prefix_cache.disk_max_bytes"),
+    ("corrupt_removed", "Disk-tier files deleted because a checksum, length or header was wrong"),
+    ("torn_removed", "Disk-tier files a crash left half-written, deleted at start-up"),
+    ("incompatible_removed", "Disk-tier files of another model, template, kv_bits or format"),
+    ("spills_dropped", "Snapshots not written: disk writes off or the write queue full"),
+)
+
+
+def _prefix_metrics(loaded: list[tuple[str, EngineStats]]) -> Iterator[Metric]:
+    """The prefix cache per model and tier (ram, disk), and the disk tier's files."""
+    hits = CounterMetricFamily(
+        "mlxd_prefix_cache_hits", "Prefix-cache hits by tier", labels=["model", "tier"]
+    )
+    held = GaugeMetricFamily(
+        "mlxd_prefix_cache_bytes", "Bytes of snapshots held by tier", labels=["model", "tier"]
+    )
+    entries = GaugeMetricFamily(
+        "mlxd_prefix_cache_entries", "Snapshots held by tier", labels=["model", "tier"]
+    )
+    evictions = CounterMetricFamily(
+        "mlxd_prefix_cache_ram_evictions", "Snapshots evicted from RAM", labels=["model"]
+    )
+    disk = None
+    for model, s in loaded:
+        c = s.counters.prefix_cache
+        if c is None:
+            continue
+        hits.add_metric([model, "ram"], c.hits - c.disk_hits)
+        hits.add_metric([model, "disk"], c.disk_hits)
+        held.add_metric([model, "ram"], c.bytes)
+        entries.add_metric([model, "ram"], c.entries)
+        evictions.add_metric([model], c.evictions)
+        disk = disk or c.disk
+    if disk is not None:  # one store for every model
+        held.add_metric(["", "disk"], disk.bytes)
+        entries.add_metric(["", "disk"], disk.entries)
+    yield from (hits, held, entries, evictions)
+    if disk is not None:
+        yield _gauge("mlxd_prefix_cache_disk_max_bytes", "The disk tier's budget", disk.max_bytes)
+        yield _gauge("mlxd_prefix_cache_disk_writable", "0: disk writes off", disk.writable)
+        for name, doc in _DISK_COUNTERS:
+            yield CounterMetricFamily(f"mlxd_prefix_cache_disk_{name}", doc, getattr(disk, name))
 
 
 def _engine_metrics(loaded: list[tuple[str, EngineStats]]) -> Iterator[Metric]:

@@ -247,6 +247,7 @@ class ClearCache(msgspec.Struct, frozen=True, kw_only=True):
     ``model``, or of every loaded model when it is ""."""
 
     model: str = ""
+    tier: str = ""  # "ram" or "disk": that tier only; "": both
 
 
 class Load(msgspec.Struct, frozen=True, kw_only=True):
@@ -258,7 +259,38 @@ class Load(msgspec.Struct, frozen=True, kw_only=True):
     request_id: str | None = None
 
 
-EngineInbox = Submit | Abort | ClearCache | Load
+class KeepAlive(msgspec.Struct, frozen=True, kw_only=True):
+    """How long ``model`` stays loaded once idle (Ollama's ``keep_alive``), from now on:
+    ``seconds`` 0 unloads it as soon as it is idle, inf never; None: back to
+    ``model_pool.idle_unload_s``."""
+
+    model: str
+    seconds: float | None = None
+
+
+class EmbedRequest(msgspec.Struct, frozen=True, kw_only=True):
+    """Texts to embed, already tokenized and checked (ids within the vocabulary, lengths
+    within the model's limit), for an embedding model (``model``)."""
+
+    request_id: str
+    model: str
+    inputs: tuple[tuple[int, ...], ...]
+
+
+class Embed(msgspec.Struct, frozen=True, kw_only=True):
+    """Embed a request's inputs (an embedding model's ``EmbeddingCore`` batches them)."""
+
+    request: EmbedRequest
+
+
+class Unload(msgspec.Struct, frozen=True, kw_only=True):
+    """An operator unloads ``model`` (the dashboard's button): done at once if it is loaded
+    and idle (nothing running, waiting or about to be submitted), else nothing is done."""
+
+    model: str
+
+
+EngineInbox = Submit | Abort | ClearCache | Load | KeepAlive | Embed | Unload
 
 
 # ---- generation actor outbox --------------------------------------------------------
@@ -334,12 +366,14 @@ class Failed(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class EngineStep(msgspec.Struct, frozen=True, kw_only=True):
-    """Everything one engine step of one model produced, for every running request."""
+    """Everything one engine step of one model produced, for every running request
+    (``embedded``: the embedding requests it completed)."""
 
     model: str = ""
     started: tuple[Started, ...] = ()
     tokens: tuple[TokenStep, ...] = ()
     failed: tuple[Failed, ...] = ()
+    embedded: tuple[Embedded, ...] = ()
 
 
 class PrefixCacheCounters(msgspec.Struct, kw_only=True):
@@ -355,6 +389,30 @@ class PrefixCacheCounters(msgspec.Struct, kw_only=True):
     entries: int = 0
     bytes: int = 0
     max_bytes: int = 0
+    disk_hits: int = 0  # of the hits, snapshots read back from the disk tier
+    disk_cached_tokens: int = 0  # of cached_tokens, served by those
+    disk: DiskCounters | None = None  # the disk tier (shared by every model); None: off
+
+
+class DiskCounters(msgspec.Struct, kw_only=True):
+    """The prefix cache's disk tier, shared by the models (``prefix_cache.disk_dir``):
+    files held, written and read back, evicted over the budget, and removed because they
+    were corrupt (a checksum, length or header was wrong), torn (a write cut off by a
+    crash) or incompatible (another model's files, template, ``kv_bits``, format)."""
+
+    enabled: bool = False
+    writable: bool = False  # false: a write failed (disk full, read-only): RAM only
+    max_bytes: int = 0
+    bytes: int = 0
+    entries: int = 0
+    writes: int = 0
+    reads: int = 0
+    evictions: int = 0
+    pending_writes: int = 0  # spilled snapshots the I/O thread has not written yet
+    spills_dropped: int = 0  # spills refused: writes off or the write queue full
+    corrupt_removed: int = 0
+    torn_removed: int = 0
+    incompatible_removed: int = 0
 
 
 class SpeculativeCounters(msgspec.Struct, kw_only=True):
@@ -439,6 +497,7 @@ class EngineStats(msgspec.Struct, frozen=True, kw_only=True):
     kv_reserved: int = 0
     kv_budget: int = 0
     failed_steps: int = 0
+    expires_at: float = 0.0  # when the model unloads if it gets no more work (Unix s; 0: never)
     counters: RunnerCounters = RunnerCounters()
 
 
@@ -487,6 +546,18 @@ class Finished(msgspec.Struct, frozen=True, kw_only=True):
     cached_tokens: int = 0
     prefilled_tokens: int = -1  # as in ``Started``
     stop_string: str | None = None
+
+
+class Embedded(Finished, frozen=True, kw_only=True):
+    """An embedding request's result, its final event: a ``Finished`` (``prompt_tokens``:
+    the tokens embedded, no completion) carrying ``vectors``, a float32 numpy array of
+    shape (inputs, dimensions), L2-normalised where the model normalises. Typed ``Any``:
+    it travels in-process only, and is numpy, never MLX, so no other thread touches MLX."""
+
+    request_id: str
+    vectors: Any
+    finish_reason: FinishReason = "stop"
+    completion_tokens: int = 0
 
 
 MailboxEvent = Started | TextDelta | Finished | Failed

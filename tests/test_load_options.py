@@ -15,6 +15,7 @@ from types import SimpleNamespace
 import msgspec
 import pytest
 from mlxd.actors.engine.scheduler.options import (
+    EmbeddingOptions,
     LoadOptions,
     MemoryOptions,
     PrefixCacheOptions,
@@ -38,6 +39,8 @@ SETTINGS = {
         "batch_prefill": True,
         "prefill_streams": 3,
         "chunked_linear_attention": False,
+        "kv_bits": 4,
+        "kv_group_size": 32,
     },
     "prefix_cache": {
         "enabled": True,
@@ -55,6 +58,13 @@ SETTINGS = {
     },
     "speculative": {"enabled": True, "drafter": "lookup", "num_draft_tokens": 4, "max_batch": 2},
     "spec_prefill": {"enabled": True, "threshold_tokens": 99, "keep_fraction": 0.5},
+    "embeddings": {
+        "normalize": False,
+        "max_input_tokens": 321,
+        "max_batch_inputs": 6,
+        "max_batch_tokens": 999,
+        "max_queued_inputs": 44,
+    },
 }
 
 EXPECTED = LoadOptions(
@@ -65,6 +75,8 @@ EXPECTED = LoadOptions(
     kind="text",
     prefill_streams=3,
     chunked_linear_attention=False,
+    kv_bits=4,
+    kv_group_size=32,
     prefix_cache=PrefixCacheOptions(
         block_size=32, max_bytes=12345, memory_fraction=0.2, affinity_keys=3
     ),
@@ -73,6 +85,13 @@ EXPECTED = LoadOptions(
     ),
     speculative=SpeculativeOptions(drafter="lookup", num_draft_tokens=4, max_batch=2),
     spec_prefill=SpecPrefillOptions(threshold_tokens=99, keep_fraction=0.5),
+    embedding=EmbeddingOptions(
+        normalize=False,
+        max_input_tokens=321,
+        max_batch_inputs=6,
+        max_batch_tokens=999,
+        max_queued_inputs=44,
+    ),
 )
 
 
@@ -111,8 +130,9 @@ def test_load_options_map_every_setting(config):
         for f in dataclasses.fields(LoadOptions)
         if getattr(options, f.name) == getattr(defaults, f.name)
     ]
-    # [model] has no adapter: see the [[models]] test; the context limit is auto's, below
-    assert unset == ["adapter_path", "batch_prefill_max_context"]
+    # [model] has no adapter: see the [[models]] test; the context limit is auto's, below;
+    # the disk tier comes with the daemon's store (test_disk_tier: the loader's key)
+    assert unset == ["adapter_path", "batch_prefill_max_context", "disk_tier"]
 
 
 @pytest.mark.parametrize(("batch_prefill", "limit"), [("auto", 99), (True, None), (False, None)])

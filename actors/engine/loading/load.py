@@ -11,6 +11,7 @@ builds the prefix cache, SpecPrefill (with its scorer), and the memory model. Ca
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import logging
 import os
@@ -31,7 +32,15 @@ from mlxd.actors.engine.loading.gguf.convert import (
 )
 from mlxd.actors.engine.loading.gguf.tensors import Storage
 from mlxd.actors.engine.loading.sources import hub_snapshot, model_source
+from mlxd.actors.engine.runner import disk_codec, kv_quant
 from mlxd.actors.engine.runner.base import MlxRunner
+from mlxd.actors.engine.runner.embedding import (
+    ENCODERS,
+    EmbeddingRunner,
+    embedding_runner,
+    find_body,
+    load_encoder,
+)
 from mlxd.actors.engine.runner.prefix_cache import PrefixCache
 from mlxd.actors.engine.runner.vlm import VlmRunner
 from mlxd.actors.engine.scheduler.memory import MemoryModel, kv_budget
@@ -391,10 +400,14 @@ def load_served(options: LoadOptions, shard: Shard | None = None) -> tuple[MlxRu
     config = json.loads((model_dir / "config.json").read_text())
     kind = model_kind(config, o.kind)
     log.info("loading %s model %s from %s (MLX backend: %s)", kind, model_id, model_dir, backend())
+    if kind == "embedding":
+        return _load_embedding(model_id, model_dir, o, shard)  # type: ignore[return-value]
     if kind == "vision" and shard is not None:
         raise ValueError(f"{model_id}: vision models cannot be served over several ranks yet")
     if kind == "vision" and o.adapter_path is not None:
         raise ValueError(f"{model_id}: LoRA adapters are applied to text models only")
+    if kind == "vision" and o.kv_bits:
+        log.warning("engine.kv_bits: %s is a vision model; its KV stays full precision", model_id)
     if kind == "vision":
         extras = {"memory": o.memory, "speculative": o.speculative, "spec_prefill": o.spec_prefill}
         return _load_vision(model_id, model_dir, o.max_batch, o.dequantize_on_cpu, extras)
@@ -415,20 +428,94 @@ def load_served(options: LoadOptions, shard: Shard | None = None) -> tuple[MlxRu
     cache = make_prefix_cache(o.prefix_cache)
     stops = sorted(tokenizer.eos_token_ids)
     draft, drafter, sparse, off = _helpers(model, model_id, o, (model_dir, config))
+    make_cache = _quantized_kv(model, o, sparse)
+    _attach_disk(cache, o, model_dir, make_cache or (lambda: make_prompt_cache(model)))
     on = sparse if sparse is not None and sparse.stats.enabled else None
     runner: MlxRunner
     if draft is not None:
         runner = make_speculative_runner(
-            model, draft, stops, o.max_batch, o.speculative, cache, drafter, spec_prefill=on
+            model,
+            draft,
+            stops,
+            o.max_batch,
+            o.speculative,
+            cache,
+            drafter,
+            spec_prefill=on,
+            make_cache=make_cache,
         )
     else:
-        runner = MlxRunner(model, stops, o.max_batch, prefix_cache=cache, spec_prefill=on)
+        runner = MlxRunner(
+            model, stops, o.max_batch, prefix_cache=cache, spec_prefill=on, make_cache=make_cache
+        )
     runner.spec_stats = runner.spec_stats or off
     runner.spec_prefill_stats = sparse.stats if sparse is not None else None
     _split_prefill(runner, o.prefill_streams or auto_prefill_streams())
     if backend() == "cpu":  # a GPU batches every row (``MlxRunner.batch_prefill_pays``)
         runner.batch_prefill_max_context = o.batch_prefill_max_context
     return runner, dataclasses.replace(info, memory=memory_model(runner, o.memory))
+
+
+def _attach_disk(cache: PrefixCache | None, o: LoadOptions, model_dir: Path, make_cache) -> None:
+    """The prefix cache's disk tier (``prefix_cache.disk_dir``), in a space keyed by
+    everything that changes a snapshot's bytes (``disk_codec.namespace_key``)."""
+    if cache is None or o.disk_tier is None:
+        return
+    extra = {
+        "chat_template": hashlib.sha256(o.disk_tier.chat_template.encode()).hexdigest(),
+        "kv_bits": o.kv_bits,
+        "kv_group_size": o.kv_group_size if o.kv_bits else 0,
+        "draft_model": o.speculative.draft_model if o.speculative else "",
+    }
+    key = disk_codec.namespace_key(model_dir, o.adapter_path, make_cache(), extra)
+    disk_codec.attach(cache, o.disk_tier.store.space(o.disk_tier.slug, key))
+
+
+def _quantized_kv(model: nn.Module, o: LoadOptions, sparse: SpecPrefill | None):
+    """The cache factory with quantized attention KV (``engine.kv_bits``; None: off, or
+    nothing to quantize). SpecPrefill is then off: its sparse prefill positions plain
+    ``KVCache`` layers only."""
+    if not o.kv_bits:
+        return None
+    make = kv_quant.cache_factory(
+        model, lambda: make_prompt_cache(model), o.kv_bits, o.kv_group_size
+    )
+    if make is not None and sparse is not None and sparse.stats.enabled:
+        why = "engine.kv_bits (a quantized attention layer keeps no skipped positions)"
+        log.warning("SpecPrefill is off: %s", why)
+        sparse.stats.enabled, sparse.stats.notes = False, (f"off: {why}",)
+    return make
+
+
+def _load_embedding(
+    model_id: str, model_dir: Path, o: LoadOptions, shard: Shard | None
+) -> tuple[EmbeddingRunner, ModelInfo]:
+    """An embedding model: its body (mlx-lm's, or mlx-embeddings' for an encoder) under
+    mlxd's pooling head (``runner/embedding.py``)."""
+    if shard is not None or o.adapter_path is not None:
+        raise ValueError(f"{model_id}: embedding models load on one rank, without adapters")
+    config = json.loads((model_dir / "config.json").read_text())
+    backend_name = "mlx-embeddings" if config.get("model_type") in ENCODERS else "mlx-lm"
+    if backend_name == "mlx-embeddings":
+        body, tokenizer = load_encoder(model_dir, config)
+    else:
+        model, tokenizer, config = load_model(model_dir, dequantize_on_cpu=o.dequantize_on_cpu)
+    context = int(config_value(config, "max_position_embeddings", 4096))
+    vocab = int(config_value(config, "vocab_size") or len(tokenizer.vocab))
+    if backend_name == "mlx-lm":
+        body = find_body(model, config_value(config, "hidden_size"), vocab)
+    runner = embedding_runner(body, config, model_dir, context, vocab, o.embedding, backend_name)
+    info = ModelInfo(
+        model_id=model_id,
+        model_dir=model_dir,
+        context_length=context,
+        vocab_size=vocab,
+        tokenizer=tokenizer,
+        backend=backend(),
+        kind="embedding",
+        embedding=runner.info,
+    )
+    return runner, info
 
 
 def _chunk_linear_attention(model: nn.Module, wanted: bool | None) -> None:

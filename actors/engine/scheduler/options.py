@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 
 @dataclass(frozen=True)
@@ -33,6 +33,17 @@ class PrefixCacheOptions:
     max_bytes: int = 0
     memory_fraction: float = 0.1
     affinity_keys: int = 16  # cache keys whose newest snapshot is evicted last
+
+
+@dataclass(frozen=True)
+class DiskTierOptions:
+    """The prefix cache's disk tier for one model: the daemon's store (a
+    ``runner.disk_tier.DiskStore``, shared by the models), the model's directory name in
+    it, and what its key needs that the loader does not see (the chat template override)."""
+
+    store: Any
+    slug: str
+    chat_template: str = ""
 
 
 @dataclass(frozen=True)
@@ -59,6 +70,20 @@ class SpecPrefillOptions:
     hybrid: bool = False  # also on models with SSM layers (they see only kept tokens)
 
 
+@dataclass(frozen=True)
+class EmbeddingOptions:
+    """An embedding model's pooling and the batching of its inputs (``[embeddings]`` and
+    the ``[[models]]`` entry's pooling fields)."""
+
+    pooling: Literal["auto", "mean", "cls", "last"] = "auto"  # auto: the model's files say
+    normalize: bool = True  # L2-normalise every vector
+    matryoshka: tuple[int, ...] = ()  # sizes it may be truncated to, besides the model's own
+    max_input_tokens: int = 0  # longest input, within the model's context (0: the context)
+    max_batch_inputs: int = 32  # inputs per forward pass
+    max_batch_tokens: int = 8192  # padded tokens per forward pass (inputs x the longest)
+    max_queued_inputs: int = 4096  # inputs waiting for this model; more: 429
+
+
 @dataclass(frozen=True, kw_only=True)
 class LoadOptions:
     """How one served model loads: where from, its batch, the engine's loader options
@@ -68,14 +93,18 @@ class LoadOptions:
     cache_dir: Path  # converted GGUF files and Hub downloads
     dequantize_on_cpu: bool
     max_batch: int
-    kind: str = "auto"  # text or vision; auto: from the model's config
+    kind: str = "auto"  # text, vision or embedding; auto: text or vision from the config
     adapter_path: Path | None = None  # an mlx-lm LoRA adapter applied at load
     prefill_streams: int | None = None  # MLX streams a prefill chunk is split over (None: auto)
     chunked_linear_attention: bool | None = None  # Qwen3.5 GatedDeltaNet (None: where it pays)
     # CPU backend, engine.batch_prefill = "auto": rows whose context stays within this many
     # tokens are prefilled together (None: the runner's default, none)
     batch_prefill_max_context: int | None = None
+    kv_bits: int = 0  # attention KV quantized to 4 or 8 bits (0: the model's precision)
+    kv_group_size: int = 64  # values per quantization group
     prefix_cache: PrefixCacheOptions | None = None
+    disk_tier: DiskTierOptions | None = None  # the prefix cache's disk tier (None: off)
     memory: MemoryOptions | None = None  # None: no memory estimate, no memory gate
     speculative: SpeculativeOptions | None = None
     spec_prefill: SpecPrefillOptions | None = None
+    embedding: EmbeddingOptions = EmbeddingOptions()  # kind "embedding" only

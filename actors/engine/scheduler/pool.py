@@ -14,8 +14,9 @@ each load). Room is made by unloading the least recently used model that is idle
 request whose ``Submit`` has not come yet). While no model can make room, the
 wanted one waits; its requests wait with it, bounded by their queue timeout. A
 model idle for ``idle_unload_s`` is unloaded. A load that raises fails the
-requests submitted to that model (``model_load_failed``) and nothing else. A model
-whose last load failed unloads nothing for its next try: room is made once that
+requests submitted to that model (``model_load_failed``) and nothing else. A model's
+``keep_alive`` (Ollama's, set per model by a ``KeepAlive``) replaces ``idle_unload_s``
+for it. A model whose last load failed unloads nothing for its next try: room is made once that
 load has succeeded (meanwhile one model more than ``max_loaded`` may be loaded), so
 a broken model cannot evict a healthy one again and again.
 """
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import time
 from collections import OrderedDict
 from collections.abc import Callable
@@ -32,7 +34,7 @@ from dataclasses import dataclass, field
 import msgspec
 from mlxd.actors.engine.scheduler.core import EngineCore
 from mlxd.actors.engine.scheduler.types import ModelInfo, Runner
-from mlxd.protocol.messages import EngineStats, EngineStep, Failed, TokenizedRequest
+from mlxd.protocol.messages import EmbedRequest, EngineStats, EngineStep, Failed, TokenizedRequest
 
 log = logging.getLogger("mlxd.engine")
 
@@ -98,12 +100,13 @@ class ModelPool:
     clock: Callable[[], float] = time.monotonic
     loaded: OrderedDict[str, _Loaded] = field(default_factory=OrderedDict)  # LRU first
     wanted: OrderedDict[str, None] = field(default_factory=OrderedDict)  # in request order
-    queued: dict[str, list[TokenizedRequest]] = field(default_factory=dict)
+    queued: dict[str, list[TokenizedRequest | EmbedRequest]] = field(default_factory=dict)
     pins: dict[str, set[str]] = field(default_factory=dict)
     owner: dict[str, str] = field(default_factory=dict)  # request id → model
     events: list[ModelEvent] = field(default_factory=list)  # news not yet published
     weights_seen: dict[str, int] = field(default_factory=dict)  # model → weights at last load
     failed: set[str] = field(default_factory=set)  # models whose last load raised
+    keep_alive: dict[str, float] = field(default_factory=dict)  # model → idle s (inf: never)
     _last: str = ""  # the model stepped last (round-robin goes on after it)
 
     @classmethod
@@ -112,7 +115,7 @@ class ModelPool:
 
     # ---- messages ------------------------------------------------------------------
 
-    def submit(self, request: TokenizedRequest) -> None:
+    def submit(self, request: TokenizedRequest | EmbedRequest) -> None:
         model = request.model
         self._unpin(request.request_id)
         self.owner[request.request_id] = model
@@ -148,10 +151,48 @@ class ModelPool:
         waiting = self.queued.get(model, [])
         self.queued[model] = [r for r in waiting if r.request_id != request_id]
 
-    def clear_cache(self, model: str = "") -> None:
+    def set_keep_alive(self, model: str, seconds: float | None) -> None:
+        """How long ``model`` stays loaded once idle, counted from now or its last step
+        (None: ``idle_unload_s`` again; 0: unload as soon as it is idle; inf: never)."""
+        if model not in self.specs:
+            return
+        if seconds is None:
+            self.keep_alive.pop(model, None)
+        else:
+            self.keep_alive[model] = seconds
+        if model in self.loaded:
+            self._touch(model)
+
+    def ttl(self, model: str) -> float:
+        """Seconds ``model`` may stay idle before it is unloaded (inf: never)."""
+        if model in self.keep_alive:
+            return self.keep_alive[model]
+        return self.limits.idle_unload_s or math.inf
+
+    def clear_cache(self, model: str = "", tier: str = "") -> None:
+        """Drop prefix-cache snapshots of ``model`` (every model: ""), in ``tier`` ("ram",
+        "disk"; "": both). Unnamed, the disk tier loses every model's files."""
         for name, slot in self.loaded.items():
-            if model in ("", name):
-                slot.core.runner.clear_cache()
+            runner = slot.core.runner
+            if model not in ("", name):
+                continue
+            if hasattr(runner, "spill_cache"):  # a runner with a disk tier takes the tier
+                runner.clear_cache(tier, not model)
+            elif tier != "disk":
+                runner.clear_cache()
+
+    def spill(self, model: str, *, wait: bool) -> None:
+        """Write ``model``'s prefix-cache snapshots to the disk tier, where it has one
+        (before an unload, and at shutdown with ``wait``), so a reload starts warm."""
+        runner = getattr(self.loaded[model].core, "runner", None)
+        spill = getattr(runner, "spill_cache", None)
+        if spill is not None:
+            spill(wait=wait)
+
+    def close(self) -> None:
+        """Shutdown: every loaded model's snapshots to disk, waiting until written."""
+        for model in list(self.loaded):
+            self.spill(model, wait=True)
 
     # ---- scheduling ------------------------------------------------------------------
 
@@ -186,18 +227,25 @@ class ModelPool:
         return msgspec.structs.replace(result, model=model)
 
     def expire(self) -> None:
-        """Unload every model idle for ``idle_unload_s``."""
-        ttl = self.limits.idle_unload_s
+        """Unload every model idle for its ``ttl``."""
         now = self.clock()
         for model in [m for m in self.loaded if self._evictable(m)]:
-            if ttl > 0 and now - self.loaded[model].last_used >= ttl:
+            if now - self.loaded[model].last_used >= self.ttl(model):
                 self.unload(model, "idle")
 
     def next_expiry(self) -> float:
-        """When the next idle model's ``idle_unload_s`` runs out (``inf``: none)."""
-        ttl = self.limits.idle_unload_s
-        times = [s.last_used + ttl for m, s in self.loaded.items() if self._evictable(m)]
-        return min(times) if ttl > 0 and times else float("inf")
+        """When the next idle model's ``ttl`` runs out (``inf``: none)."""
+        times = [s.last_used + self.ttl(m) for m, s in self.loaded.items() if self._evictable(m)]
+        return min(times, default=math.inf)
+
+    def expires_at(self, model: str) -> float:
+        """When a loaded ``model`` unloads if it gets no more work (Unix time; 0: never);
+        a busy one: its ``ttl`` from now."""
+        ttl, slot = self.ttl(model), self.loaded[model]
+        if math.isinf(ttl):
+            return 0.0
+        since = slot.last_used if self._evictable(model) else self.clock()
+        return time.time() + since + ttl - self.clock()
 
     # ---- load and unload -------------------------------------------------------------
 
@@ -264,6 +312,7 @@ class ModelPool:
 
     def unload(self, model: str, reason: str) -> None:
         started = self.clock()
+        self.spill(model, wait=False)
         slot = self.loaded.pop(model)
         weights = slot.weights
         del slot  # the core and its runner hold the weights: drop them before freeing
@@ -274,6 +323,14 @@ class ModelPool:
             ModelEvent(model, "unloaded", seconds=seconds, weights_bytes=weights, reason=reason)
         )
 
+    def unload_idle(self, model: str) -> bool:
+        """An operator's unload (``Unload``): ``model`` goes now if it is loaded and idle
+        and no request pins it; False (nothing done) otherwise."""
+        if model not in self.loaded or not self._evictable(model):
+            return False
+        self.unload(model, "operator")
+        return True
+
     def release_buffers(self) -> None:
         for slot in self.loaded.values():
             slot.core.runner.release_buffers()
@@ -281,7 +338,10 @@ class ModelPool:
     def stats(self, models: list[str] | None = None) -> dict[str, EngineStats]:
         """The snapshots of ``models`` (of every loaded model when None) that are loaded."""
         names = self.loaded if models is None else [m for m in models if m in self.loaded]
-        return {m: self.loaded[m].core.stats() for m in names}
+        return {
+            m: msgspec.structs.replace(self.loaded[m].core.stats(), expires_at=self.expires_at(m))
+            for m in names
+        }
 
     # ---- policy --------------------------------------------------------------------
 
@@ -357,4 +417,4 @@ class ModelPool:
 
 def _ended(step: EngineStep) -> list[str]:
     done = [t.request_id for t in step.tokens if t.finish_reason is not None]
-    return done + [f.request_id for f in step.failed]
+    return done + [f.request_id for f in step.failed] + [e.request_id for e in step.embedded]
