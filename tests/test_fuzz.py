@@ -62,16 +62,18 @@ ROUTES = {
     "/v1/messages/count_tokens": anthropic.CountTokensRequest,
     "/v1/responses": responses.ResponsesRequest,
 }
+# Generated examples per run, after the fixed corner cases (derandomized: the same ones
+# every run). Sized so the whole suite stays within CI's time on a 2-core machine.
 FAKE_EXAMPLES = {
-    "/v1/chat/completions": 60,
-    "/v1/completions": 50,
-    "/v1/messages": 50,
-    "/v1/messages/count_tokens": 25,
-    "/v1/responses": 50,
+    "/v1/chat/completions": 40,
+    "/v1/completions": 30,
+    "/v1/messages": 30,
+    "/v1/messages/count_tokens": 15,
+    "/v1/responses": 30,
 }
-REAL_EXAMPLES = 15  # bursts of up to three requests
-OUTPUT_EXAMPLES = 8  # per tool-call format
-BURST_EXAMPLES = 25  # of up to three requests at once
+REAL_EXAMPLES = 8  # bursts of up to three requests
+OUTPUT_EXAMPLES = 5  # per tool-call format
+BURST_EXAMPLES = 15  # of up to three requests at once
 JSON = "application/json"
 # In-stream error types that mean the server failed (OpenAI's, Anthropic's).
 SERVER_ERROR_TYPES = {"server_error", "api_error", "overloaded_error", "service_unavailable"}
