@@ -32,7 +32,7 @@ from mlxd.actors.engine.loading.gguf.convert import (
 )
 from mlxd.actors.engine.loading.gguf.tensors import Storage
 from mlxd.actors.engine.loading.sources import hub_snapshot, model_source
-from mlxd.actors.engine.runner import disk_codec, kv_quant
+from mlxd.actors.engine.runner import disk_codec
 from mlxd.actors.engine.runner.base import MlxRunner
 from mlxd.actors.engine.runner.embedding import (
     ENCODERS,
@@ -477,6 +477,10 @@ def _quantized_kv(model: nn.Module, o: LoadOptions, sparse: SpecPrefill | None):
     ``KVCache`` layers only."""
     if not o.kv_bits:
         return None
+    # here, not at the top: kv_quant builds on mlx-vlm's cache, whose import brings in
+    # much of mlx-vlm, which a server without kv_bits never needs
+    from mlxd.actors.engine.runner import kv_quant
+
     make = kv_quant.cache_factory(
         model, lambda: make_prompt_cache(model), o.kv_bits, o.kv_group_size
     )
