@@ -478,6 +478,17 @@ async def start(
     return first, events
 
 
+def merge_tool_calls(calls: list[ToolCall], delta: TextDelta) -> None:
+    """Add a delta's tool-call pieces to ``calls``: a piece with an id opens a call, one
+    without continues call ``index``'s arguments."""
+    for c in delta.tool_calls:
+        if c.id is not None:
+            calls.append(ToolCall(id=c.id, name=c.name or "", arguments=c.arguments))
+        else:
+            last = calls[c.index]
+            calls[c.index] = msgspec.structs.replace(last, arguments=last.arguments + c.arguments)
+
+
 @dataclass
 class Choice:
     """One choice's whole output, for non-streaming answers."""
@@ -491,14 +502,7 @@ class Choice:
     def add(self, delta: TextDelta) -> None:
         self.text += delta.text
         self.reasoning += delta.reasoning
-        for c in delta.tool_calls:
-            if c.id is not None:
-                self.calls.append(ToolCall(id=c.id, name=c.name or "", arguments=c.arguments))
-            else:
-                last = self.calls[c.index]
-                self.calls[c.index] = msgspec.structs.replace(
-                    last, arguments=last.arguments + c.arguments
-                )
+        merge_tool_calls(self.calls, delta)
         self.logprobs += delta.logprobs
 
 

@@ -37,6 +37,7 @@ from mlxd.daemon.api.common import (
     collect,
     json_constraint,
     json_response,
+    merge_tool_calls,
     reasoning_kwargs,
     start,
 )
@@ -403,14 +404,7 @@ class _Calls:
         self.sent = 0
 
     def add(self, delta: TextDelta) -> list[ToolCall]:
-        for c in delta.tool_calls:
-            if c.id is not None:
-                self.calls.append(ToolCall(id=c.id, name=c.name or "", arguments=c.arguments))
-            else:
-                last = self.calls[c.index]
-                self.calls[c.index] = msgspec.structs.replace(
-                    last, arguments=last.arguments + c.arguments
-                )
+        merge_tool_calls(self.calls, delta)
         return self.flush(len(self.calls) - 1)
 
     def flush(self, upto: int | None = None) -> list[ToolCall]:
