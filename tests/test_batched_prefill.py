@@ -110,3 +110,34 @@ def test_auto_batches_only_the_rows_within_the_context_limit(model, smollm_token
     assert passes and all(set(p) <= {"a", "d"} for p in passes), passes
     runner.batch_prefill_max_context = None
     assert runner.batch_prefill_pays == (mx.default_device() == mx.gpu)  # off on the CPU
+
+
+@pytest.mark.parametrize("model", ["qwen3_5", "baichuan_m1"])
+def test_short_rows_keep_their_own_recurrent_state(model, tiny_models):
+    """Short rows batched on the CPU backend (right-padded where the model allows it) end
+    with the recurrent state each would have alone. Baichuan-M1's key/value convolution
+    stores its last inputs whatever the padding mask says, so its rows go unpadded."""
+    from mlx_lm.models.cache import ArraysCache
+    from mlxd.actors.engine.runner.base import _leaf_caches
+
+    runner = load(tiny_models(model), prefix_cache=False)
+    runner.batch_prefill_max_context = 128
+    assert runner.padding_keeps_rows() == (model != "baichuan_m1")
+
+    def pending(rid, prompt):
+        runner.start(request(rid, prompt, max_tokens=4))
+        return runner._pending[rid], len(prompt) - 1
+
+    prompts = {"a": PROMPTS["a"], "d": PROMPTS["d"]}  # 36 and 22 tokens to run
+    together = runner._prefill_rows([pending(f"{r}-both", p) for r, p in prompts.items()])
+    for (rid, prompt), batched in zip(prompts.items(), together, strict=True):
+        (alone,) = runner._prefill_rows([pending(f"{rid}-alone", prompt)])
+        pairs = zip(_leaf_caches(alone), _leaf_caches(batched), strict=True)
+        states = [
+            (x, y)
+            for a, b in pairs
+            if isinstance(a, ArraysCache)
+            for x, y in zip(a.cache, b.cache, strict=True)
+        ]
+        assert states
+        assert all(mx.allclose(x, y, rtol=1e-3, atol=1e-4).item() for x, y in states), rid

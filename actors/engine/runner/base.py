@@ -30,7 +30,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 from mlx_lm.generate import BatchGenerator
-from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.models.cache import ArraysCache, make_prompt_cache
 from mlx_lm.sample_utils import greedy_sampler, make_logits_processors
 from mlxd.actors.engine.kernels.openblas import OpenBlas
 from mlxd.actors.engine.runner import caches
@@ -219,6 +219,7 @@ class MlxRunner:
         self._rid_to_uid: dict[str, int] = {}
         self._top: dict[str, int] = {}  # requests that want logprobs → how many alternatives
         self._guard = RowGuard()
+        self._padding_ok: bool | None = None  # see ``padding_keeps_rows``
 
     def _new_generator(self) -> BatchGenerator:
         return BatchGenerator(
@@ -430,7 +431,7 @@ class MlxRunner:
         saves.) The caches are merged into a batch cache with the cache classes' ``merge``
         and taken apart again with ``extract``. Short rows (``batch_prefill_max_context``)
         go in one padded pass instead (``_prefill_padded``)."""
-        if self.batch_prefill_max_context is not None:
+        if self.batch_prefill_max_context is not None and self.padding_keeps_rows():
             return self._prefill_padded(rows)
         caches = [p.cache for p, _ in rows]
         done = [p.done for p, _ in rows]
@@ -454,6 +455,38 @@ class MlxRunner:
                 done[i] += m
                 left[i] -= m
         return caches
+
+    def padding_keeps_rows(self) -> bool:
+        """Whether a right-padded pass leaves each row's recurrent state (``ArraysCache``
+        layers) as the row alone would: mlx-lm's ``prepare`` masks the padding only where
+        the model's layer code reads the mask, and a layer that stores its last inputs
+        regardless (Baichuan-M1's key/value convolution) keeps the padding's instead.
+        Checked once, on the model itself (two short rows, padded against alone); where it
+        fails, short rows share passes without padding (``_prefill_rows``'s equal
+        chunks). Attention-only models need no check: ``finalize`` rolls the padding off."""
+        if self._padding_ok is None:
+            self._padding_ok = self._check_padding()
+            if not self._padding_ok:
+                log.info("batched prefill without padding: this model's state keeps the padding")
+        return self._padding_ok
+
+    def _check_padding(self) -> bool:
+        def states(cache: list[Any]) -> list[mx.array]:
+            leaves = [c for c in _leaf_caches(cache) if isinstance(c, ArraysCache)]
+            return [a for c in leaves for a in c.cache if a is not None]
+
+        if not any(isinstance(c, ArraysCache) for c in _leaf_caches(self._make_cache())):
+            return True
+        prompts = [tuple(range(1, 6)), tuple(range(6, 9))]
+        rows = [(Pending(_probe_request(p), self._make_cache()), len(p)) for p in prompts]
+        with mx.stream(self._stream):
+            together = self._prefill_padded(rows)
+            alone = [self._prefill_padded([row]) for row in rows]
+            for a, b in zip(alone, together, strict=True):
+                for x, y in zip(states(a[0]), states(b), strict=True):
+                    if not mx.allclose(x, y, rtol=1e-3, atol=1e-3).item():
+                        return False
+        return True
 
     def _prefill_padded(self, rows: list[tuple[Pending, int]]) -> list[list[Any]]:
         """Short rows in one forward pass, each chunk right-padded to the longest, as
@@ -689,6 +722,11 @@ def _trim_heap() -> None:
     rises as they are freed): without this, resident memory stays near the burst's peak."""
     if _TRIM is not None:
         _TRIM()
+
+
+def _probe_request(prompt: tuple[int, ...]) -> TokenizedRequest:
+    """A request no client sent, for the runner's own checks on the model."""
+    return TokenizedRequest(request_id="probe", prompt_tokens=prompt, sampling=SamplingParams())
 
 
 def _leaf_caches(caches) -> list[Any]:
