@@ -16,9 +16,9 @@ Every server gets the same messages: the replies in the history are mlxd's turn-
 replies, so turn 4 is byte-identical everywhere. TTFT is measured on the stream (first
 content delta). Both servers are warmed up with one short request after each start.
 
-    python -m mlxd.scripts.bench_restart                        # SmolLM2, 8,000-token system prompt
+    python -m mlxd.scripts.bench_restart                        # SmolLM2, 6,800-token system prompt
     python -m mlxd.scripts.bench_restart --model hybrid
-    python -m mlxd.scripts.bench_restart --model default,hybrid --system-tokens 8000
+    python -m mlxd.scripts.bench_restart --model default,hybrid --system-tokens 6800
 
 ``default`` and ``hybrid`` are bench_agents' models (SmolLM2-135M-Instruct as float32;
 the random-weight Qwen3.5-architecture hybrid of SmolLM2's compute). Supersedes
@@ -237,7 +237,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--model", default="default", help="default, hybrid, DIR or FILE.gguf; a comma list"
     )
-    p.add_argument("--system-tokens", type=int, default=8000, help="system prompt size (tokens)")
+    p.add_argument(
+        "--system-tokens",
+        type=int,
+        default=6800,
+        help="system prompt size in tokens (6800: turn 4 is about 8,100 tokens, within SmolLM2's 8,192)",
+    )
     p.add_argument("--max-tokens", type=int, default=16, help="tokens per reply")
     p.add_argument("--ready-timeout", type=float, default=900.0, help="seconds to load a model")
     p.add_argument("--no-mlx-lm", action="store_true", help="skip the mlx_lm.server comparison")
