@@ -60,17 +60,19 @@ TURNS = 4
 
 
 def system_prompt(tokenizer, target: int) -> str:
-    """The tool manual, then repository files and test logs until about ``target`` tokens."""
+    """The tool manual, then repository files and test logs, up to ``target`` tokens."""
     rng = random.Random("bench_restart")
     parts = [tool_manual(), "", "# Repository context (read at session start)"]
     i = 0
-    while len(tokenizer.encode("\n".join(parts))) < target:
-        parts += [
-            f"\n## src/pkg_{i}/module.py\n{_code(rng, 3)}",
-            f"\n## logs/run_{i}.log\n{_logs(rng, 6)}",
+    while True:
+        more = [
+            f"\n## src/pkg_{i}/module.py\n{_code(rng, 1)}",
+            f"\n## logs/run_{i}.log\n{_logs(rng, 2)}",
         ]
+        if len(tokenizer.encode("\n".join(parts + more))) > target:
+            return "\n".join(parts)
+        parts += more
         i += 1
-    return "\n".join(parts)
 
 
 @dataclass
