@@ -35,18 +35,9 @@ import time
 from pathlib import Path
 
 from mlxd.scripts.bench_agents import prepare
+from mlxd.scripts.bench_kv_quant import PROMPTS  # the same eight chat prompts
 
 BITS = (0, 8, 4)
-PROMPTS = (
-    "Write a Python function that checks whether a string is a palindrome.",
-    "Explain in three sentences why the sky is blue.",
-    "List five prime numbers and say how you found them.",
-    "Summarise the plot of Romeo and Juliet in a short paragraph.",
-    "What is the difference between a list and a tuple in Python?",
-    "Give me a recipe for pancakes.",
-    "Translate 'good morning, how are you?' into French and Spanish.",
-    "Describe how a hash map works.",
-)
 
 
 def encode(tokenizer, text: str) -> list[int]:
