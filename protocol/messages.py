@@ -402,6 +402,7 @@ class DiskCounters(msgspec.Struct, kw_only=True):
 
     enabled: bool = False
     writable: bool = False  # false: a write failed (disk full, read-only): RAM only
+    owner_pid: int = 0  # not 0: another process (-1: unknown pid) holds disk_dir: RAM only
     max_bytes: int = 0
     bytes: int = 0
     entries: int = 0

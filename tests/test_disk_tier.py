@@ -67,7 +67,8 @@ def _read_all(store: DiskStore, space: str) -> dict[tuple[int, ...], bytes]:
 
 
 def _disk_bytes(root: Path) -> int:
-    return sum(p.stat().st_size for p in root.rglob("*") if p.is_file())
+    """The snapshot files' bytes (the owner's lock file, a pid, is not a snapshot)."""
+    return sum(p.stat().st_size for p in root.rglob("*") if p.is_file() and p.name != disk_tier.LOCK)
 
 
 def test_budget_holds_over_many_inserts_and_lru_order(tmp_path):
@@ -235,6 +236,64 @@ def test_a_full_disk_degrades_to_ram_with_one_log_line(tmp_path, caplog, monkeyp
     assert not store.counters().writable and store.counters().entries == 0
     assert not list(tmp_path.rglob("*.tmp"))  # the temporary file went too
     assert len([r for r in caplog.records if "writes off" in r.getMessage()]) == 1
+
+
+def test_a_second_store_on_the_same_dir_leaves_it_alone(tmp_path, caplog):
+    """Two daemons given one ``disk_dir``: the second would delete the first one's
+    files at start-up (another model's space) and overrun the shared budget; it keeps
+    its cache in RAM instead, says so once, and touches nothing."""
+    first = _store(tmp_path, models=("m",))
+    view = first.space("m", {"k": 1})
+    for i in range(3):
+        k = tuple(range(i * 100, i * 100 + 80))
+        view.spill(k, False, _enc(k))
+    first.flush()
+    files = sorted(tmp_path.rglob("*.kv"))
+    assert len(files) == 3 and (tmp_path / disk_tier.LOCK).read_text().strip() == str(os.getpid())
+    with caplog.at_level(logging.WARNING, logger="mlxd.disk_cache"):
+        second = _store(tmp_path, models=("other",))  # would delete "m"'s space
+        other = second.space("m", {"k": 2})  # would delete "m"'s sibling spaces
+        k = tuple(range(1000, 1080))
+        assert not other.spill(k, False, _enc(k))
+        assert other.best(k, len(k)) is None
+        second.clear().result()
+        second.flush()
+    c = second.counters()
+    assert not c.enabled and not c.writable and c.owner_pid == os.getpid() and c.entries == 0
+    assert sorted(tmp_path.rglob("*.kv")) == files
+    warned = [r.getMessage() for r in caplog.records]
+    assert len(warned) == 1 and f"pid {os.getpid()}" in warned[0], warned
+    assert len(_read_all(first, view.space)) == 3  # the owner goes on as before
+    second.close()
+    first.close()  # releases the directory: the next store owns it and indexes the files
+    third = _store(tmp_path)
+    assert third.owned and third.counters().entries == 3
+    third.close()
+
+
+def test_a_killed_owner_releases_the_dir(tmp_path):
+    """The lock dies with its process (``kill -9`` included): the next start owns the
+    directory and finds the files the killed daemon wrote."""
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _WRITER, str(tmp_path), "10000000", "0"],
+        stdout=subprocess.PIPE,
+        cwd=ROOT,
+    )
+    try:
+        assert proc.stdout.readline().strip() == b"ready"
+        deadline = time.monotonic() + WAIT_S
+        while not list(tmp_path.rglob("*.kv")):
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        blocked = _store(tmp_path)
+        assert not blocked.owned and blocked.counters().owner_pid == proc.pid
+        blocked.close()
+    finally:
+        proc.kill()
+        proc.wait()
+    store = _store(tmp_path)
+    assert store.owned and store.counters().enabled and store.counters().entries > 0
+    store.close()
 
 
 _WRITER = textwrap.dedent(

@@ -20,12 +20,20 @@ index and one I/O thread, so no file is read or written on the engine thread.
   is trimmed the same way). Use is the file's mtime, so the order survives restarts.
 - A write that fails (disk full, a directory that cannot be written) turns writes off
   with one log line: the cache goes on in RAM only, no request fails.
+- One process owns a directory: ``LOCK`` is held with ``flock`` while the store lives
+  (the kernel releases it when the process ends, ``kill -9`` included). A second
+  daemon given the same ``disk_dir`` (a service and a hand-started ``mlxd serve``) would
+  delete the first one's files at start-up and overrun the shared budget; instead it
+  leaves the directory alone and keeps its prefix cache in RAM, with one log line that
+  names the owner's pid.
 - Matching mirrors the RAM tier: a trimmable snapshot serves any common prefix, an
   exact-length one (SSM / ArraysCache state) only prompts it is a whole prefix of.
 """
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import hashlib
 import json
 import logging
@@ -54,6 +62,7 @@ SUFFIX = ".kv"
 _TEMP = ".tmp"
 _SPACE_NAME = re.compile(r"^(?P<slug>[A-Za-z0-9_.-]{1,64})-(?P<hash>[0-9a-f]{20})$")
 _BLOCK = 64  # the disk index's own block size (any size gives the same matches)
+LOCK = "LOCK"  # the owner's lock file in the root (its pid inside)
 
 
 def slug(model_id: str) -> str:
@@ -196,14 +205,24 @@ class DiskStore:
         self._pending = 0  # bytes spilled, not yet written
         self._doomed: list[Path] = []  # files dropped from the index, to delete unlocked
         self._io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mlxd-disk")
-        self.scanned: Future[None] = self._io.submit(self._scan)
+        self._lock_fd: int | None = None
+        self.owner_pid = 0  # another process holding the directory (0: none, or us)
+        if not self._own_directory():
+            self.stats = DiskCounters(
+                enabled=False, writable=False, owner_pid=self.owner_pid, max_bytes=max_bytes
+            )
+            self.scanned: Future[None] = Future()
+            self.scanned.set_result(None)
+            return
+        self.scanned = self._io.submit(self._scan)
 
     # ---- the engine thread's side -------------------------------------------------
 
     def space(self, model_slug: str, key: dict[str, Any]) -> DiskView:
         """A loaded model's view; its slug's other spaces are deleted (on the I/O thread)."""
         name = space_name(model_slug, key)
-        self._io.submit(self._drop_siblings, model_slug, name)
+        if self.owned:
+            self._io.submit(self._drop_siblings, model_slug, name)
         return DiskView(self, name)
 
     def best(self, space: str, prompt: Sequence[int], limit: int) -> tuple[DiskEntry, int] | None:
@@ -234,6 +253,10 @@ class DiskStore:
 
     def clear(self, space: str | None = None) -> Future[None]:
         """Delete every file of ``space`` (of every space when None); writes come back on."""
+        if not self.owned:
+            done: Future[None] = Future()
+            done.set_result(None)
+            return done
         return self._io.submit(self._clear, space)
 
     def flush(self, timeout: float | None = None) -> None:
@@ -242,6 +265,45 @@ class DiskStore:
 
     def close(self) -> None:
         self._io.shutdown(wait=True)
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)  # releases the lock
+            self._lock_fd = None
+
+    @property
+    def owned(self) -> bool:
+        """False: another process holds the directory; this store does nothing."""
+        return self.owner_pid == 0
+
+    def _own_directory(self) -> bool:
+        """Take ``LOCK`` (False: another live process holds it). A directory that cannot
+        be created or locked (read-only) goes on unlocked: the scan turns writes off."""
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+            fd = os.open(self.root / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError:
+            return True
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:
+            if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                os.close(fd)
+                return True  # no locking on this file system: go on as before
+            try:
+                self.owner_pid = int(os.pread(fd, 32, 0).decode().strip() or 0) or -1
+            except (OSError, ValueError):
+                self.owner_pid = -1
+            os.close(fd)
+            log.warning(
+                "prefix cache on disk: %s is in use by another process (pid %s); "
+                "this daemon keeps its prefix cache in RAM only",
+                self.root,
+                self.owner_pid if self.owner_pid > 0 else "unknown",
+            )
+            return False
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        self._lock_fd = fd
+        return True
 
     def counters(self) -> DiskCounters:
         with self._lock:
@@ -258,6 +320,8 @@ class DiskStore:
             self._writes_off(exc)
             return
         for child in children:
+            if child.name == LOCK:
+                continue
             match = _SPACE_NAME.match(child.name)
             if not child.is_dir() or match is None or match["slug"] not in self.models:
                 self.stats.incompatible_removed += _remove_tree(child)
