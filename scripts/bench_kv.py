@@ -22,7 +22,7 @@ For each of kv_bits 0 (off), 8 and 4, on the model mlxd serves:
     python -m mlxd.scripts.bench_kv --model hybrid
     python -m mlxd.scripts.bench_kv --model default,hybrid --decode-tokens 64 --agree-prompts 4
 
-``default`` and ``hybrid`` are bench_agents' models. Supersedes ``bench_kv_quant.py``.
+``default`` and ``hybrid`` are bench_agents' models.
 """
 
 from __future__ import annotations
@@ -35,9 +35,17 @@ import time
 from pathlib import Path
 
 from mlxd.scripts.bench_agents import prepare
-from mlxd.scripts.bench_kv_quant import PROMPTS  # the same eight chat prompts
-
 BITS = (0, 8, 4)
+PROMPTS = (
+    "Write a Python function that checks whether a string is a palindrome.",
+    "Explain in three sentences why the sky is blue.",
+    "List five prime numbers and say how you found them.",
+    "Summarise the plot of Romeo and Juliet in a short paragraph.",
+    "What is the difference between a list and a tuple in Python?",
+    "Give me a recipe for pancakes.",
+    "Translate 'good morning, how are you?' into French and Spanish.",
+    "Describe how a hash map works.",
+)
 
 
 def encode(tokenizer, text: str) -> list[int]:
@@ -273,4 +281,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    from mlxd.daemon import blas
+
+    blas.reexec_with_openblas("mlxd.scripts.bench_kv")
     raise SystemExit(main())

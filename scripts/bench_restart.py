@@ -21,8 +21,7 @@ content delta). Both servers are warmed up with one short request after each sta
     python -m mlxd.scripts.bench_restart --model default,hybrid --system-tokens 6800
 
 ``default`` and ``hybrid`` are bench_agents' models (SmolLM2-135M-Instruct as float32;
-the random-weight Qwen3.5-architecture hybrid of SmolLM2's compute). Supersedes
-``scripts/bench_disk_restart.py``.
+the random-weight Qwen3.5-architecture hybrid of SmolLM2's compute).
 """
 
 from __future__ import annotations
