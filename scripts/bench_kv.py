@@ -35,6 +35,7 @@ import time
 from pathlib import Path
 
 from mlxd.scripts.bench_agents import prepare
+
 BITS = (0, 8, 4)
 PROMPTS = (
     "Write a Python function that checks whether a string is a palindrome.",

@@ -68,7 +68,9 @@ def _read_all(store: DiskStore, space: str) -> dict[tuple[int, ...], bytes]:
 
 def _disk_bytes(root: Path) -> int:
     """The snapshot files' bytes (the owner's lock file, a pid, is not a snapshot)."""
-    return sum(p.stat().st_size for p in root.rglob("*") if p.is_file() and p.name != disk_tier.LOCK)
+    return sum(
+        p.stat().st_size for p in root.rglob("*") if p.is_file() and p.name != disk_tier.LOCK
+    )
 
 
 def test_budget_holds_over_many_inserts_and_lru_order(tmp_path):

@@ -6,7 +6,8 @@ sharded generation over the same group (``tests/distributed_reference.py``), alo
 joined at different steps, and next to a request aborted mid-stream. A model that
 can be sharded neither way is refused at start-up with one line; ranks whose
 settings differ refuse to start; a follower killed mid-stream makes rank 0 answer
-503 and exit non-zero within seconds. Small prefill chunks and prefix-cache blocks
+503 and exit non-zero within seconds. With ``engine.kv_bits = 8`` the pipeline-parallel
+hybrid's output equals one process's with the same quantized KV. Small prefill chunks and prefix-cache blocks
 make chunked prefill and the (lockstep) prefix cache take part.
 """
 
@@ -84,6 +85,10 @@ def models(tmp_path_factory, smollm_tokenizer):
             tm.build_text_model(tm.QWEN3_5, smollm_tokenizer, root / "qwen3_5")
         ),
         "baichuan_m1": tm.build_text_model(tm.BAICHUAN_M1, smollm_tokenizer, root / "baichuan"),
+        # heads of 32 values: a 32-value quantization group divides them (engine.kv_bits)
+        "qwen3_5_hd32": tm.write_weight_index(
+            tm.build_text_model({**tm.QWEN3_5, "head_dim": 32}, smollm_tokenizer, root / "hd32")
+        ),
     }
 
 
@@ -339,6 +344,37 @@ def test_pipeline_parallel_hybrid_equals_mlx_lm_sharded(models, reference, tmp_p
     with launched(tmp_path, models["qwen3_5"], "pipeline") as d:
         _check_serving(d, reference["qwen3_5"])
         assert "pipeline parallel" in d.log
+
+
+def test_quantized_kv_over_two_ranks_equals_one_process(models, tmp_path):
+    """``engine.kv_bits = 8`` on a pipeline-parallel hybrid: each rank quantizes its own
+    attention layers' KV, and the two ranks' greedy output equals one process's with the
+    same settings (pipeline parallel keeps every layer whole: the same math), alone,
+    batched, aborted beside and from the prefix cache; both count the quantized bytes."""
+    env = {"MLXD_ENGINE__KV_BITS": "8", "MLXD_ENGINE__KV_GROUP_SIZE": "32"}
+    model = models["qwen3_5_hd32"]
+    port = _free_ports(1)
+    serve = [str(BIN / "mlxd"), "serve", str(model), "--port", str(port)]
+    one = Daemon([_start(serve, tmp_path / "one.log", env)], f"http://127.0.0.1:{port}", [])
+    one.logs = [tmp_path / "one.log"]
+    try:
+        one.wait_ready()
+        want = [one.complete(p) for p in PROMPTS]
+        alone_status = httpx.get(f"{one.url}/v1/status", timeout=10).json()
+    finally:
+        _stop(one.procs)
+    # 2 attention layers x (keys + values) x 2 KV heads x 32 values: 1 byte each at 8
+    # bits, and a float32 scale and bias per 32 values (full precision: 4 bytes each)
+    values = 2 * 2 * 2 * 32
+    assert alone_status["memory"]["kv_bytes_per_token"] == values + values // 32 * 2 * 4
+    with launched(tmp_path, model, "pipeline", env) as d:
+        _check_serving(d, want)
+        status = httpx.get(f"{d.url}/v1/status", timeout=10).json()
+        assert "pipeline parallel" in d.log
+    # rank 0 holds (and its memory gate counts) one of the two attention layers
+    assert (
+        status["memory"]["kv_bytes_per_token"] == alone_status["memory"]["kv_bytes_per_token"] // 2
+    )
 
 
 def _refused(d: Daemon) -> list[str]:
