@@ -408,7 +408,13 @@ def prepare(name: str, tmp: Path) -> tuple[Path, str]:
         source = converted(None if name == "default" else source)
     model_dir = float32_copy(source, tmp / "float32")
     label = "SmolLM2-135M-Instruct (Q4_1 GGUF)" if name == "default" else name
-    return model_dir, f"{label}, {'dequantized to float32' if model_dir != source else 'as is'}"
+    if model_dir != source:
+        return model_dir, f"{label}, dequantized to float32"
+    config = json.loads((model_dir / "config.json").read_text())
+    suffix = model_dir.name.rpartition("-")[2]  # a converted GGUF's directory names its dtype
+    dtype = config.get("torch_dtype") or config.get("dtype")
+    dtype = dtype or (suffix if suffix in ("float32", "float16", "bfloat16") else None)
+    return model_dir, f"{label}, as mlxd loads it" + (f" ({dtype})" if dtype else "")
 
 
 # ---- report -------------------------------------------------------------------------------------
