@@ -38,6 +38,8 @@ class Sample(msgspec.Struct, kw_only=True):
     seconds: float  # the period's length (longer than ``sample_period_s`` when late)
     tokens: int  # generated in the period
     tokens_per_s: float
+    # the most requests at once in the period (seen after every engine step and at the
+    # sample): a burst that starts and ends between two samples still shows
     running: int  # requests past admission (tokenizing, generating, streaming)
     queued: int  # requests in the admission queue
     finished: int = 0  # requests that ended in the period
@@ -99,6 +101,7 @@ class History:
         self.requests: deque[RequestRow] = deque(maxlen=max_requests)
         self.done_by_model: dict[str, int] = {}
         self._tokens = 0  # generated since the last sample
+        self._peak = (0, 0)  # the most (running, queued) seen since the last sample
         self._closed: list[RequestTrace] = []  # closed since the last sample
         self._last_at: float | None = None  # the last sample's time on the traces' clock
         self._spec: dict[str, tuple[int, int]] = {}  # model → (drafted, accepted) last seen
@@ -116,6 +119,10 @@ class History:
 
     def add_tokens(self, n: int) -> None:
         self._tokens += n
+
+    def note_load(self, running: int, queued: int) -> None:
+        """The admission counts now (after an engine step): the period keeps the most."""
+        self._peak = (max(self._peak[0], running), max(self._peak[1], queued))
 
     def request_done(self, trace: RequestTrace, wall: float) -> None:
         self._closed.append(trace)
@@ -164,14 +171,15 @@ class History:
             if _within(trace.started_at, since, now):
                 prompt, cached = prompt + trace.prompt_tokens, cached + trace.cached_tokens
         tokens, self._tokens = self._tokens, 0
+        (peak_running, peak_queued), self._peak = self._peak, (0, 0)
         sample = Sample(  # rounded: a poll after a page opens carries every sample
             seq=self._next_sample,
             t=round(wall, 3),
             seconds=round(elapsed, 4),
             tokens=tokens,
             tokens_per_s=round(tokens / elapsed, 2),
-            running=running,
-            queued=queued,
+            running=max(running, peak_running),
+            queued=max(queued, peak_queued),
             finished=finished,
             ttft_p50=_round(percentile(ttfts, 0.5)),
             ttft_p95=_round(percentile(ttfts, 0.95)),

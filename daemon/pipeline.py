@@ -318,6 +318,8 @@ class Pipeline:
         self.model_stats.update(news.stats)
         if self.history is not None:
             self.history.add_tokens(news.tokens)
+            if self.policy is not None:
+                self.history.note_load(len(self.policy.running), len(self.policy.waiting))
         for event in news.events:
             if event.state in ("unloaded", "failed"):
                 self.model_stats.pop(event.model, None)

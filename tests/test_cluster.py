@@ -89,6 +89,7 @@ class Router:
         self.port, self.metrics_port = free_port(), free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = tmp / f"router-{policy}.log"
+        self.daemons = daemons
         workers = [a for d in daemons for a in ("--worker", d.url)]
         command = [sys.executable, "-m", "mlxd.daemon.cli", "cluster", *workers]
         command += ["--port", str(self.port), "--metrics-port", str(self.metrics_port)]
@@ -103,13 +104,18 @@ class Router:
         return [int(p) for p in re.findall(r"router started \(pid (\d+)\)", self.log.read_text())]
 
     def wait_serving(self) -> None:
+        """Until the router serves and holds every daemon as healthy (a restarted router
+        answers once it has registered one daemon, and registers the next a while later)."""
         deadline = time.monotonic() + WAIT_S
         while time.monotonic() < deadline:
             assert self.proc.poll() is None, self.log.read_text()[-3000:]
             try:
-                if httpx.get(f"{self.url}/v1/models", timeout=5).status_code == 200:
+                models = httpx.get(f"{self.url}/v1/models", timeout=5)
+                if models.status_code == 200 and all(
+                    _healthy_in_router(self, d) for d in self.daemons
+                ):
                     return
-            except httpx.HTTPError:
+            except (httpx.HTTPError, KeyError, ValueError):
                 pass
             time.sleep(0.2)
         raise AssertionError(f"router not serving:\n{self.log.read_text()[-3000:]}")

@@ -75,6 +75,20 @@ def test_a_sample_counts_each_event_in_the_period_it_happened():
     assert minute.tokens_per_s == pytest.approx(50 / 5)  # 50 tokens in the 5 s sampled
 
 
+def test_a_burst_between_two_samples_shows_in_the_period():
+    """Requests that start and end between two samples: the period keeps the most seen
+    after each engine step, then starts again from what is open."""
+    h = History(period_s=1.0, max_samples=10, max_requests=10)
+    h.sample(0.0, 1000.0, [], 0, 0)
+    for running, queued in ((3, 0), (8, 5), (2, 0)):
+        h.note_load(running, queued)
+    burst = h.sample(1.0, 1001.0, [], 0, 0)  # all done by the sample
+    assert (burst.running, burst.queued) == (8, 5)
+    h.note_load(1, 0)
+    assert (lambda s: (s.running, s.queued))(h.sample(2.0, 1002.0, [], 2, 0)) == (2, 0)
+    assert (lambda s: (s.running, s.queued))(h.sample(3.0, 1003.0, [], 0, 0)) == (0, 0)
+
+
 def test_the_rings_are_bounded_and_a_cursor_gets_only_newer_entries():
     h = History(period_s=1.0, max_samples=3, max_requests=2)
     for i in range(5):
