@@ -139,6 +139,9 @@ def _check_output_formats(tool_format: str, tags: str, where: str) -> None:
 class EngineSettings(_Section):
     max_batch: Positive = 32
     prefill_chunk_tokens: Positive = 512
+    # a prompt with at most this many tokens left to prefill is not split over two
+    # steps: when the step's budget cannot take it whole it goes in the next; 0 = split
+    prefill_unsplit_tokens: NonNegative = 128
     batch_prefill: bool | Literal["auto"] = "auto"
     # "auto" on the CPU backend: only rows whose context (cached + this chunk) stays within
     # this many tokens are prefilled together (short chat turns); 0 = none there

@@ -276,6 +276,7 @@ def engine_options(s: Settings, publish: Publish) -> EngineOptions:
     return EngineOptions(
         max_batch=s.engine.max_batch,
         prefill_chunk_tokens=s.engine.prefill_chunk_tokens,
+        prefill_unsplit_tokens=s.engine.prefill_unsplit_tokens,
         batch_prefill=auto_or(s.engine.batch_prefill),
         retry_after_s=s.admission.retry_after_s,
         release_after_idle_s=s.memory.release_after_idle_s,

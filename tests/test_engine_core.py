@@ -308,6 +308,26 @@ def test_requests_given_budget_in_a_step_are_prefilled_in_one_batched_call():
     assert "c" in core.decoding
 
 
+def test_a_short_prompt_the_budget_cannot_take_whole_waits_for_the_next_step():
+    runner = FakeRunner(step_delay=0, batches_prefill=True)
+    core = EngineCore(runner, max_batch=8, prefill_chunk_tokens=100, prefill_unsplit_tokens=30)
+    core.submit(req("a", "a" * 61))  # 60 to prefill
+    core.submit(req("b", "b" * 31))  # 30: only 40 left... taken whole
+    core.submit(req("c", "c" * 21))  # 20: 10 left, short: not split, the next step's
+    core.submit(req("d", "d" * 6))  # 5, younger: does not go ahead of c
+    core.step()
+    assert runner.prefill_batches == [{"a": 100, "b": 40}]
+    assert (core._left["c"], core._left["d"]) == (20, 5)
+    core.submit(req("e", "e" * 201))  # 200: longer than unsplit, split as before
+    core.step()
+    assert runner.prefill_batches[1] == {"c": 100, "d": 80, "e": 75}
+    assert core._left["e"] == 200 - 75
+    core.step()  # the first request of a step always gets the budget
+    assert core._left["e"] == 25
+    steps = run_until_idle(core)
+    assert not [f for step in steps for f in step.failed]
+
+
 def test_a_failing_batched_prefill_is_retried_one_by_one_and_fails_only_its_culprit():
     runner = FakeRunner(step_delay=0, batches_prefill=True)
     core = EngineCore(runner, max_batch=8, prefill_chunk_tokens=512)

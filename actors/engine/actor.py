@@ -73,6 +73,7 @@ class EngineOptions:
 
     max_batch: int
     prefill_chunk_tokens: int
+    prefill_unsplit_tokens: int = 0  # a prompt with this few tokens left is not split
     batch_prefill: bool | None = None  # several requests' chunks per forward pass (None: auto)
     retry_after_s: float = 1.0  # a 503's Retry-After (an allocation failed in a step)
     release_after_idle_s: float = 2.0  # idle this long: give freed buffers back (a burst ended)
@@ -191,6 +192,7 @@ def core_for(runner: Runner, info: ModelInfo, max_batch: int, options: EngineOpt
         runner,
         max_batch=max_batch or options.max_batch,
         prefill_chunk_tokens=options.prefill_chunk_tokens,
+        prefill_unsplit_tokens=options.prefill_unsplit_tokens,
         batch_prefill=options.batch_prefill,
         memory=info.memory,
         retry_after_s=options.retry_after_s,
