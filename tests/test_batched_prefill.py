@@ -141,3 +141,31 @@ def test_short_rows_keep_their_own_recurrent_state(model, tiny_models):
         ]
         assert states
         assert all(mx.allclose(x, y, rtol=1e-3, atol=1e-4).item() for x, y in states), rid
+
+
+def test_a_row_gets_its_first_token_in_the_step_it_joins(tiny_models):
+    """mlx-lm's generator runs a step ahead: the runner makes the call that yields a
+    joined row's first token in the same engine step, not after the next step's prefill
+    (in a burst, another whole prefill pass). The rows already decoding get two tokens
+    that step, and every answer is the one it has alone."""
+    runner = load(tiny_models("llama"), prefix_cache=False)
+    core = EngineCore(runner, max_batch=8, prefill_chunk_tokens=256)
+    got: dict[str, list[int]] = {}
+
+    def step() -> list[tuple[str, int]]:
+        out = core.step()
+        for t in out.tokens:
+            got.setdefault(t.request_id, []).extend(t.tokens)
+        return sorted((t.request_id, len(t.tokens)) for t in out.tokens)
+
+    core.submit(request("a", PROMPTS["a"], max_tokens=8))
+    assert step() == [("a", 1)]  # prefilled, joined the batch, first token
+    core.submit(request("b", PROMPTS["b"], max_tokens=8))
+    assert step() == [("a", 2), ("b", 1)]
+    assert step() == [("a", 1), ("b", 1)]  # nothing joined: one decode
+    for rid, tokens in until_idle(core).items():
+        got[rid] += tokens
+    for rid in ("a", "b"):
+        solo = EngineCore(runner, max_batch=8, prefill_chunk_tokens=256)
+        solo.submit(request(rid, PROMPTS[rid], max_tokens=8))
+        assert until_idle(solo)[rid] == got[rid]

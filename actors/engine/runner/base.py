@@ -217,6 +217,7 @@ class MlxRunner:
         self._pending: dict[str, Pending] = {}
         self._uid_to_rid: dict[int, str] = {}
         self._rid_to_uid: dict[str, int] = {}
+        self._joined: set[int] = set()  # rows inserted since the last decode (no token yet)
         self._top: dict[str, int] = {}  # requests that want logprobs → how many alternatives
         self._guard = RowGuard()
         self._padding_ok: bool | None = None  # see ``padding_keeps_rows``
@@ -569,6 +570,7 @@ class MlxRunner:
         )
         self._uid_to_rid[uid] = request.request_id
         self._rid_to_uid[request.request_id] = uid
+        self._joined.add(uid)
         if params.logprobs:
             self._top[request.request_id] = params.top_logprobs
 
@@ -595,6 +597,19 @@ class MlxRunner:
         self._guard.base = seed
 
     def decode(self) -> list[Decoded]:
+        """One decode step, and a second where rows joined since the last: mlx-lm's
+        generator runs a step ahead, so a joined row's first token comes out of the call
+        after the one that takes it in. Made at once, that call moves the row's first
+        token before the next engine step's prefill (a burst of 32 chat prompts: a
+        second 512-token pass, ~1.2 s on 2 cores, sooner); it is the decode the next
+        step would have made, so the work is the same."""
+        joined, self._joined = self._joined, set()
+        out = self._decode_once()
+        if joined & self._uid_to_rid.keys():
+            out += self._decode_once()
+        return out
+
+    def _decode_once(self) -> list[Decoded]:
         if not self._rid_to_uid:
             return []
         _, responses = self.generator.next()
@@ -676,6 +691,7 @@ class MlxRunner:
         self.generator = self._new_generator()
         self._uid_to_rid.clear()
         self._rid_to_uid.clear()
+        self._joined.clear()
         self._sparse.intersection_update(self._pending)
         self._keys = {rid: k for rid, k in self._keys.items() if rid in self._pending}
         self._guard.take()
