@@ -193,22 +193,7 @@ def bench_model(name: str, args: argparse.Namespace, tmp: Path) -> dict:
     finally:
         cold_server.stop()
 
-    # mlx_lm.server: the same session, restarted the same way.
-    peer = None
-    if not args.no_mlx_lm:
-        lm = Server("mlx_lm", model_dir, work / "mlx_lm.log", args.ready_timeout)
-        lm.start()
-        try:
-            for n in range(1, TURNS):
-                turn, _ = send(lm, messages[: 2 * n], args.max_tokens, n)
-                print(_line(f"mlx_lm.server turn {n}", turn), flush=True)
-                result[f"mlx_lm_turn{n}_ttft_s"] = turn.ttft
-            lm.stop()
-            lm.start()
-            peer, _ = send(lm, messages, args.max_tokens, TURNS)
-            print(_line("mlx_lm.server turn 4 after restart", peer), flush=True)
-        finally:
-            lm.stop()
+    peer = None if args.no_mlx_lm else mlx_lm_session(model_dir, work, messages, args, result)
 
     result |= {
         "turn4_prompt_tokens": restart.prompt_tokens,
@@ -231,6 +216,27 @@ def bench_model(name: str, args: argparse.Namespace, tmp: Path) -> dict:
             f"x{peer.ttft / restart.ttft:.1f}"
         )
     return result
+
+
+def mlx_lm_session(
+    model_dir: Path, work: Path, messages: list[dict], args: argparse.Namespace, result: dict
+) -> Turn:
+    """mlx_lm.server taken through the same turns (mlxd's replies in the history),
+    stopped with SIGTERM and started again: its turn 4."""
+    lm = Server("mlx_lm", model_dir, work / "mlx_lm.log", args.ready_timeout)
+    lm.start()
+    try:
+        for n in range(1, TURNS):
+            turn, _ = send(lm, messages[: 2 * n], args.max_tokens, n)
+            print(_line(f"mlx_lm.server turn {n}", turn), flush=True)
+            result[f"mlx_lm_turn{n}_ttft_s"] = turn.ttft
+        lm.stop()
+        lm.start()
+        peer, _ = send(lm, messages, args.max_tokens, TURNS)
+        print(_line("mlx_lm.server turn 4 after restart", peer), flush=True)
+        return peer
+    finally:
+        lm.stop()
 
 
 def main(argv: list[str] | None = None) -> int:

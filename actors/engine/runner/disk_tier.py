@@ -207,22 +207,14 @@ class DiskStore:
         self._io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mlxd-disk")
         self._lock_fd: int | None = None
         self.owner_pid = 0  # another process holding the directory (0: none, or us)
-        if not self._own_directory():
-            self.stats = DiskCounters(
-                enabled=False, writable=False, owner_pid=self.owner_pid, max_bytes=max_bytes
-            )
-            self.scanned: Future[None] = Future()
-            self.scanned.set_result(None)
-            return
-        self.scanned = self._io.submit(self._scan)
+        self.scanned: Future[None] = self._io.submit(self._scan)
 
     # ---- the engine thread's side -------------------------------------------------
 
     def space(self, model_slug: str, key: dict[str, Any]) -> DiskView:
         """A loaded model's view; its slug's other spaces are deleted (on the I/O thread)."""
         name = space_name(model_slug, key)
-        if self.owned:
-            self._io.submit(self._drop_siblings, model_slug, name)
+        self._io.submit(self._drop_siblings, model_slug, name)
         return DiskView(self, name)
 
     def best(self, space: str, prompt: Sequence[int], limit: int) -> tuple[DiskEntry, int] | None:
@@ -253,10 +245,6 @@ class DiskStore:
 
     def clear(self, space: str | None = None) -> Future[None]:
         """Delete every file of ``space`` (of every space when None); writes come back on."""
-        if not self.owned:
-            done: Future[None] = Future()
-            done.set_result(None)
-            return done
         return self._io.submit(self._clear, space)
 
     def flush(self, timeout: float | None = None) -> None:
@@ -271,7 +259,8 @@ class DiskStore:
 
     @property
     def owned(self) -> bool:
-        """False: another process holds the directory; this store does nothing."""
+        """False: another process holds the directory; this store does nothing (known
+        once ``scanned`` is done)."""
         return self.owner_pid == 0
 
     def _own_directory(self) -> bool:
@@ -312,7 +301,12 @@ class DiskStore:
     # ---- the I/O thread ---------------------------------------------------------------
 
     def _scan(self) -> None:
-        """Rebuild the index from the files; delete what is not ours, then fit the budget."""
+        """Take the directory, rebuild the index from the files, delete what is not
+        ours, then fit the budget."""
+        if not self._own_directory():
+            self.stats.enabled = self.stats.writable = False
+            self.stats.owner_pid = self.owner_pid
+            return
         try:
             self.root.mkdir(parents=True, exist_ok=True)
             children = list(self.root.iterdir())
@@ -371,6 +365,8 @@ class DiskStore:
 
     def _drop_siblings(self, model_slug: str, keep: str) -> None:
         self.scanned.result()
+        if not self.owned:
+            return
         for name in [n for n in list(self._spaces) if n != keep]:
             match = _SPACE_NAME.match(name)
             if match is not None and match["slug"] == model_slug:
@@ -481,6 +477,8 @@ class DiskStore:
 
     def _clear(self, space: str | None) -> None:
         self.scanned.result()
+        if not self.owned:
+            return
         names = [space] if space is not None else list(self._spaces)
         for name in names:
             with self._lock:
