@@ -1,38 +1,36 @@
-"""Incremental output parsers: reasoning blocks and tool calls, split out of streamed text.
+"""Incremental output parsers: the machinery that splits reasoning and tool calls out of
+streamed text.
 
 The streamer feeds each request's text deltas (after stop strings) through one
-``OutputParser``, which yields content, reasoning text and complete tool calls.
-Like the stop matcher, every parser holds back any tail that could still start
-its markup, so raw markup never leaks out as content whatever the chunk
-boundaries. Formats:
+``OutputParser`` (``actors/families/output.py``), which yields content,
+reasoning text and complete tool calls. Like the stop matcher, every parser
+holds back any tail that could still start its markup, so raw markup never
+leaks out as content whatever the chunk boundaries. Here:
 
 - reasoning: ``<think>…</think>`` (or another tag pair) at the start of the output;
-- ``hermes``: ``<tool_call>{"name": …, "arguments": {…}}</tool_call>`` (Hermes, Qwen);
+- ``TaggedToolParser``: Hermes / Qwen ``<tool_call>{"name": …, "arguments": {…}}</tool_call>``;
   once the name is out, the arguments stream as they are generated;
-- ``mistral``: ``[TOOL_CALLS]`` then a JSON list of calls, or ``name[ARGS]{…}`` items
-  (text before the marker is content);
-- ``llama3``: output that is ``<|python_tag|>`` or a JSON object
-  ``{"name": …, "parameters": {…}}`` (several separated by ``;``);
-- ``json``: output that is a JSON call object or a list of them (generic fallback).
+- ``MarkerToolParser`` + ``parse_mistral``: ``[TOOL_CALLS]`` then a JSON list of calls, or
+  ``name[ARGS]{…}`` items (text before the marker is content);
+- ``LeadingToolParser``: output that starts with a call (Llama 3 JSON, generic JSON).
 
-Calls come out as ``CallPiece``s: a call's first piece has its id and name,
-later pieces continue its arguments. A call whose JSON does not parse is given
-back as content, never dropped (except arguments already streamed).
-Pure Python: no trio, no mlx.
+Which format a model writes, and the parsers of the other families, are in
+``actors/families/formats.py``. Calls come out as ``CallPiece``s: a call's first
+piece has its id and name, later pieces continue its arguments. A call whose
+JSON does not parse is given back as content, never dropped (except arguments
+already streamed). Pure Python: no trio, no mlx.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import re
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from mlxd.protocol.messages import OutputSpec, ToolCall
+from mlxd.protocol.messages import ToolCall
 
-TOOL_FORMATS = ("hermes", "mistral", "llama3", "json")
 IdFactory = Callable[[], str]
 
 
@@ -396,7 +394,7 @@ class MarkerToolParser:
         return Parsed(calls=[whole(c) for c in calls])
 
 
-_MISTRAL_ITEM = re.compile(r"\s*([A-Za-z0-9_.\-]+)\s*\[ARGS\]")
+_MISTRAL_ITEM = re.compile(r"\s*([A-Za-z0-9_.\-]+)\s*(?:\[CALL_ID\]\s*[A-Za-z0-9_\-]*\s*)?\[ARGS\]")
 
 
 def parse_mistral(text: str, make_id: IdFactory) -> list[ToolCall] | None:
@@ -418,64 +416,3 @@ def parse_mistral(text: str, make_id: IdFactory) -> list[ToolCall] | None:
             return None
         calls.extend(found)  # type: ignore[arg-type]
     return calls
-
-
-def make_tool_parser(fmt: str, make_id: IdFactory = new_call_id):
-    """The incremental parser for one tool-call format (see ``TOOL_FORMATS``)."""
-    if fmt == "hermes":
-        return TaggedToolParser(make_id)
-    if fmt == "mistral":
-        return MarkerToolParser("[TOOL_CALLS]", lambda t: parse_mistral(t, make_id))
-    if fmt == "llama3":
-        return LeadingToolParser(
-            ("<|python_tag|>", "{"),
-            lambda t: calls_from_values(
-                _json_values(t.strip().removeprefix("<|python_tag|>"), ";"), make_id
-            ),
-        )
-    if fmt == "json":
-        return LeadingToolParser(("{", "["), lambda t: calls_from_values(_json_values(t), make_id))
-    raise ValueError(f"unknown tool-call format {fmt!r}; known: {', '.join(TOOL_FORMATS)}")
-
-
-# ---- the composite ------------------------------------------------------------------------
-
-
-class OutputParser:
-    """Reasoning first, then tool calls in what remains; as one request's spec says."""
-
-    def __init__(self, spec: OutputSpec, make_id: IdFactory = new_call_id):
-        self._reasoning = (
-            ReasoningParser(*spec.reasoning, inside=spec.in_reasoning) if spec.reasoning else None
-        )
-        self._tools = make_tool_parser(spec.tool_format, make_id) if spec.tool_format else None
-        self._single = spec.single_tool_call
-        self.calls = 0
-
-    @property
-    def active(self) -> bool:
-        return self._reasoning is not None or self._tools is not None
-
-    def feed(self, text: str) -> Parsed:
-        stage = self._reasoning.feed(text) if self._reasoning else Parsed(content=text)
-        return self._tool_stage(stage, final=False)
-
-    def flush(self) -> Parsed:
-        stage = self._reasoning.flush() if self._reasoning else Parsed()
-        return self._tool_stage(stage, final=True)
-
-    def _tool_stage(self, stage: Parsed, *, final: bool) -> Parsed:
-        if self._tools is None:
-            return stage
-        out = Parsed(reasoning=stage.reasoning)
-        out.extend(self._tools.feed(stage.content) if stage.content else Parsed())
-        if final:
-            out.extend(self._tools.flush())
-        out.calls = [p for p in map(self._number, out.calls) if not (self._single and p.index)]
-        return out
-
-    def _number(self, piece: CallPiece) -> CallPiece:
-        """Index the piece: a first piece starts the next call, others continue the last."""
-        if piece.id is not None:
-            self.calls += 1
-        return dataclasses.replace(piece, index=self.calls - 1)

@@ -28,8 +28,10 @@ from mlxd.actors.detokenizer import (
     marker_ids,
     special_ids,
 )
+from mlxd.actors.families.formats import BY_NAME
+from mlxd.actors.families.output import OutputParser
 from mlxd.actors.mailbox import Mailbox, Mailboxes
-from mlxd.actors.parsers import OutputParser, Parsed
+from mlxd.actors.parsers import Parsed
 from mlxd.protocol.messages import (
     Abort,
     EngineInbox,
@@ -48,14 +50,6 @@ from mlxd.protocol.messages import (
 )
 
 log = logging.getLogger("mlxd")
-
-# Marker tokens each parser must see even where the tokenizer marks them special.
-_TOOL_MARKERS = {
-    "hermes": ("<tool_call>", "</tool_call>"),
-    "mistral": ("[TOOL_CALLS]", "[ARGS]"),
-    "llama3": ("<|python_tag|>",),
-    "json": (),
-}
 
 
 @dataclass
@@ -138,7 +132,8 @@ class StreamState:
 
     def _hidden(self, spec: OutputSpec) -> frozenset[int] | None:
         """Special tokens to hide; None (the tokenizer's own rule) unless a parser needs some."""
-        markers = _TOOL_MARKERS.get(spec.tool_format or "", ()) + (spec.reasoning or ())
+        fmt = BY_NAME.get(spec.tool_format or "")
+        markers = (fmt.show if fmt else ()) + (spec.reasoning or ())
         shown = marker_ids(self._tokenizer, markers) if markers else frozenset()
         return self._special - shown if shown else None
 

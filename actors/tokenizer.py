@@ -338,13 +338,17 @@ class PromptBuilder:
         stop = request.sampling.stop
         if not isinstance(request, ChatRequest):
             return OutputSpec(stop=stop)
-        tags = self.traits.reasoning if request.parse_reasoning else None
+        traits, offers = self.traits, self._offers_tools(request)
+        tags = traits.reasoning if request.parse_reasoning else None
+        # a format whose parser reads the reasoning channel runs even without tools
+        channels = traits.reasoning_in_parser and request.parse_reasoning
         return OutputSpec(
             stop=stop,
-            tool_format=self.traits.tool_format if self._offers_tools(request) else None,
+            tool_format=traits.tool_format if offers or channels else None,
             reasoning=tags,
             in_reasoning=bool(tags) and prompt.rstrip().endswith(tags[0]),  # type: ignore[index]
             single_tool_call=not request.parallel_tool_calls,
+            tools=request.tools if offers else (),
         )
 
     def grammar(self, request: AdmittedRequest) -> CompiledGrammar | None:

@@ -14,24 +14,21 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-from mlxd.actors.parsers import TOOL_FORMATS
+from mlxd.actors.families import formats, reasoning
 from mlxd.protocol.messages import ContentPart, Message, TextPart, Tool, ToolCall
-
-_FORMAT_MARKERS = (
-    ("<tool_call>", "hermes"),
-    ("[TOOL_CALLS]", "mistral"),
-    ("<|python_tag|>", "llama3"),
-)
-_REASONING_TAGS = (("<think>", "</think>"),)
 
 
 @dataclass(frozen=True)
 class TemplateTraits:
-    """What a chat template does with tools and reasoning."""
+    """What a chat template does with tools and reasoning, and why mlxd thinks so."""
 
     tool_format: str
     tools_in_template: bool
     reasoning: tuple[str, str] | None
+    reasoning_in_parser: bool = False  # the tool-call parser reads reasoning too (harmony)
+    controls: reasoning.Controls = reasoning.Controls((), False, None)
+    why_format: str = ""
+    why_reasoning: str = ""
 
 
 def template_source(tokenizer: object) -> str:
@@ -41,23 +38,53 @@ def template_source(tokenizer: object) -> str:
     return template if isinstance(template, str) else ""
 
 
-def template_traits(tokenizer: object, tool_format: str, reasoning: str) -> TemplateTraits:
-    """Traits from the template; ``tool_format`` / ``reasoning`` settings override ``auto``."""
-    source = template_source(tokenizer)
-    in_template = "tools" in source
+def vocabulary(tokenizer: object) -> frozenset[str]:
+    """The tokenizer's token strings (where the template names no markup, they may)."""
+    get_vocab = getattr(tokenizer, "get_vocab", None)
+    try:
+        return frozenset(get_vocab()) if callable(get_vocab) else frozenset()
+    except (TypeError, ValueError, NotImplementedError):  # a tokenizer without a vocab dict
+        return frozenset()
+
+
+def template_traits(tokenizer: object, tool_format: str, reasoning_tags: str) -> TemplateTraits:
+    """Traits from the template and vocabulary; ``tool_format`` / ``reasoning_tags`` settings
+    override ``auto``."""
+    return traits_of(template_source(tokenizer), vocabulary(tokenizer), tool_format, reasoning_tags)
+
+
+def traits_of(
+    source: str, vocab: frozenset[str] | set[str], tool_format: str = "auto", tags: str = "auto"
+) -> TemplateTraits:
     if tool_format == "auto":
-        found = [fmt for marker, fmt in _FORMAT_MARKERS if marker in source]
-        tool_format = found[0] if found else ("json" if in_template else "hermes")
-    elif tool_format not in TOOL_FORMATS:
-        raise ValueError(f"unknown tool format {tool_format!r}; known: auto, {TOOL_FORMATS}")
-    tags: tuple[str, str] | None = None
-    if reasoning == "auto":
-        tags = next((t for t in _REASONING_TAGS if t[0] in source), None)
-    elif reasoning != "none":
-        open_tag, _, close_tag = reasoning.partition(",")
-        tags = (open_tag.strip(), close_tag.strip())
-    # A format whose markup the model was never taught needs the prompt description.
-    return TemplateTraits(tool_format, in_template, tags)
+        found = formats.detect(source, vocab)
+        fmt, why_format = found.format, found.why
+    else:
+        fmt, why_format = (
+            formats.named(tool_format),
+            f"setting: tokenizer.tool_format = {tool_format!r}",
+        )
+    pair: tuple[str, str] | None = None
+    if fmt.reasoning:
+        why_reasoning = f"the {fmt.name} parser reads the reasoning channel"
+    elif tags == "auto":
+        found_tags, why_reasoning = reasoning.detect_tags(source, vocab)
+        pair = (found_tags.open, found_tags.close) if found_tags else None
+    elif tags == "none":
+        why_reasoning = "setting: tokenizer.reasoning_tags = 'none'"
+    else:
+        open_tag, _, close_tag = tags.partition(",")
+        pair = (open_tag.strip(), close_tag.strip())
+        why_reasoning = f"setting: tokenizer.reasoning_tags = {tags!r}"
+    return TemplateTraits(
+        tool_format=fmt.name,
+        tools_in_template="tools" in source,
+        reasoning=pair,
+        reasoning_in_parser=fmt.reasoning,
+        controls=reasoning.controls(source),
+        why_format=why_format,
+        why_reasoning=why_reasoning,
+    )
 
 
 def tool_dicts(tools: tuple[Tool, ...]) -> list[dict]:

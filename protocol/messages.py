@@ -185,6 +185,8 @@ class OutputSpec(msgspec.Struct, frozen=True, kw_only=True):
     reasoning: tuple[str, str] | None = None
     in_reasoning: bool = False
     single_tool_call: bool = False
+    # The offered tools: parsers of XML-style markup read parameter types from them.
+    tools: tuple[Tool, ...] = ()
 
 
 class TokenizedRequest(msgspec.Struct, frozen=True, kw_only=True):

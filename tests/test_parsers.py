@@ -6,7 +6,8 @@ import itertools
 import json
 
 import pytest
-from mlxd.actors.parsers import OutputParser, Parsed
+from mlxd.actors.families.output import OutputParser
+from mlxd.actors.parsers import Parsed
 from mlxd.protocol.messages import OutputSpec
 
 THINK = ("<think>", "</think>")

@@ -1,0 +1,471 @@
+"""The tool-call formats mlxd parses, and the one registry that picks one for a model.
+
+Each entry names the markup a family of models writes, what in the chat
+template (or, where the template does not say, the vocabulary) identifies it,
+the special tokens its parser must see, and how its parser is built. The
+entries are tried in order and the first match wins; ``detect`` also says why,
+for ``mlxd parse`` and the log. Where mlx-lm ships the family's parser
+(``mlx_lm.tool_parsers``) the entry wraps it (``mlx_lm_parsers.py``); mlxd's
+own parsers cover what no library has: Hermes JSON with arguments streamed as
+generated, Mistral, Llama 3 JSON, gpt-oss's harmony channels, DeepSeek's
+markups, and the JSON-in-markers families (``json_markup.py``).
+Callers never branch on a family's name: they ask this module.
+Pure Python: no trio, no mlx.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Collection
+from dataclasses import dataclass
+from typing import Protocol
+
+from mlxd.actors.families import json_markup
+from mlxd.actors.families.delimited import DelimitedToolParser
+from mlxd.actors.families.mlx_lm_parsers import library_parser
+from mlxd.actors.parsers import (
+    IdFactory,
+    LeadingToolParser,
+    MarkerToolParser,
+    Parsed,
+    TaggedToolParser,
+    _arguments_text,
+    _json_values,
+    _utf8,
+    calls_from_values,
+    new_call_id,
+    parse_mistral,
+)
+from mlxd.protocol.messages import Tool, ToolCall
+
+
+class ToolStream(Protocol):
+    """An incremental parser: text in, content / reasoning / call pieces out."""
+
+    def feed(self, text: str) -> Parsed: ...
+
+    def flush(self) -> Parsed: ...
+
+
+# (make_id, the request's tools) → a parser for one request's output
+Build = Callable[[IdFactory, tuple[Tool, ...]], ToolStream]
+
+
+@dataclass(frozen=True)
+class ToolFormat:
+    """One tool-call markup: how to recognise it and how to parse it."""
+
+    name: str
+    why: str  # what identifies it, for ``mlxd parse`` and the log
+    build: Build
+    template: tuple[str, ...] = ()  # all of these occur in the chat template
+    alt: tuple[str, ...] = ()  # or any one of these does
+    vocab: tuple[str, ...] = ()  # or all of these are tokens of the vocabulary
+    show: tuple[str, ...] = ()  # marker tokens the detokenizer must not hide
+    reasoning: bool = False  # its parser reads the reasoning too: it runs on every request
+
+
+def tool_dicts(tools: tuple[Tool, ...]) -> list[dict]:
+    """Tools in the OpenAI shape mlx-lm's parsers read the parameter types from."""
+    return [
+        {"type": "function", "function": {"name": t.name, "parameters": t.parameters}}
+        for t in tools
+    ]
+
+
+def _tool_call(found: dict, make_id: IdFactory) -> ToolCall | None:
+    name, args = found.get("name"), found.get("arguments", {})
+    text = _arguments_text(args if args is not None else {})
+    if not isinstance(name, str) or not name or not _utf8(name) or text is None:
+        return None
+    return ToolCall(id=make_id(), name=name, arguments=text)
+
+
+def _library_body(name: str, make_id: IdFactory, tools: tuple[Tool, ...], rewrite=None):
+    """A body parser over mlx-lm's parser ``name`` (``rewrite`` maps the body first)."""
+    parser = library_parser(name)
+    schemas = tool_dicts(tools) or None
+
+    def parse(body: str) -> list[ToolCall] | None:
+        text = rewrite(body) if rewrite else body
+        try:
+            found = parser.parse(text, schemas)  # type: ignore[union-attr]
+        except (ValueError, SyntaxError, KeyError, IndexError, TypeError, RecursionError):
+            return None  # the library's own "no call here": the text stays content
+        calls = [_tool_call(f, make_id) for f in found]
+        return None if any(c is None for c in calls) else calls  # type: ignore[return-value]
+
+    return parse if parser is not None else None
+
+
+def library(name: str, start: str | None = None, end: str | None = None, rewrite=None) -> Build:
+    """A format whose calls mlx-lm's parser ``name`` reads, between its markers (or these)."""
+
+    def build(make_id: IdFactory, tools: tuple[Tool, ...]) -> ToolStream:
+        parser = library_parser(name)
+        body = _library_body(name, make_id, tools, rewrite)
+        if parser is None or body is None:  # the library broke its contract: plain JSON
+            return _json(make_id, tools)
+        return DelimitedToolParser(
+            start if start is not None else parser.start,
+            end if end is not None else parser.end,
+            body,
+        )
+
+    return build
+
+
+def markup(start: str, end: str, body: Callable[[str, IdFactory], list[ToolCall] | None]) -> Build:
+    """A format whose calls ``body`` reads between ``start`` and ``end``."""
+    return lambda make_id, tools: DelimitedToolParser(start, end, lambda t: body(t, make_id))
+
+
+def _hermes(make_id: IdFactory, tools: tuple[Tool, ...]) -> ToolStream:
+    return TaggedToolParser(make_id)
+
+
+def _mistral(make_id: IdFactory, tools: tuple[Tool, ...]) -> ToolStream:
+    return MarkerToolParser("[TOOL_CALLS]", lambda t: parse_mistral(t, make_id))
+
+
+def _llama3(make_id: IdFactory, tools: tuple[Tool, ...]) -> ToolStream:
+    def parse(text: str) -> list[ToolCall] | None:
+        body = text.strip().removeprefix("<|python_tag|>")
+        return calls_from_values(_json_values(body, ";"), make_id)
+
+    return LeadingToolParser(("<|python_tag|>", "{"), parse)
+
+
+def _json(make_id: IdFactory, tools: tuple[Tool, ...]) -> ToolStream:
+    return LeadingToolParser(("{", "["), lambda t: json_markup.json_calls(t, make_id))
+
+
+_HY3_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
+
+
+def _hy3_rewrite(body: str) -> str:
+    """Tencent Hy3 writes GLM's markup with ``:opensource`` tags and a ``<tool_sep>``."""
+    return body.replace(":opensource>", ">").replace("<tool_sep>", "")
+
+
+def _hy3_body(make_id: IdFactory, tools: tuple[Tool, ...]):
+    glm = _library_body("glm47", make_id, tools)
+
+    def parse(body: str) -> list[ToolCall] | None:
+        parts = _HY3_CALL.findall(_hy3_rewrite(body))
+        calls = [glm(p) if glm else None for p in parts]
+        if not calls or any(not c for c in calls):
+            return None
+        return [c for found in calls for c in found]  # type: ignore[union-attr]
+
+    return parse
+
+
+def _hy3(make_id: IdFactory, tools: tuple[Tool, ...]) -> ToolStream:
+    return DelimitedToolParser(
+        "<tool_calls:opensource>", "</tool_calls:opensource>", _hy3_body(make_id, tools)
+    )
+
+
+def _plugin(module: str) -> Build:
+    """A format whose parser lives in its own module of this package (imported when used)."""
+
+    def build(make_id: IdFactory, tools: tuple[Tool, ...]) -> ToolStream:
+        import importlib
+
+        return importlib.import_module(f"mlxd.actors.families.{module}").make_parser(make_id, tools)
+
+    return build
+
+
+# Tried in order: more specific markup before markup it contains (``<tool_call>`` last).
+FORMATS: tuple[ToolFormat, ...] = (
+    ToolFormat(
+        "harmony",
+        "the template writes calls on the commentary channel to=functions.NAME (gpt-oss harmony)",
+        _plugin("harmony"),
+        template=("<|channel|>commentary", "<|start|>assistant"),
+        vocab=("<|channel|>", "<|constrain|>", "<|call|>"),
+        show=(
+            "<|start|>",
+            "<|channel|>",
+            "<|message|>",
+            "<|constrain|>",
+            "<|end|>",
+            "<|call|>",
+            "<|return|>",
+        ),
+        reasoning=True,
+    ),
+    ToolFormat(
+        "deepseek_v3",
+        "the template writes <｜tool▁calls▁begin｜> … <｜tool▁sep｜> (DeepSeek V3 / R1)",
+        _plugin("deepseek"),
+        template=("<｜tool▁calls▁begin｜>", "<｜tool▁sep｜>"),
+        show=(
+            "<｜tool▁calls▁begin｜>",
+            "<｜tool▁call▁begin｜>",
+            "<｜tool▁sep｜>",
+            "<｜tool▁call▁end｜>",
+            "<｜tool▁calls▁end｜>",
+        ),
+    ),
+    ToolFormat(
+        "deepseek_dsml",
+        "the template writes <｜DSML｜invoke> markup (DeepSeek V3.2 / V4)",
+        _plugin("deepseek"),
+        template=("｜DSML｜",),
+        show=("｜DSML｜",),
+    ),
+    ToolFormat(
+        "minimax_m2",
+        "the template writes <minimax:tool_call> (MiniMax-M2; mlx-lm's minimax_m2 parser)",
+        library("minimax_m2"),
+        template=("<minimax:tool_call>",),
+        show=("<minimax:tool_call>", "</minimax:tool_call>"),
+    ),
+    ToolFormat(
+        "gemma4",
+        "the template writes <|tool_call>call:NAME{…}<tool_call|> (Gemma 4; mlx-lm's gemma4)",
+        library("gemma4"),
+        template=("<|tool_call>", "<tool_call|>"),
+        show=("<|tool_call>", "<tool_call|>", '<|"|>'),
+    ),
+    ToolFormat(
+        "function_gemma",
+        "the template writes <start_function_call> (FunctionGemma; mlx-lm's function_gemma)",
+        library("function_gemma"),
+        template=("<start_function_call>",),
+        show=("<start_function_call>", "<end_function_call>", "<escape>"),
+    ),
+    ToolFormat(
+        "hy3",
+        "the template writes <tool_calls:opensource> (Tencent Hy3: GLM's argument markup)",
+        _hy3,
+        template=(":opensource", "<tool_calls"),
+        show=("<tool_calls:opensource>", "</tool_calls:opensource>"),
+    ),
+    ToolFormat(
+        "glm47",
+        "the template writes <arg_key>/<arg_value> pairs (GLM-4.5+; mlx-lm's glm47 parser)",
+        library("glm47"),
+        template=("<arg_key>",),
+        show=(
+            "<tool_call>",
+            "</tool_call>",
+            "<arg_key>",
+            "</arg_key>",
+            "<arg_value>",
+            "</arg_value>",
+        ),
+    ),
+    ToolFormat(
+        "pythonic",
+        "the template writes <|tool_call_start|>[name(arg=…)] (LFM2; mlx-lm's pythonic parser)",
+        library("pythonic"),
+        template=("<|tool_call_start|>",),
+        vocab=("<|tool_call_start|>", "<|tool_call_end|>"),
+        show=("<|tool_call_start|>", "<|tool_call_end|>"),
+    ),
+    ToolFormat(
+        "seed_oss",
+        "the template writes <seed:tool_call><function=…> (Seed-OSS; mlx-lm's qwen3_coder body)",
+        library("qwen3_coder", "<seed:tool_call>", "</seed:tool_call>"),
+        template=("<seed:tool_call>",),
+        show=("<seed:tool_call>", "</seed:tool_call>"),
+    ),
+    ToolFormat(
+        "qwen3_coder",
+        "the template writes <tool_call><function=NAME><parameter=…> (Qwen3-Coder, Qwen3.5; "
+        "mlx-lm's qwen3_coder parser)",
+        library("qwen3_coder"),
+        template=("<tool_call>\n<function=",),
+        show=("<tool_call>", "</tool_call>"),
+    ),
+    ToolFormat(
+        "kimi_k2",
+        "the template writes <|tool_calls_section_begin|> (Kimi K2; mlx-lm's kimi_k2 parser)",
+        library("kimi_k2"),
+        template=("<|tool_calls_section_begin|>",),
+        vocab=("<|tool_calls_section_begin|>", "<|tool_call_argument_begin|>"),
+        show=(
+            "<|tool_calls_section_begin|>",
+            "<|tool_calls_section_end|>",
+            "<|tool_call_begin|>",
+            "<|tool_call_argument_begin|>",
+            "<|tool_call_end|>",
+        ),
+    ),
+    ToolFormat(
+        "minicpm5",
+        "the template writes <function name=…><param name=…> (MiniCPM 5; mlx-lm's minicpm5)",
+        library("minicpm5"),
+        template=('<function name="', '<param name="'),
+    ),
+    ToolFormat(
+        "muse_spark",
+        "the template writes <atem:function_calls> (mlx-lm's muse_spark parser)",
+        library("muse_spark"),
+        template=("<atem:function_calls>",),
+    ),
+    ToolFormat(
+        "kimi_k3",
+        "the vocabulary has Kimi K3's <|open|>/<|close|>/<|sep|> markup tokens (mlx-lm's kimi_k3)",
+        library("kimi_k3"),
+        vocab=("<|open|>", "<|close|>", "<|sep|>"),
+        template=("<|open|>", "<|close|>", "<|sep|>"),
+        show=("<|open|>", "<|close|>", "<|sep|>"),
+    ),
+    ToolFormat(
+        "mistral",
+        "the template writes [TOOL_CALLS] (Mistral, Devstral, Ministral)",
+        _mistral,
+        template=("[TOOL_CALLS]",),
+        vocab=("[TOOL_CALLS]", "[ARGS]"),
+        show=("[TOOL_CALLS]", "[ARGS]", "[CALL_ID]"),
+    ),
+    ToolFormat(
+        "apertus",
+        "the template writes <|tools_prefix|>[{NAME: {…}}]<|tools_suffix|> (Apertus)",
+        markup("<|tools_prefix|>", "<|tools_suffix|>", json_markup.json_calls),
+        template=("<|tools_prefix|>",),
+        show=("<|tools_prefix|>", "<|tools_suffix|>"),
+    ),
+    ToolFormat(
+        "apriel",
+        "the template writes <tool_calls>[…]</tool_calls> (Apriel, MiniMax-M1)",
+        markup("<tool_calls>", "</tool_calls>", json_markup.json_calls),
+        template=("<tool_calls>",),
+        show=("<tool_calls>", "</tool_calls>"),
+    ),
+    ToolFormat(
+        "nemotron_v2",
+        "the template writes <TOOLCALL>[…]</TOOLCALL> (Nemotron Nano v2)",
+        markup("<TOOLCALL>", "</TOOLCALL>", json_markup.json_calls),
+        template=("<TOOLCALL>",),
+        show=("<TOOLCALL>", "</TOOLCALL>"),
+    ),
+    ToolFormat(
+        "command_r",
+        "the template writes <|START_ACTION|>[…]<|END_ACTION|> (Cohere Command)",
+        markup("<|START_ACTION|>", "<|END_ACTION|>", json_markup.json_calls),
+        template=("<|START_ACTION|>",),
+        show=("<|START_ACTION|>", "<|END_ACTION|>"),
+    ),
+    ToolFormat(
+        "gigachat",
+        "the template writes <|function_call|>{…} (GigaChat 3.1)",
+        markup("<|function_call|>", "", json_markup.json_calls),
+        template=("<|function_call|>",),
+        show=("<|function_call|>",),
+    ),
+    ToolFormat(
+        "solar",
+        "the template writes <|tool_calls|><|tool_call:begin|>… (Solar Open)",
+        markup("<|tool_calls|>", "<|calls|>", json_markup.solar_calls),
+        template=("<|tool_call:name|>",),
+        show=(
+            "<|tool_calls|>",
+            "<|calls|>",
+            "<|tool_call:begin|>",
+            "<|tool_call:name|>",
+            "<|tool_call:args|>",
+            "<|tool_call:end|>",
+        ),
+    ),
+    ToolFormat(
+        "functionary",
+        "the template writes <function=NAME>{…}</function> (Functionary v3.1)",
+        markup("<function=", "</function>", json_markup.functionary_call),
+        template=("<function=", "</function>"),
+    ),
+    ToolFormat(
+        "granite",
+        "the template writes <|tool_call|>[…] (Granite 3.x)",
+        markup("<|tool_call|>", "", json_markup.json_calls),
+        template=("<|tool_call|>",),
+        show=("<|tool_call|>",),
+    ),
+    ToolFormat(
+        "firefunction",
+        "the template writes functools[…] (FireFunction v2)",
+        markup("functools", "", json_markup.json_calls),
+        template=("functools[",),
+    ),
+    ToolFormat(
+        "gigachat3",
+        "the template gives calls a `function call` role (GigaChat 3)",
+        markup("function call<|role_sep|>", "", json_markup.json_calls),
+        template=("'function call'", "<|role_sep|>"),
+        show=("<|role_sep|>",),
+    ),
+    ToolFormat(
+        "hermes",
+        'the template writes <tool_call>{"name": …, "arguments": …}</tool_call> (Hermes, '
+        "Qwen 2.5 / 3, Granite 4)",
+        _hermes,
+        template=("<tool_call>",),
+        show=("<tool_call>", "</tool_call>"),
+    ),
+    ToolFormat(
+        "llama3",
+        'the template writes calls as bare JSON {"name", "parameters"} (Llama 3.1+)',
+        _llama3,
+        template=("<|python_tag|>",),
+        alt=("<|start_header_id|>ipython",),
+        show=("<|python_tag|>",),
+    ),
+)
+
+# Formats chosen only by the settings or as fallbacks.
+FALLBACKS: tuple[ToolFormat, ...] = (
+    ToolFormat(
+        "json",
+        "the template renders tools but names no call markup: a leading JSON call object",
+        _json,
+    ),
+)
+BY_NAME = {f.name: f for f in FORMATS + FALLBACKS}
+TOOL_FORMATS = tuple(BY_NAME)
+
+
+@dataclass(frozen=True)
+class Detected:
+    """The format chosen for a model, and why."""
+
+    format: ToolFormat
+    why: str
+
+
+def detect(template: str, vocab: Collection[str] = ()) -> Detected:
+    """The tool-call format of a chat template, else of the vocabulary, else a fallback."""
+    plain = template.replace("\\n", "\n")  # markup written with escaped newlines in Jinja strings
+    for fmt in FORMATS:
+        if (fmt.template and all(m in plain for m in fmt.template)) or any(
+            m in plain for m in fmt.alt
+        ):
+            return Detected(fmt, f"template: {fmt.why}")
+    for fmt in FORMATS:
+        if fmt.vocab and all(m in vocab for m in fmt.vocab):
+            return Detected(fmt, f"vocabulary: {fmt.why}")
+    if "tools" in template:
+        return Detected(BY_NAME["json"], f"template: {BY_NAME['json'].why}")
+    return Detected(
+        BY_NAME["hermes"],
+        "the template does not render tools: mlxd describes them in a system prompt and "
+        "asks for Hermes <tool_call> markup",
+    )
+
+
+def named(name: str) -> ToolFormat:
+    """A format the settings name (``tokenizer.tool_format``)."""
+    if name not in BY_NAME:
+        raise ValueError(f"unknown tool format {name!r}; known: auto, {', '.join(TOOL_FORMATS)}")
+    return BY_NAME[name]
+
+
+def make_tool_parser(
+    name: str, make_id: IdFactory = new_call_id, tools: tuple[Tool, ...] = ()
+) -> ToolStream:
+    """The incremental parser for the format ``name``."""
+    return named(name).build(make_id, tools)

@@ -1,0 +1,58 @@
+"""The composite output parser: one per request, as its ``OutputSpec`` says.
+
+Reasoning first (a tag pair at the start of the output), then tool calls in
+what remains, in the format the model's family writes (``formats.py``). A
+format whose parser reads reasoning itself (gpt-oss's harmony channels) gets
+the whole output. Calls are numbered here; ``parallel_tool_calls: false``
+keeps the first. Pure Python: no trio, no mlx.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from mlxd.actors.families.formats import make_tool_parser
+from mlxd.actors.parsers import CallPiece, IdFactory, Parsed, ReasoningParser, new_call_id
+from mlxd.protocol.messages import OutputSpec
+
+
+class OutputParser:
+    """Reasoning first, then tool calls in what remains; as one request's spec says."""
+
+    def __init__(self, spec: OutputSpec, make_id: IdFactory = new_call_id):
+        self._reasoning = (
+            ReasoningParser(*spec.reasoning, inside=spec.in_reasoning) if spec.reasoning else None
+        )
+        self._tools = (
+            make_tool_parser(spec.tool_format, make_id, spec.tools) if spec.tool_format else None
+        )
+        self._single = spec.single_tool_call
+        self.calls = 0
+
+    @property
+    def active(self) -> bool:
+        return self._reasoning is not None or self._tools is not None
+
+    def feed(self, text: str) -> Parsed:
+        stage = self._reasoning.feed(text) if self._reasoning else Parsed(content=text)
+        return self._tool_stage(stage, final=False)
+
+    def flush(self) -> Parsed:
+        stage = self._reasoning.flush() if self._reasoning else Parsed()
+        return self._tool_stage(stage, final=True)
+
+    def _tool_stage(self, stage: Parsed, *, final: bool) -> Parsed:
+        if self._tools is None:
+            return stage
+        out = Parsed(reasoning=stage.reasoning)
+        out.extend(self._tools.feed(stage.content) if stage.content else Parsed())
+        if final:
+            out.extend(self._tools.flush())
+        out.calls = [p for p in map(self._number, out.calls) if not (self._single and p.index)]
+        return out
+
+    def _number(self, piece: CallPiece) -> CallPiece:
+        """Index the piece: a first piece starts the next call, others continue the last."""
+        if piece.id is not None:
+            self.calls += 1
+        return dataclasses.replace(piece, index=self.calls - 1)

@@ -1,0 +1,128 @@
+"""Reasoning: the markup each family thinks in, and the template variables that switch it.
+
+``detect_tags`` finds the tag pair a model's reasoning block opens and closes
+with (``<think>``, Gemma 4's ``<|channel>thought``, Mistral's ``[THINK]`` ...),
+from the template and else the vocabulary. gpt-oss thinks in harmony's
+analysis channel instead, which its tool-call parser reads (``harmony.py``).
+
+``controls`` reads which variables the template takes (``enable_thinking``,
+``thinking``, ``reasoning_effort``) and maps the APIs' one reasoning effort
+(chat ``reasoning_effort``, Responses ``reasoning.effort``, Anthropic
+``thinking`` / ``output_config.effort``, Ollama ``think``) onto them. An effort
+the model's template cannot express is refused (``EffortError``, a 400), never
+silently dropped. Pure Python: no trio, no mlx.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+from dataclasses import dataclass
+
+import jinja2
+import jinja2.meta
+
+# The one vocabulary of efforts the APIs speak (Anthropic's ``max`` included).
+EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
+OFF = ("none", "minimal")
+
+
+@dataclass(frozen=True)
+class Tags:
+    open: str
+    close: str
+    why: str
+
+
+# Tried in order; ``<think>`` last, since other markups may mention it in prose.
+_TAGS = (
+    Tags("<|channel>thought", "<channel|>", "Gemma 4's thought channel"),
+    Tags("[THINK]", "[/THINK]", "Mistral's [THINK] block"),
+    Tags("<seed:think>", "</seed:think>", "Seed-OSS's <seed:think> block"),
+    Tags("<mm:think>", "</mm:think>", "MiniMax-M3's <mm:think> block"),
+    Tags("<|START_THINKING|>", "<|END_THINKING|>", "Cohere's thinking block"),
+    Tags("<think>", "</think>", "a <think> block"),
+)
+
+
+def detect_tags(template: str, vocab: Collection[str] = ()) -> tuple[Tags | None, str]:
+    """The reasoning tags of a template (else of the vocabulary), and why."""
+    for tags in _TAGS:
+        if tags.open in template:
+            return tags, f"template: {tags.why} ({tags.open} … {tags.close})"
+    for tags in _TAGS:
+        if tags.open in vocab and tags.close in vocab:
+            return tags, f"vocabulary: {tags.why} ({tags.open} … {tags.close} are tokens)"
+    return None, "neither the template nor the vocabulary has reasoning tags"
+
+
+class EffortError(ValueError):
+    """A reasoning effort this model's template cannot express (an HTTP 400)."""
+
+
+# Families whose ``reasoning_effort`` takes a fixed set of values: template marker →
+# {API effort: the template's value}. An effort missing from the map is refused.
+_EFFORT_VALUES: tuple[tuple[str, dict[str, str]], ...] = (
+    # gpt-oss: "Reasoning: low|medium|high" in its system message; it always reasons.
+    ("<|channel|>", {"low": "low", "medium": "medium", "high": "high"}),
+    # Tencent Hy3 raises on anything but no_think / low / high.
+    (":opensource", {"none": "no_think", "low": "low", "high": "high"}),
+    # DeepSeek V4 tells 'max' apart; any other effort is its default thinking.
+    ("｜DSML｜tool_calls", {"low": "high", "medium": "high", "high": "high", "max": "max"}),
+)
+
+
+@dataclass(frozen=True)
+class Controls:
+    """The reasoning variables a template reads, and how efforts map onto them."""
+
+    switches: tuple[str, ...]  # boolean variables (enable_thinking, thinking)
+    effort_var: bool  # the template reads reasoning_effort
+    effort_values: dict[str, str] | None  # its accepted values (None: any effort as given)
+
+    @property
+    def why(self) -> str:
+        names = [*self.switches] + (["reasoning_effort"] if self.effort_var else [])
+        return ", ".join(names) if names else "none (the template has no reasoning switch)"
+
+    def kwargs(self, effort: str) -> dict:
+        """Template variables for ``effort``; raises ``EffortError`` where it cannot be said."""
+        if effort not in EFFORTS:
+            raise EffortError(f"unknown reasoning effort {effort!r}; known: {', '.join(EFFORTS)}")
+        out: dict = {name: effort not in OFF for name in self.switches}
+        if self.effort_var and self.effort_values is not None:
+            value = self.effort_values.get(effort)
+            if value is None and not (effort in OFF and self.switches):
+                raise EffortError(
+                    f"this model's template takes reasoning efforts "
+                    f"{', '.join(self.effort_values)}; got {effort!r}"
+                )
+            if value is not None:
+                out["reasoning_effort"] = value
+        elif self.effort_var and not (effort in OFF and self.switches):
+            out["reasoning_effort"] = effort
+        if not out:
+            raise EffortError(
+                "this model's chat template has no reasoning switch "
+                f"(enable_thinking, thinking or reasoning_effort); reasoning effort {effort!r} "
+                "cannot be honoured"
+            )
+        return out
+
+
+_ENV = jinja2.Environment(extensions=["jinja2.ext.loopcontrols"])
+
+
+def _variables(template: str) -> set[str]:
+    try:
+        return set(jinja2.meta.find_undeclared_variables(_ENV.parse(template)))
+    except jinja2.TemplateError:  # a tag this plain parser lacks ({% generation %}): by name
+        return {n for n in ("enable_thinking", "thinking", "reasoning_effort") if n in template}
+
+
+def controls(template: str) -> Controls:
+    """The reasoning controls of a chat template."""
+    found = _variables(template)
+    switches = tuple(n for n in ("enable_thinking", "thinking") if n in found)
+    effort_var = "reasoning_effort" in found
+    values = next((v for marker, v in _EFFORT_VALUES if marker in template), None)
+    return Controls(switches, effort_var, values if effort_var else None)

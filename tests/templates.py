@@ -1,0 +1,85 @@
+"""Real chat templates as test oracles: what each family's model writes for a tool call.
+
+``scripts/install --test`` puts the ~70 templates llama.cpp vendors (from real
+models) into ``.cache/templates``. A template renders an assistant turn holding
+tool calls in the markup that family was trained to write, so rendering one
+and cutting off the generation prompt before it and the end-of-turn after it
+gives the text the model writes for that call: the parsers must read it back.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+from transformers.utils.chat_template_utils import render_jinja_template
+
+TEMPLATES = Path(__file__).resolve().parent.parent / ".cache" / "templates"
+_MARK = "XQZ-turn-end-probe"
+
+
+def template_dir() -> Path:
+    """The templates' folder; a skip where they are not installed (a failure in CI)."""
+    if not TEMPLATES.is_dir():
+        message = f"no chat templates in {TEMPLATES}: run scripts/install --test"
+        if os.environ.get("CI"):
+            pytest.fail(message)
+        pytest.skip(message)
+    return TEMPLATES
+
+
+def source(name: str) -> str:
+    return (template_dir() / f"{name}.jinja").read_text()
+
+
+def names() -> list[str]:
+    if not TEMPLATES.is_dir():
+        return []
+    return sorted(p.stem for p in TEMPLATES.glob("*.jinja"))
+
+
+def render(template: str, messages: list[dict], generation: bool, tools=None, **extra) -> str:
+    out, _ = render_jinja_template(
+        conversations=[messages],
+        tools=tools,
+        chat_template=template,
+        add_generation_prompt=generation,
+        bos_token="<s>",
+        eos_token="</s>",
+        **extra,
+    )
+    return out[0]
+
+
+def _common(a: str, b: str) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    # back off to the start of a marker cut in two (``<think>`` against ``</think>``)
+    opening = max(a.rfind("<", 0, n), a.rfind("[", 0, n))
+    if opening >= 0 and ">" not in a[opening:n] and "]" not in a[opening:n]:
+        return opening
+    return n
+
+
+def written(
+    template: str, user: str, assistant: dict, tools: list[dict], **extra
+) -> tuple[str, str]:
+    """(generation prompt, what the model writes) for ``assistant`` after one user turn."""
+    first = [{"role": "user", "content": user}]
+    prompt = render(template, first, True, tools, **extra)
+    turn = render(template, [*first, assistant], False, tools, **extra)
+    probe = render(
+        template, [*first, {"role": "assistant", "content": _MARK}], False, tools, **extra
+    )
+    end = probe[probe.index(_MARK) + len(_MARK) :] if _MARK in probe else ""
+    cut = _common(prompt, turn)
+    text = turn[cut:]
+    if end.strip() and text.endswith(end):
+        text = text[: -len(end)]
+    elif end.strip() and end.strip() in text:
+        text = text[: text.rindex(end.strip())]
+    return prompt[:cut], text
