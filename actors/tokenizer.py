@@ -34,6 +34,7 @@ import msgspec
 import trio
 from mlxd.actors.engine.scheduler.memory import MemoryModel
 from mlxd.actors.engine.scheduler.types import ModelInfo
+from mlxd.actors.families.reasoning import EffortError
 from mlxd.actors.grammar import CompiledGrammar, GrammarCompiler, GrammarError
 from mlxd.actors.mailbox import Mailboxes
 from mlxd.actors.normalize import NormalizeError, normalize_messages
@@ -200,10 +201,20 @@ class PromptBuilder:
                 messages = (*messages, system)
         if not self.traits.tools_in_template:
             messages = history_as_text(messages)
+        if isinstance(request, ChatRequest) and request.reasoning_effort is not None:
+            extra = {**self._effort_kwargs(request.reasoning_effort), **extra}
         try:
             return normalize_messages(messages, text_only=text_only), extra
         except NormalizeError as exc:
             raise PromptError(str(exc), "messages") from exc
+
+    def _effort_kwargs(self, effort: str) -> dict:
+        """The template variables of this model's family for a reasoning effort; a 400 for an
+        effort its template cannot take (gpt-oss cannot turn reasoning off)."""
+        try:
+            return self.traits.controls.kwargs(effort)
+        except EffortError as exc:
+            raise PromptError(str(exc), "reasoning_effort") from exc
 
     def _render(self, messages: list[dict], generation_prompt: bool, extra: dict) -> str:
         return self.tokenizer.apply_chat_template(

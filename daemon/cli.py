@@ -21,7 +21,7 @@ from typing import Any
 
 import msgspec
 from mlxd.actors.engine.loading.sources import is_hub_id
-from mlxd.daemon import blas, cluster, service
+from mlxd.daemon import blas, cluster, parse_cmd, service
 from mlxd.daemon.bench import main as bench_main
 from mlxd.daemon.dashboard import terminal
 from mlxd.daemon.security import ApiKeys
@@ -101,6 +101,7 @@ def _parser() -> argparse.ArgumentParser:
     terminal.add_parser(sub)
     service.add_parsers(sub)
     cluster.add_parser(sub)
+    parse_cmd.add_parser(sub)
     return parser
 
 
@@ -254,6 +255,7 @@ COMMANDS = {
     "launchd": service.launchd_command,
     "systemd": service.systemd_command,
     "cluster": cluster.cluster_command,
+    "parse": parse_cmd.parse_command,
 }
 _RUNS_MLX = ("serve", "bench")
 

@@ -132,6 +132,9 @@ class ChatRequest(msgspec.Struct, frozen=True, kw_only=True):
     tool_choice: str = "auto"
     parallel_tool_calls: bool = True
     template_kwargs: dict = {}
+    # The API's reasoning effort (``none`` … ``max``); the model's family maps it onto its
+    # template's variables (``actors/families/reasoning.py``). None: the template's default.
+    reasoning_effort: str | None = None
     constraint: Constraint | None = None
     parse_reasoning: bool = True
     # Prefix-cache hints from the client: ``cache_breakpoints`` are indices into

@@ -211,6 +211,8 @@ def test_broken_markup_is_content_not_a_call():
         ("deepseek-ai-DeepSeek-V3.1", "medium", {"enable_thinking": True, "thinking": True}),
         ("google-gemma-4-31B-it", "high", {"enable_thinking": True}),
         ("tencent-Hy3", "none", {"reasoning_effort": "no_think"}),
+        ("openai-gpt-oss-120b", "minimal", {"reasoning_effort": "low"}),
+        ("Qwen3-Coder", "high", {}),  # no switch: it answers as it always does
     ],
 )
 def test_reasoning_efforts_map_to_each_familys_template_variables(name, effort, expected):
@@ -223,7 +225,6 @@ def test_reasoning_efforts_map_to_each_familys_template_variables(name, effort, 
         ("openai-gpt-oss-120b", "none"),  # gpt-oss always reasons
         ("openai-gpt-oss-120b", "xhigh"),
         ("tencent-Hy3", "medium"),
-        ("Qwen3-Coder", "high"),  # no switch at all
     ],
 )
 def test_an_effort_a_family_cannot_take_is_refused(name, effort):
@@ -262,3 +263,81 @@ def test_reasoning_then_a_call_in_one_output():
     assert [(c.name, json.loads(c.arguments)) for c in out.calls] == [
         ("get_weather", {"city": "Paris"})
     ]
+
+
+def _builder(smollm_tokenizer, template: str):
+    """SmolLM2's tokenizer wearing another family's chat template."""
+    from mlxd.actors.tokenizer import PromptBuilder
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(smollm_tokenizer))
+    tokenizer.chat_template = template
+    return PromptBuilder(tokenizer, 8192, default_max_tokens=16, vocab_size=len(tokenizer))
+
+
+def _chat(**fields):
+    from mlxd.protocol.messages import ChatRequest, Message, SamplingParams
+
+    return ChatRequest(
+        request_id="r",
+        messages=(Message(role="user", content="Weather in Paris?"),),
+        sampling=SamplingParams(max_tokens=8),
+        **fields,
+    )
+
+
+def test_the_effort_reaches_gpt_oss_template_and_none_is_a_400(smollm_tokenizer):
+    from mlxd.actors.tokenizer import PromptError
+
+    builder = _builder(smollm_tokenizer, templates.source("openai-gpt-oss-120b"))
+    text, _, _ = builder.render_chat(_chat(reasoning_effort="high"), marks=False)
+    assert "Reasoning: high" in text
+    with pytest.raises(PromptError, match="low, medium, high") as err:
+        builder.render_chat(_chat(reasoning_effort="none"), marks=False)
+    assert err.value.param == "reasoning_effort"
+    spec = builder.output_spec(_chat(), text)
+    assert spec.tool_format == "harmony" and spec.reasoning is None  # channels need no tools
+
+
+def test_the_effort_switches_deepseek_thinking(smollm_tokenizer):
+    builder = _builder(smollm_tokenizer, templates.source("deepseek-ai-DeepSeek-V3.1"))
+    on, _, _ = builder.render_chat(_chat(reasoning_effort="high"), marks=False)
+    off, _, _ = builder.render_chat(_chat(reasoning_effort="none"), marks=False)
+    assert on.endswith("<think>") and off.endswith("</think>")
+
+
+def test_offered_tools_reach_the_output_spec_for_typed_parameters(smollm_tokenizer):
+    builder = _builder(smollm_tokenizer, templates.source("Qwen3-Coder"))
+    spec = builder.output_spec(_chat(tools=TOOL), "")
+    assert spec.tool_format == "qwen3_coder" and spec.tools == TOOL
+
+
+def test_mlxd_parse_prints_format_why_content_and_calls(tmp_path, smollm_tokenizer):
+    import shutil
+    import subprocess
+    import sys
+
+    tools = tmp_path / "tools.json"
+    tools.write_text(json.dumps(TOOLS))
+    output = (
+        "Checking.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n"
+        "<parameter=days>\n3\n</parameter>\n</function>\n</tool_call>"
+    )
+    model = tmp_path / "model"
+    shutil.copytree(smollm_tokenizer, model)
+    (model / "chat_template.jinja").write_text(templates.source("Qwen3-Coder"))
+    for where in (["--template", str(templates.TEMPLATES / "Qwen3-Coder.jinja")], [str(model)]):
+        done = subprocess.run(
+            [sys.executable, "-m", "mlxd.daemon.cli", "parse", *where, "--tools", str(tools)],
+            input=output,
+            capture_output=True,
+            text=True,
+            check=True,
+            timeout=120,
+        )
+        report = json.loads(done.stdout)
+        assert report["format"] == "qwen3_coder" and "<function=" in report["why"]
+        assert report["content"] == "Checking.\n"
+        assert report["tool_calls"] == [
+            {"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}
+        ]

@@ -63,7 +63,8 @@ class EffortError(ValueError):
 # {API effort: the template's value}. An effort missing from the map is refused.
 _EFFORT_VALUES: tuple[tuple[str, dict[str, str]], ...] = (
     # gpt-oss: "Reasoning: low|medium|high" in its system message; it always reasons.
-    ("<|channel|>", {"low": "low", "medium": "medium", "high": "high"}),
+    # API "minimal" (Anthropic's adaptive thinking at low effort) is its lowest setting.
+    ("<|channel|>", {"minimal": "low", "low": "low", "medium": "medium", "high": "high"}),
     # Tencent Hy3 raises on anything but no_think / low / high.
     (":opensource", {"none": "no_think", "low": "low", "high": "high"}),
     # DeepSeek V4 tells 'max' apart; any other effort is its default thinking.
@@ -100,13 +101,7 @@ class Controls:
                 out["reasoning_effort"] = value
         elif self.effort_var and not (effort in OFF and self.switches):
             out["reasoning_effort"] = effort
-        if not out:
-            raise EffortError(
-                "this model's chat template has no reasoning switch "
-                f"(enable_thinking, thinking or reasoning_effort); reasoning effort {effort!r} "
-                "cannot be honoured"
-            )
-        return out
+        return out  # a template without any switch: the model answers as it always does
 
 
 _ENV = jinja2.Environment(extensions=["jinja2.ext.loopcontrols"])

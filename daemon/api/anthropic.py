@@ -363,6 +363,21 @@ def _thinking(w: wire.CountTokensRequest, max_tokens: int | None) -> dict:
     return {} if t is None else {"enable_thinking": True}
 
 
+def _effort(w: wire.CountTokensRequest) -> str | None:
+    """``thinking`` and ``output_config.effort`` as the effort the model's family maps:
+    ``disabled`` is none, ``enabled`` the effort (default high), ``adaptive`` or no
+    ``thinking`` the effort with ``low`` as minimal (off where a template can only switch)."""
+    t = w.thinking
+    effort = w.output_config.effort if w.output_config else None
+    if t is not None and t.type == "disabled":
+        return "none"
+    if t is not None and t.type == "enabled":
+        return effort or "high"
+    if effort is not None:
+        return "minimal" if effort == "low" else effort
+    return None if t is None else "medium"
+
+
 def _constraint(w: wire.CountTokensRequest) -> Constraint | None:
     """``output_config.format`` (or the older ``output_format``): a JSON schema to follow."""
     fmt = w.output_config.format if w.output_config and w.output_config.format else None
@@ -459,6 +474,7 @@ def chat_request(
         tool_choice=choice,
         parallel_tool_calls=parallel,
         template_kwargs=_thinking(w, max_tokens),
+        reasoning_effort=_effort(w),
         constraint=constraint or forced,
         cache_breakpoints=tuple(sorted(c.breakpoints)),
     )

@@ -109,6 +109,13 @@ def _think(think: wire.Think) -> dict:
     return reasoning_kwargs(think, {}, "think")
 
 
+def _think_effort(think: wire.Think) -> str | None:
+    """``think`` as the effort the model's family maps (true: its default effort)."""
+    if isinstance(think, bool):
+        return "medium" if think else "none"
+    return think
+
+
 def _image(data: str, param: str) -> ImagePart:
     """A base64 image (Ollama sends no media type; the decoder reads the bytes' own)."""
     check(bool(data), param, "an image must be base64 data")
@@ -205,6 +212,7 @@ def chat_request(w: wire.ChatRequest, rid: str, v: Validator) -> ChatRequest:
         arrival=time.time(),
         tools=_tools(w.tools, v),
         template_kwargs=_think(w.think),
+        reasoning_effort=_think_effort(w.think),
         constraint=_constraint(w.format),
     )
 
@@ -241,6 +249,7 @@ def generate_request(w: wire.GenerateRequest, rid: str, v: Validator):
         sampling=sampling,
         arrival=time.time(),
         template_kwargs=_think(w.think),
+        reasoning_effort=_think_effort(w.think),
         constraint=constraint,
     )
 

@@ -268,6 +268,7 @@ def chat_requests(w: wire.ChatCompletionRequest, rid: str, v: Validator) -> list
             tool_choice=choice,
             parallel_tool_calls=parallel,
             template_kwargs=kwargs,
+            reasoning_effort=w.reasoning_effort,
             constraint=constraint,
             priority=v.priority(w.priority),
             cache_key=w.prompt_cache_key or "",

@@ -396,6 +396,7 @@ def chat_request(
         tool_choice=choice,
         parallel_tool_calls=w.parallel_tool_calls and w.max_tool_calls != 1,
         template_kwargs=reasoning_kwargs(effort, {}, "reasoning.effort"),
+        reasoning_effort=effort,
         constraint=constraint or forced,
         cache_key=w.prompt_cache_key or "",
     )
