@@ -417,8 +417,17 @@ class Pipeline:
 
 
 def _model_status(model: str, info: ModelInfo) -> wire.ModelStatus:
+    w, warmup = info.warmup, None
+    if w is not None:
+        warmup = wire.WarmupStatus(
+            seconds=w.seconds, max_batch=w.max_batch, prompt_tokens=list(w.prompt_tokens)
+        )
     return wire.ModelStatus(
-        id=model, backend=info.backend, context_length=info.context_length, kind=info.kind
+        id=model,
+        backend=info.backend,
+        context_length=info.context_length,
+        kind=info.kind,
+        warmup=warmup,
     )
 
 

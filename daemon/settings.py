@@ -138,15 +138,21 @@ def _check_output_formats(tool_format: str, tags: str, where: str) -> None:
 
 class EngineSettings(_Section):
     max_batch: Positive = 32
-    prefill_chunk_tokens: Positive = 512
+    # "auto" in the prefill settings: the backend's value (actors/engine/backend_policy.py)
+    prefill_chunk_tokens: Positive | Literal["auto"] = "auto"
     # a prompt with at most this many tokens left to prefill is not split over two
     # steps: when the step's budget cannot take it whole it goes in the next; 0 = split
-    prefill_unsplit_tokens: NonNegative = 128
+    prefill_unsplit_tokens: NonNegative | Literal["auto"] = "auto"
     batch_prefill: bool | Literal["auto"] = "auto"
-    # "auto" on the CPU backend: only rows whose context (cached + this chunk) stays within
-    # this many tokens are prefilled together (short chat turns); 0 = none there
-    batch_prefill_max_context: NonNegative = 128
+    # batch_prefill "auto" where the backend batches only short rows (the CPU): rows whose
+    # context (cached + this chunk) stays within this many tokens are prefilled together
+    batch_prefill_max_context: NonNegative | Literal["auto"] = "auto"
     prefill_streams: Positive | Literal["auto"] = "auto"
+    # run the shapes serving meets before "ready" (and before a model loaded later takes
+    # its first request): "auto" = the backend's set, true = every decode batch size up to
+    # warmup_max_batch and a full prefill chunk, false = none
+    warmup: bool | Literal["auto"] = "auto"
+    warmup_max_batch: NonNegative | Literal["auto"] = "auto"  # 0 = the model's max_batch
     blas_threads: NonNegative = 0
     chunked_linear_attention: bool | Literal["auto"] = "auto"
     default_max_tokens: Positive = 512

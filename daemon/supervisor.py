@@ -11,8 +11,8 @@
 
 The HTTP server starts first (``/health`` answers 503 while the model loads);
 the engine starts next, and ``nursery.start`` returns once the preloaded models
-(``[model]``, or ``[[models]]`` entries with ``preload``) are loaded; the others
-load on first use. Then the model registry, the streamer, tokenizer and
+(``[model]``, or ``[[models]]`` entries with ``preload``) are loaded and warmed up
+(``engine.warmup``); the others load, and warm up, on first use. Then the model registry, the streamer, tokenizer and
 admission controller. SIGHUP (``launchctl kill HUP``, a closed terminal, a log
 rotator) re-reads the API key file, and serving goes on. SIGTERM/SIGINT switch
 to draining: ``/health`` answers 503 "draining" at once, requests are still admitted
@@ -109,7 +109,8 @@ def load_options(
         prefill_streams=prefill_streams(s),
         chunked_linear_attention=auto_or(s.engine.chunked_linear_attention),
         # the limit is part of the "auto" choice: true batches every row, false none
-        batch_prefill_max_context=s.engine.batch_prefill_max_context
+        batch_prefill=auto_or(s.engine.batch_prefill),
+        batch_prefill_max_context=auto_value(s.engine.batch_prefill_max_context)
         if s.engine.batch_prefill == "auto"
         else None,
         kv_bits=s.engine.kv_bits,
@@ -175,8 +176,13 @@ def mlx_runner_factory(
 
 def prefill_streams(settings: Settings) -> int | None:
     """``engine.prefill_streams`` for ``load_runner`` (None: its automatic choice)."""
-    wanted = settings.engine.prefill_streams
-    return None if wanted == "auto" else wanted
+    return auto_value(settings.engine.prefill_streams)
+
+
+def auto_value(value: int | str) -> int | None:
+    """A number-or-``"auto"`` setting for the engine (None: the backend table's value,
+    ``actors/engine/backend_policy.py``)."""
+    return None if value == "auto" else int(value)
 
 
 def auto_or(value: bool | str) -> bool | None:
@@ -275,9 +281,11 @@ def engine_options(s: Settings, publish: Publish) -> EngineOptions:
     p = s.model_pool
     return EngineOptions(
         max_batch=s.engine.max_batch,
-        prefill_chunk_tokens=s.engine.prefill_chunk_tokens,
-        prefill_unsplit_tokens=s.engine.prefill_unsplit_tokens,
+        prefill_chunk_tokens=auto_value(s.engine.prefill_chunk_tokens),
+        prefill_unsplit_tokens=auto_value(s.engine.prefill_unsplit_tokens),
         batch_prefill=auto_or(s.engine.batch_prefill),
+        warmup=auto_or(s.engine.warmup),
+        warmup_max_batch=auto_value(s.engine.warmup_max_batch),
         retry_after_s=s.admission.retry_after_s,
         release_after_idle_s=s.memory.release_after_idle_s,
         publish=publish,

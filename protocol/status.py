@@ -77,11 +77,21 @@ class CacheStatus(msgspec.Struct, kw_only=True):
     disk: DiskCounters | None = None  # the disk tier (shared by the models); None: off
 
 
+class WarmupStatus(msgspec.Struct, kw_only=True):
+    """The warm-up a model ran after loading, before its first request (``engine.warmup``):
+    seconds, the largest decode batch (every size down to 1 ran) and the prompt lengths."""
+
+    seconds: float
+    max_batch: int
+    prompt_tokens: list[int]
+
+
 class ModelStatus(msgspec.Struct, kw_only=True):
     id: str
     backend: str
     context_length: int
     kind: str = "text"
+    warmup: WarmupStatus | None = None  # None: not warmed up (off, or an embedding model)
 
 
 class ServedModel(msgspec.Struct, kw_only=True):

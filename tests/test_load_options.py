@@ -75,6 +75,7 @@ EXPECTED = LoadOptions(
     kind="text",
     prefill_streams=3,
     chunked_linear_attention=False,
+    batch_prefill=True,
     kv_bits=4,
     kv_group_size=32,
     prefix_cache=PrefixCacheOptions(

@@ -5,7 +5,9 @@ its whole life (MLX streams are thread-local; trio's thread cache could hand a
 new thread to each call). Its models live in a ``ModelPool`` (``pool.py``): one
 ``EngineCore`` per loaded model, loaded on first use and unloaded when idle past
 ``idle_unload_s`` or when another model needs the room (least recently used
-first). Loads run here too, between steps (other models' streams pause for it).
+first). Loads run here too, between steps (other models' streams pause for it), each
+followed by the model's warm-up (``scheduler/warmup.py``): the shapes serving meets run
+once before ``ready`` (a preloaded model) or before its first request (one loaded later).
 
 The loop blocks on the inbox only when idle; otherwise it runs one step of the
 next model with work (round-robin), then in a single trip to the trio thread
@@ -19,11 +21,15 @@ so memory returns near idle after a burst.
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import trio
+from mlxd.actors.engine import backend_policy
+from mlxd.actors.engine.scheduler import warmup
 from mlxd.actors.engine.scheduler.core import EngineCore
 from mlxd.actors.engine.scheduler.embedding import EmbeddingCore
 from mlxd.actors.engine.scheduler.pool import (
@@ -46,6 +52,8 @@ from mlxd.protocol.messages import (
     Submit,
     Unload,
 )
+
+log = logging.getLogger("mlxd.engine")
 
 __all__ = ["EngineNews", "EngineOptions", "ModelSpec", "PoolLimits", "RunnerFactory", "run"]
 
@@ -72,9 +80,12 @@ class EngineOptions:
     """What the engine loop needs besides the models: limits, and where news goes."""
 
     max_batch: int
-    prefill_chunk_tokens: int
-    prefill_unsplit_tokens: int = 0  # a prompt with this few tokens left is not split
+    # None in these: the backend table's value (``backend_policy``) for the loaded model
+    prefill_chunk_tokens: int | None = None
+    prefill_unsplit_tokens: int | None = None  # a prompt with this few tokens left is not split
     batch_prefill: bool | None = None  # several requests' chunks per forward pass (None: auto)
+    warmup: bool | None = None  # run the serving shapes before a model's first request
+    warmup_max_batch: int | None = None  # the largest decode batch warmed (0: max_batch)
     retry_after_s: float = 1.0  # a 503's Retry-After (an allocation failed in a step)
     release_after_idle_s: float = 2.0  # idle this long: give freed buffers back (a burst ended)
     publish: Publish | None = None  # called on the trio thread after every step
@@ -191,13 +202,52 @@ def core_for(runner: Runner, info: ModelInfo, max_batch: int, options: EngineOpt
     return EngineCore(
         runner,
         max_batch=max_batch or options.max_batch,
-        prefill_chunk_tokens=options.prefill_chunk_tokens,
-        prefill_unsplit_tokens=options.prefill_unsplit_tokens,
+        prefill_chunk_tokens=backend_policy.chunk_tokens(
+            info.backend, options.prefill_chunk_tokens
+        ),
+        prefill_unsplit_tokens=backend_policy.unsplit_tokens(
+            info.backend, options.prefill_unsplit_tokens
+        ),
         batch_prefill=options.batch_prefill,
         memory=info.memory,
         retry_after_s=options.retry_after_s,
         vocab_size=info.vocab_size,
     )
+
+
+def warm_up(runner: Runner, info: ModelInfo, max_batch: int, options: EngineOptions) -> ModelInfo:
+    """Run the shapes serving meets on a throwaway core (``scheduler/warmup.py``), on this
+    thread, before the model is ready; the info then says what ran. An embedding model
+    (one forward pass per batch, no decode) and a runner that cannot keep such requests
+    out of its prefix cache (no ``warming_up``; the tests' fakes) are not warmed."""
+    scope = getattr(runner, "warming_up", None)
+    if info.kind == "embedding" or scope is None:
+        return info
+    core = core_for(runner, info, max_batch, options)
+    wanted, cap = options.warmup, options.warmup_max_batch
+    plan = warmup.plan(info.backend, wanted, core.max_batch, cap, core.prefill_chunk_tokens)
+    if plan is None:
+        return info
+    with scope():
+        done = warmup.run(core, plan, info.vocab_size)
+    log.info(
+        "model %s warmed up in %.2fs: prompts of %s tokens, decode batches %d..1",
+        info.model_id,
+        done.seconds,
+        "+".join(map(str, done.prompt_tokens)),
+        done.max_batch,
+    )
+    return dataclasses.replace(info, warmup=done)
+
+
+def _warmed(spec: ModelSpec, options: EngineOptions) -> ModelSpec:
+    """``spec`` whose factory warms the model up once it is loaded (preloaded or not)."""
+
+    def factory():
+        runner, info = spec.factory()
+        return runner, warm_up(runner, info, spec.max_batch, options)
+
+    return dataclasses.replace(spec, factory=factory)
 
 
 def _ready(task_status: trio.TaskStatus[dict[str, ModelInfo]], infos, publish, news) -> None:
@@ -215,7 +265,8 @@ def _engine_loop(
     def make_core(runner: Runner, info: ModelInfo, max_batch: int) -> EngineCore:
         return core_for(runner, info, max_batch, options)
 
-    pool = ModelPool.of(specs, options.limits, make_core, free_memory=options.free_memory)
+    warmed = [_warmed(spec, options) for spec in specs]
+    pool = ModelPool.of(warmed, options.limits, make_core, free_memory=options.free_memory)
     infos = pool.preload()
     loop = _Loop(pool, options, inbox, outbox)
     trio.from_thread.run_sync(_ready, task_status, infos, loop.publish, loop.news())

@@ -24,6 +24,7 @@ import mlx.nn as nn
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.utils import dequantize_model
 from mlx_lm.utils import load as mlx_lm_load
+from mlxd.actors.engine import backend_policy
 from mlxd.actors.engine.kernels import linear_attention
 from mlxd.actors.engine.loading.gguf.convert import (
     convert_gguf,
@@ -64,11 +65,8 @@ log = logging.getLogger("mlxd.runner")
 
 
 def backend() -> str:
-    if mx.metal.is_available():
-        return "metal"
-    if hasattr(mx, "cuda") and mx.cuda.is_available():
-        return "cuda"
-    return "cpu"
+    """metal, cuda or cpu: the row of the backend table (``backend_policy``) that applies."""
+    return backend_policy.detect()
 
 
 Shard = Callable[[nn.Module, dict], None]
@@ -450,9 +448,15 @@ def load_served(options: LoadOptions, shard: Shard | None = None) -> tuple[MlxRu
         )
     runner.spec_stats = runner.spec_stats or off
     runner.spec_prefill_stats = sparse.stats if sparse is not None else None
-    _split_prefill(runner, o.prefill_streams or auto_prefill_streams())
-    if backend() == "cpu":  # a GPU batches every row (``MlxRunner.batch_prefill_pays``)
-        runner.batch_prefill_max_context = o.batch_prefill_max_context
+    choice = backend_policy.prefill(
+        backend(),
+        streams=o.prefill_streams,
+        batch_prefill=o.batch_prefill,
+        max_context=o.batch_prefill_max_context,
+    )
+    _split_prefill(runner, choice.streams)
+    if not choice.batch_every and choice.max_context:  # only short rows share passes
+        runner.batch_prefill_max_context = choice.max_context
     return runner, dataclasses.replace(info, memory=memory_model(runner, o.memory))
 
 
@@ -538,7 +542,5 @@ def _split_prefill(runner: MlxRunner, streams: int) -> None:
 
 
 def auto_prefill_streams() -> int:
-    """Two on the CPU backend with at least two cores, one on a GPU (whose one queue a
-    chunk already fills). Two, not one per core: measured on 2 cores, 4 pieces of a
-    512-token chunk ran slower than 2 (the softmax threads and the BLAS contend)."""
-    return 2 if backend() == "cpu" and (os.cpu_count() or 1) >= 2 else 1
+    """``engine.prefill_streams = "auto"``: the backend table's (``backend_policy``)."""
+    return backend_policy.prefill(backend()).streams

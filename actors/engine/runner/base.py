@@ -21,7 +21,7 @@ import ctypes
 import ctypes.util
 import functools
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -32,6 +32,7 @@ from mlx.utils import tree_flatten
 from mlx_lm.generate import BatchGenerator
 from mlx_lm.models.cache import ArraysCache, make_prompt_cache
 from mlx_lm.sample_utils import greedy_sampler, make_logits_processors
+from mlxd.actors.engine import backend_policy
 from mlxd.actors.engine.kernels.openblas import OpenBlas
 from mlxd.actors.engine.runner import caches
 from mlxd.actors.engine.runner.caches import check_batchable, layer_kinds
@@ -172,9 +173,9 @@ class MlxRunner:
     # and ``loading`` sets them where a configured feature is off (their notes say why).
     spec_stats: SpeculativeCounters | None = None
     spec_prefill_stats: SpecPrefillCounters | None = None
-    # Set by ``loading`` on the CPU backend (``engine.batch_prefill_max_context``): where
-    # batched prefill does not pay in general, rows whose cache holds at most this many
-    # tokens after the pass are still prefilled together. None: no such rows (0 too).
+    # Set by ``loading`` where the backend table batches only short rows (the CPU;
+    # ``engine.batch_prefill_max_context``): rows whose cache holds at most this many
+    # tokens after the pass are still prefilled together. None: no such limit.
     batch_prefill_max_context: int | None = None
 
     def __init__(
@@ -208,6 +209,7 @@ class MlxRunner:
         self._decode_model = decode_model or model
         self._stop_tokens = [[t] for t in stop_tokens]
         self._max_batch = max_batch
+        self._policy = backend_policy.for_backend(backend_policy.detect())
         self._stream = mx.new_stream(mx.default_device())
         self._prefill_streams = [self._stream]  # see ``use_prefill_streams``
         self._openblas = OpenBlas.loaded() if mx.default_device() == mx.cpu else None
@@ -372,15 +374,10 @@ class MlxRunner:
 
     @property
     def batch_prefill_pays(self) -> bool:
-        """Batched prefill fills a GPU that one request's chunk leaves idle. On the CPU
-        backend a long chunk already keeps the BLAS busy and attention (per request)
-        dominates at long context, so merging and taking apart the caches costs more than
-        it saves (``scripts/bench_step.py``: x1.03 at 512 tokens of context, x0.91 at
-        2048); but a short chat turn leaves the BLAS half idle (a matmul of ~60 rows), so
-        there only rows within ``batch_prefill_max_context`` are batched (eight chat
-        prompts together against one at a time, 2-core VM, before the padded pass: x1.21
-        at 62 tokens, x1.14 at 94, x0.78 at 158)."""
-        return mx.default_device() == mx.gpu or bool(self.batch_prefill_max_context)
+        """Whether the engine hands this runner several requests' chunks by default: where
+        the backend table batches every row (a GPU), or only short rows and there is a
+        limit (the CPU; ``backend_policy`` names the measurements)."""
+        return self._policy.batch_prefill or bool(self.batch_prefill_max_context)
 
     @property
     def batches_prefill(self) -> bool:
@@ -696,6 +693,20 @@ class MlxRunner:
         self._keys = {rid: k for rid, k in self._keys.items() if rid in self._pending}
         self._guard.take()
         mx.clear_cache()
+
+    @contextlib.contextmanager
+    def warming_up(self) -> Iterator[None]:
+        """Requests no client sent (``scheduler/warmup.py``): the prefix cache and its disk
+        tier neither serve nor keep them. Afterwards MLX's freed buffers go back and its
+        memory peak starts again from idle, so the accounting is as the load left it."""
+        kept = self.prefix_cache, self._disk
+        self.prefix_cache, self._disk = None, None
+        try:
+            yield
+        finally:
+            self.prefix_cache, self._disk = kept
+            mx.clear_cache()
+            mx.reset_peak_memory()
 
     def memory_stats(self) -> tuple[int, int]:
         return mx.get_active_memory(), mx.get_peak_memory()

@@ -97,8 +97,9 @@ class LoadOptions:
     adapter_path: Path | None = None  # an mlx-lm LoRA adapter applied at load
     prefill_streams: int | None = None  # MLX streams a prefill chunk is split over (None: auto)
     chunked_linear_attention: bool | None = None  # Qwen3.5 GatedDeltaNet (None: where it pays)
-    # CPU backend, engine.batch_prefill = "auto": rows whose context stays within this many
-    # tokens are prefilled together (None: the runner's default, none)
+    batch_prefill: bool | None = None  # every row shares passes, or none (None: the table's)
+    # batch_prefill None where the backend batches only short rows: rows whose context
+    # stays within this many tokens are prefilled together (None: the backend table's)
     batch_prefill_max_context: int | None = None
     kv_bits: int = 0  # attention KV quantized to 4 or 8 bits (0: the model's precision)
     kv_group_size: int = 64  # values per quantization group

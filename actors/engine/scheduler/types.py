@@ -96,6 +96,16 @@ class Runner(Protocol):
 
 
 @dataclass(frozen=True)
+class Warmup:
+    """The warm-up a model ran before its first request (``warmup.py``): how long it
+    took, the largest decode batch, and the prompt lengths it prefilled."""
+
+    seconds: float
+    max_batch: int
+    prompt_tokens: tuple[int, ...]
+
+
+@dataclass(frozen=True)
 class ModelInfo:
     """What the rest of the daemon needs to know about the loaded model."""
 
@@ -111,6 +121,7 @@ class ModelInfo:
     processor: Any = None
     memory: MemoryModel | None = None  # None: no memory gate (estimates unknown)
     embedding: EmbeddingInfo | None = None  # an embedding model's traits (kind "embedding")
+    warmup: Warmup | None = None  # None: the model was not warmed up
 
 
 KINDS = ("auto", "text", "vision", "embedding")
