@@ -13,11 +13,17 @@ time on one stream, one request at a time with each chunk split across MLX strea
 (``engine.prefill_streams``), and with mlxd's batched prefill (all K chunks in one
 forward pass, one stream).
 
+Host overhead (``--tiny``): the same decode comparison on a model with almost no compute
+(one llama layer, hidden size 64, a 512-token vocabulary, random weights, token ids
+only), at batch 1, 8 and 32, so what remains is each side's host work per step. The
+target is mlxd/mlx_lm <= 1.05.
+
 Prints numbers; asserts nothing. Run from the repository root:
 
     .venv/bin/python -m mlxd.scripts.bench_step [--model DIR] [--batch 1,4,8]
         [--context 128,1536,3072] [--steps 16] [--prefill-requests 4] [--prefill-tokens 256]
         [--prefill-streams 2] [--blas-threads 0]
+    .venv/bin/python -m mlxd.scripts.bench_step --tiny [--steps 200] [--repeat 5]
 """
 
 from __future__ import annotations
@@ -34,11 +40,31 @@ def _ints(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x]
 
 
-def _prompts(batch: int, context: int, salt: int = 0) -> list[list[int]]:
+def _prompts(batch: int, context: int, salt: int = 0, vocab: int = 31000) -> list[list[int]]:
     # distinct token ranges per row: no prefix-cache sharing between rows
+    low = min(1000, vocab // 4)
     return [
-        [1000 + (salt * 7919 + i * 613 + t) % 30000 for t in range(context)] for i in range(batch)
+        [low + (salt * 7919 + i * 613 + t) % (vocab - low) for t in range(context)]
+        for i in range(batch)
     ]
+
+
+TINY_VOCAB = 512
+
+
+def tiny_runner():
+    """An ``MlxRunner`` over a one-layer llama of hidden size 64 (random weights, built as
+    ``tiny_models.py`` builds its models, no tokenizer, no stop token): almost no compute."""
+    import mlx.core as mx
+    from mlx_lm.models import llama
+    from mlxd.actors.engine.runner.base import MlxRunner
+    from mlxd.scripts.tiny_models import LLAMA
+
+    config = {**LLAMA, "num_hidden_layers": 1, "hidden_size": 64, "vocab_size": TINY_VOCAB}
+    mx.random.seed(0)
+    model = llama.Model(llama.ModelArgs.from_dict(config))
+    mx.eval(model.parameters())
+    return MlxRunner(model, [], 64)
 
 
 def _request(rid: str, tokens, max_tokens: int):
@@ -134,14 +160,20 @@ def decode_table(runner, args) -> list[dict]:
     rows = []
     for context in args.context:
         for batch in args.batch:
-            prompts = _prompts(batch, context, salt=context + batch)
+            prompts = _prompts(batch, context, salt=context + batch, vocab=args.vocab)
             runner.clear_cache()
+            # best of ``--repeat`` runs of each, interleaved (a shared machine's noise)
+            gen, eng, fwd = [], [], []
+            for r in range(args.repeat):
+                gen.append(time_generator(runner.model, prompts, args.steps))
+                eng.append(time_engine(runner, prompts, args.steps, f"d{context}x{batch}r{r}"))
+                fwd.append(time_forward(runner.model, prompts, args.steps))
             row = {
                 "context": context,
                 "batch": batch,
-                "mlx_lm_ms": 1000 * time_generator(runner.model, prompts, args.steps),
-                "mlxd_ms": 1000 * time_engine(runner, prompts, args.steps, f"d{context}x{batch}"),
-                "forward_ms": 1000 * time_forward(runner.model, prompts, args.steps),
+                "mlx_lm_ms": 1000 * min(gen),
+                "mlxd_ms": 1000 * min(eng),
+                "forward_ms": 1000 * min(fwd),
             }
             row["mlxd_over_mlx_lm"] = row["mlxd_ms"] / row["mlx_lm_ms"]
             rows.append(row)
@@ -193,14 +225,22 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--model", default="", help="model dir or .gguf (default: SmolLM2)")
     p.add_argument("--batch", type=_ints, default=[1, 4, 8])
     p.add_argument("--context", type=_ints, default=[128, 1536, 3072])
-    p.add_argument("--steps", type=int, default=16)
+    p.add_argument("--steps", type=int, default=0, help="decode steps timed (0: 16; 200 tiny)")
     p.add_argument("--prefill-requests", type=int, default=4)
     p.add_argument("--prefill-tokens", type=int, default=256)
     p.add_argument("--prefill-streams", type=int, default=2, help="streams of the split run")
     p.add_argument("--blas-threads", type=int, default=0, help="OpenBLAS threads (0: default)")
+    p.add_argument("--tiny", action="store_true", help="host overhead: a model of ~no compute")
+    p.add_argument("--repeat", type=int, default=0, help="runs per row, best kept (0: 1; 5 tiny)")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
     threads = blas.set_threads(args.blas_threads)
+    args.vocab = 31000
+    args.repeat = args.repeat or (5 if args.tiny else 1)
+    args.steps = args.steps or (200 if args.tiny else 16)
+    if args.tiny:
+        tiny(args, threads)
+        return
 
     from mlxd.actors.engine.loading.load import load_runner
     from mlxd.actors.engine.scheduler.options import PrefixCacheOptions
@@ -212,6 +252,23 @@ def main(argv: list[str] | None = None) -> None:
     )
     print(f"model {info.model_id} ({info.backend}); {blas.status()}; {threads}", flush=True)
     rows = decode_table(runner, args) + prefill_table(runner, args)
+    if args.json:
+        print(json.dumps(rows))
+
+
+def tiny(args, threads: str) -> None:
+    """``--tiny``: decode rows only, at batch 1, 8 and 32 over a 16-token context (unless
+    ``--batch`` / ``--context`` say otherwise)."""
+    import mlx.core as mx
+
+    args.vocab = TINY_VOCAB
+    if args.batch == [1, 4, 8]:
+        args.batch = [1, 8, 32]
+    if args.context == [128, 1536, 3072]:
+        args.context = [16]
+    runner = tiny_runner()
+    print(f"tiny model (1 layer, hidden 64, {mx.default_device()}); {threads}", flush=True)
+    rows = decode_table(runner, args)  # each row's first run warms its shapes up
     if args.json:
         print(json.dumps(rows))
 

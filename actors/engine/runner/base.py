@@ -69,7 +69,7 @@ def make_sampler(params: SamplingParams, drawn: int = 0):
     if key is not None and drawn:
         for _ in range(drawn):
             key[0], _sub = mx.random.split(key[0])
-        mx.eval(key[0])
+        mx.eval(key[0])  # sync (a replay's join only): the skipped splits collapse to one key
 
     def sample(logprobs: mx.array) -> mx.array:
         scaled = scaled_logits(logprobs, params)  # the verifiers' chain too
@@ -330,6 +330,8 @@ class MlxRunner:
             return
         if tokens not in self.prefix_cache:
             snapshot = caches.compact(copy.deepcopy(cache) if live else cache)
+            # sync (a snapshot, not every step): its own buffers now, its size exact, and no
+            # graph kept alive over the live cache it was copied from
             mx.eval([c.state for c in snapshot])
             self.prefix_cache.insert(
                 tokens, snapshot, caches.nbytes(snapshot), caches.can_trim(snapshot)
@@ -342,7 +344,7 @@ class MlxRunner:
         if pending.sparse is not None:
             with mx.stream(self._stream):
                 self.spec_prefill.step(self.model, pending.cache, pending.sparse, budget)
-                mx.eval([c.state for c in pending.cache])
+                mx.eval([c.state for c in pending.cache])  # sync: as in the plain chunk below
             if pending.remaining == 0:
                 self._join_batch(self._pending.pop(request_id))
             return pending.remaining
@@ -350,6 +352,8 @@ class MlxRunner:
         if n > 0:
             with self._blas_for(n), mx.stream(self._stream):
                 self._prefill_chunk(pending, n)
+                # sync: the chunk runs (and fails) here, as this request's own, not inside
+                # the batched decode step that would otherwise evaluate it
                 mx.eval([c.state for c in pending.cache])
         return self._prefilled(pending, n)
 
@@ -445,7 +449,9 @@ class MlxRunner:
                     for j, layer in enumerate(caches[live[0]])
                 ]
             self.model(mx.array(chunks), cache=batch)
-            mx.eval([c.state for c in batch])
+            mx.eval(
+                [c.state for c in batch]
+            )  # sync: a failed pass raises here (rows retried alone)
             if batch is not caches[live[0]]:
                 for k, i in enumerate(live):
                     caches[i] = [c.extract(k) for c in batch]
@@ -482,7 +488,7 @@ class MlxRunner:
             alone = [self._prefill_padded([row]) for row in rows]
             for a, b in zip(alone, together, strict=True):
                 for x, y in zip(states(a[0]), states(b), strict=True):
-                    if not mx.allclose(x, y, rtol=1e-3, atol=1e-3).item():
+                    if not mx.allclose(x, y, rtol=1e-3, atol=1e-3).item():  # sync (once, at load)
                         return False
         return True
 
@@ -508,7 +514,7 @@ class MlxRunner:
         if any(padding):
             for c in batch:
                 c.finalize()
-        mx.eval([c.state for c in batch])
+        mx.eval([c.state for c in batch])  # sync: as in ``_prefill_rows``
         return [[c.extract(k) for c in batch] for k in range(len(rows))]
 
     def use_prefill_streams(self, n: int) -> None:
@@ -609,6 +615,8 @@ class MlxRunner:
     def _decode_once(self) -> list[Decoded]:
         if not self._rid_to_uid:
             return []
+        # the step's one wait: mlx-lm's ``next`` launches the following step, then reads
+        # this one's tokens back as Python ints (nothing else in the step waits)
         _, responses = self.generator.next()
         logprobs = self._logprobs(responses)
         out = []
@@ -724,7 +732,7 @@ class MlxRunner:
         cache = self._make_cache()
         with mx.stream(self._stream):
             self._probe(cache)
-            mx.eval([c.state for c in cache])
+            mx.eval([c.state for c in cache])  # sync (at load): the cache's sizes are read next
         layers = tuple(_layer_of(c) for c in _leaf_caches(cache))
         del cache
         mx.clear_cache()

@@ -36,6 +36,8 @@ class GrammarProcessor:
         n = tokens.shape[0]
         # mlx-lm prepares the step after EOS before it reports EOS: a finished grammar takes no more.
         if self._seen is not None and n > self._seen and not self._matcher.is_stopped():
+            # sync: the matcher (llguidance, on the host) must see the sampled tokens
+            # before it can build the next mask
             self._matcher.consume_tokens(tokens[self._seen :].tolist())
         self._seen = n  # the first call sees the prompt only
         return mx.where(self._allowed(logits.shape[-1]), logits, -math.inf)
@@ -64,7 +66,7 @@ def token_logprobs(rows: list[mx.array], tokens: list[int], tops: list[int]) -> 
     """
     out = []
     for row, token, k in zip(rows, tokens, tops, strict=True):
-        values = np.asarray(row, dtype=np.float32)
+        values = np.asarray(row, dtype=np.float32)  # no wait: mlx-lm evaluated it with the step
         top: tuple[tuple[int, float], ...] = ()
         if k > 0:
             k = min(k, values.shape[-1])
