@@ -59,6 +59,9 @@ def _turn(role: str, content: Content, message: Message) -> ChatDict:
         turn["tool_calls"] = template_tool_calls(message.tool_calls)
     if message.tool_call_id:
         turn["tool_call_id"] = message.tool_call_id
+    if message.reasoning and role == "assistant":
+        # the two names templates read it by: Qwen3, GLM, MiniMax, Gemma 4 / gpt-oss
+        turn["reasoning_content"] = turn["thinking"] = message.reasoning
     return turn
 
 

@@ -44,6 +44,7 @@ from mlxd.actors.tools import (
     template_traits,
     tool_dicts,
     tool_system_prompt,
+    with_call_ids,
 )
 from mlxd.actors.vision import ImageLimits, VisionError, VisionProcessor, load_images, split_images
 from mlxd.protocol.messages import (
@@ -201,6 +202,8 @@ class PromptBuilder:
                 messages = (*messages, system)
         if not self.traits.tools_in_template:
             messages = history_as_text(messages)
+        elif self.traits.history_id is not None:
+            messages = with_call_ids(messages, self.traits.history_id)
         if isinstance(request, ChatRequest) and request.reasoning_effort is not None:
             extra = {**self._effort_kwargs(request.reasoning_effort), **extra}
         try:

@@ -12,6 +12,7 @@ markup. Pure functions: no trio, no mlx.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from mlxd.actors.families import formats, reasoning
@@ -26,6 +27,7 @@ class TemplateTraits:
     tools_in_template: bool
     reasoning: tuple[str, str] | None
     reasoning_in_parser: bool = False  # the tool-call parser reads reasoning too (harmony)
+    history_id: Callable[[str], str] | None = None  # call ids as the template wants them
     controls: reasoning.Controls = reasoning.Controls((), False, None)
     why_format: str = ""
     why_reasoning: str = ""
@@ -81,6 +83,7 @@ def traits_of(
         tools_in_template="tools" in source,
         reasoning=pair,
         reasoning_in_parser=fmt.reasoning,
+        history_id=fmt.history_id,
         controls=reasoning.controls(source),
         why_format=why_format,
         why_reasoning=why_reasoning,
@@ -164,3 +167,27 @@ def template_tool_calls(calls: tuple[ToolCall, ...]) -> list[dict]:
         }
         for c in calls
     ]
+
+
+def with_call_ids(
+    messages: tuple[Message, ...], rename: Callable[[str], str]
+) -> tuple[Message, ...]:
+    """The history with every call id (and every result's ``tool_call_id``) renamed."""
+    out = []
+    for m in messages:
+        calls = tuple(replace_id(c, rename) for c in m.tool_calls)
+        result_of = rename(m.tool_call_id) if m.tool_call_id else m.tool_call_id
+        out.append(
+            m if not calls and result_of == m.tool_call_id else _message(m, calls, result_of)
+        )
+    return tuple(out)
+
+
+def replace_id(call: ToolCall, rename: Callable[[str], str]) -> ToolCall:
+    return ToolCall(id=rename(call.id), name=call.name, arguments=call.arguments)
+
+
+def _message(m: Message, calls: tuple[ToolCall, ...], result_of: str | None) -> Message:
+    import msgspec
+
+    return msgspec.structs.replace(m, tool_calls=calls or m.tool_calls, tool_call_id=result_of)

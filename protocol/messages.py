@@ -86,6 +86,9 @@ class Message(msgspec.Struct, frozen=True, kw_only=True):
     name: str | None = None
     tool_calls: tuple[ToolCall, ...] = ()
     tool_call_id: str | None = None
+    # An assistant turn's earlier reasoning, for templates that render it back (gpt-oss
+    # between calls, Qwen3 / GLM after the last user turn); others ignore it.
+    reasoning: str | None = None
 
 
 class Tool(msgspec.Struct, frozen=True, kw_only=True):

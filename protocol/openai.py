@@ -67,6 +67,9 @@ class WireMessage(msgspec.Struct, kw_only=True):
     tool_calls: list[WireToolCall] | None = None
     tool_call_id: str | None = None
     function_call: WireFunctionCall | None = None  # legacy function calling (an assistant turn)
+    # an assistant turn's reasoning as mlxd (reasoning_content) and others (reasoning) send it
+    reasoning_content: str | None = None
+    reasoning: str | None = None
 
 
 # Chat roles; ``function`` is legacy function calling's result turn (named by ``name``).

@@ -278,12 +278,8 @@ def _builder(smollm_tokenizer, template: str):
 def _chat(**fields):
     from mlxd.protocol.messages import ChatRequest, Message, SamplingParams
 
-    return ChatRequest(
-        request_id="r",
-        messages=(Message(role="user", content="Weather in Paris?"),),
-        sampling=SamplingParams(max_tokens=8),
-        **fields,
-    )
+    fields.setdefault("messages", (Message(role="user", content="Weather in Paris?"),))
+    return ChatRequest(request_id="r", sampling=SamplingParams(max_tokens=8), **fields)
 
 
 def test_the_effort_reaches_gpt_oss_template_and_none_is_a_400(smollm_tokenizer):
@@ -341,3 +337,37 @@ def test_mlxd_parse_prints_format_why_content_and_calls(tmp_path, smollm_tokeniz
         assert report["tool_calls"] == [
             {"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}
         ]
+
+
+def test_gpt_oss_gets_its_reasoning_back_between_calls(smollm_tokenizer):
+    """An assistant turn's reasoning and call, then the tool result: gpt-oss's template
+    renders the analysis message before the call, in the form it was trained on."""
+    from mlxd.protocol.messages import Message, ToolCall
+
+    builder = _builder(smollm_tokenizer, templates.source("openai-gpt-oss-120b"))
+    call = ToolCall(id="call_1", name="get_weather", arguments='{"city": "Paris"}')
+    history = (
+        Message(role="user", content="Weather in Paris?"),
+        Message(role="assistant", content="", tool_calls=(call,), reasoning="Need the tool."),
+        Message(role="tool", tool_call_id="call_1", content="sunny"),
+    )
+    text, _, _ = builder.render_chat(_chat(messages=history, tools=TOOL), marks=False)
+    assert "<|channel|>analysis<|message|>Need the tool.<|end|>" in text
+    assert 'to=functions.get_weather<|channel|>commentary json<|message|>{"city": "Paris"}' in text
+    assert "<|start|>functions.get_weather to=assistant" in text
+
+
+def test_mistral_history_gets_the_nine_character_ids_its_template_demands(smollm_tokenizer):
+    from mlxd.protocol.messages import Message, ToolCall
+
+    builder = _builder(smollm_tokenizer, templates.source("mistralai-Mistral-Nemo-Instruct-2407"))
+    call = ToolCall(id="call_0123456789abcdef", name="get_weather", arguments='{"city": "Paris"}')
+    history = (
+        Message(role="user", content="Weather in Paris?"),
+        Message(role="assistant", content="", tool_calls=(call,)),
+        Message(role="tool", tool_call_id="call_0123456789abcdef", content="sunny"),
+    )
+    text, _, _ = builder.render_chat(_chat(messages=history, tools=TOOL), marks=False)
+    nine = formats.mistral_id("call_0123456789abcdef")
+    assert len(nine) == 9 and nine.isalnum()
+    assert text.count(nine) == 2  # the call and its result

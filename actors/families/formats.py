@@ -63,6 +63,8 @@ class ToolFormat:
     vocab: tuple[str, ...] = ()  # or all of these are tokens of the vocabulary
     show: tuple[str, ...] = ()  # marker tokens the detokenizer must not hide
     reasoning: bool = False  # its parser reads the reasoning too: it runs on every request
+    # How the template wants call ids in the history (None: as the client sent them).
+    history_id: Callable[[str], str] | None = None
 
 
 def tool_dicts(tools: tuple[Tool, ...]) -> list[dict]:
@@ -118,6 +120,16 @@ def library(name: str, start: str | None = None, end: str | None = None, rewrite
 def markup(start: str, end: str, body: Callable[[str, IdFactory], list[ToolCall] | None]) -> Build:
     """A format whose calls ``body`` reads between ``start`` and ``end``."""
     return lambda make_id, tools: DelimitedToolParser(start, end, lambda t: body(t, make_id))
+
+
+def mistral_id(call_id: str) -> str:
+    """Mistral's templates refuse call ids that are not 9 letters or digits: a stable
+    9-character digest of the client's id (a call and its result keep one id)."""
+    import hashlib
+
+    digest = hashlib.sha256(call_id.encode()).digest()
+    alphabet = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789"
+    return "".join(alphabet[b % len(alphabet)] for b in digest[:9])
 
 
 def _hermes(make_id: IdFactory, tools: tuple[Tool, ...]) -> ToolStream:
@@ -323,6 +335,7 @@ FORMATS: tuple[ToolFormat, ...] = (
         template=("[TOOL_CALLS]",),
         vocab=("[TOOL_CALLS]", "[ARGS]"),
         show=("[TOOL_CALLS]", "[ARGS]", "[CALL_ID]"),
+        history_id=mistral_id,
     ),
     ToolFormat(
         "apertus",

@@ -254,7 +254,7 @@ class Conversation:
             self.add(Message(role="user", content=tuple(parts)), any(map(_marked, own)))
 
     def assistant(self, content: list[wire.Block], param: str) -> None:
-        """Text and tool calls; earlier thinking is not sent back to the template."""
+        """Text, tool calls and thinking (for the templates that render it back)."""
         check(
             not any(isinstance(b, wire.ToolResultBlock | wire.ImageBlock) for b in content),
             param,
@@ -267,9 +267,11 @@ class Conversation:
             for b in content
             if isinstance(b, wire.ToolUseBlock)
         )
-        self.add(
-            Message(role="assistant", content=text, tool_calls=calls), any(map(_marked, content))
+        thinking = "".join(b.thinking for b in content if isinstance(b, wire.ThinkingBlock))
+        message = Message(
+            role="assistant", content=text, tool_calls=calls, reasoning=thinking or None
         )
+        self.add(message, any(map(_marked, content)))
 
     def turn(self, m: wire.InputMessage, param: str) -> None:
         if m.role == "system":

@@ -178,6 +178,7 @@ def _messages(wire_messages: list[wire.WireMessage]) -> tuple[Message, ...]:
                 name=m.name,
                 tool_calls=tuple(calls),
                 tool_call_id=legacy_id if m.role == "function" else m.tool_call_id,
+                reasoning=(m.reasoning_content or m.reasoning) if m.role == "assistant" else None,
             )
         )
     return tuple(out)
