@@ -16,12 +16,12 @@ No trio, no mlx.
 from __future__ import annotations
 
 import functools
-import json
 from dataclasses import dataclass
 from typing import Any
 
 import llguidance
 import llguidance.hf
+from mlxd.actors.families import forced
 from mlxd.protocol.messages import Constraint, Tool
 
 # The layout of JSON answers: one space after ``,`` and ``:`` as ``json.dumps`` writes it (the
@@ -44,13 +44,6 @@ class CompiledGrammar:
     eos_ids: tuple[int, ...]
 
 
-def _strict(params: dict) -> dict:
-    """Object parameters take no properties beyond those named, as in OpenAI's strict mode."""
-    if params.get("type") == "object" and "additionalProperties" not in params:
-        return {**params, "additionalProperties": not params.get("properties")}
-    return params
-
-
 def tool_call_schema(tools: tuple[Tool, ...], names: tuple[str, ...]) -> dict:
     """JSON schema of one call ``{"name": …, "arguments": {…}}`` to one of ``names``.
 
@@ -61,7 +54,7 @@ def tool_call_schema(tools: tuple[Tool, ...], names: tuple[str, ...]) -> dict:
     for tool in tools:
         if tool.name not in names:
             continue
-        params = _strict(tool.parameters or {"type": "object"})
+        params = forced.strict(tool.parameters or {"type": "object"})
         options.append(
             {
                 "type": "object",
@@ -74,14 +67,10 @@ def tool_call_schema(tools: tuple[Tool, ...], names: tuple[str, ...]) -> dict:
     return {**schema, "x-guidance": {"whitespace_flexible": False}}
 
 
-def tool_call_lark(schema: dict, fmt: str) -> str:
-    """A Lark grammar for one call in the model's tool-call markup (see ``actors/parsers.py``)."""
-    body = "%json " + json.dumps(schema)
-    if fmt == "hermes":
-        return f'start: "<tool_call>\\n" call "\\n</tool_call>"\ncall: {body}\n'
-    if fmt == "mistral":
-        return f'start: "[TOOL_CALLS][" call "]"\ncall: {body}\n'
-    return f"start: call\ncall: {body}\n"  # llama3 / json: the bare object
+def tool_call_lark(schema: dict, fmt: str, split: forced.Split = forced.as_text) -> str:
+    """A Lark grammar for one call in the markup of the format ``fmt``
+    (``actors/families/forced.py``); ``split`` says which markers are special tokens."""
+    return forced.lark(fmt, schema, split)
 
 
 # Keywords that add no constraint: a node with only these besides ``$ref`` is just the ref.
@@ -143,6 +132,7 @@ class GrammarCompiler:
 
     def __init__(self, tokenizer: Any | None):
         self._llt = _llg_tokenizer(tokenizer) if tokenizer is not None else None
+        self._split = _splitter(self._llt)
         self._check_only = bool(getattr(tokenizer, "grammar_check_only", False))
 
     def grammar_text(self, constraint: Constraint, tools: tuple[Tool, ...], fmt: str) -> str:
@@ -158,7 +148,7 @@ class GrammarCompiler:
         for tool in tools:
             check_refs(tool.parameters)
         schema = tool_call_schema(tools, constraint.tool_names)
-        return llguidance.LLMatcher.grammar_from_lark(tool_call_lark(schema, fmt))
+        return llguidance.LLMatcher.grammar_from_lark(tool_call_lark(schema, fmt, self._split))
 
     def validate(self, grammar: str) -> None:
         error = llguidance.LLMatcher.validate_grammar(grammar, self._llt)
@@ -194,6 +184,28 @@ def _check_first_step(matcher: Any) -> None:
             f"the schema allows no output at all (llguidance: {reason}); "
             "look for a $ref that refers only to itself"
         )
+
+
+def _splitter(llt: Any | None) -> forced.Split:
+    """A marker's text → its pieces, each special token of ``llt`` by id: no run of text
+    tokens can produce a special token, so the grammar must name it."""
+    if llt is None:
+        return forced.as_text
+
+    def split(text: str) -> list[str | int]:
+        pieces: list[str | int] = []
+        rest = text
+        for token in llt.tokenize_str(text, parse_special=True):
+            if not llt.is_special_token(token):
+                continue
+            at = rest.find(name := llt.decode_str([token]))
+            if at < 0:  # the tokenizer rewrote the text around it: keep the marker as text
+                return [text]
+            pieces += [rest[:at], token]
+            rest = rest[at + len(name) :]
+        return [p for p in [*pieces, rest] if p != ""]
+
+    return split
 
 
 class _Bytes:
