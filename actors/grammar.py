@@ -67,10 +67,12 @@ def tool_call_schema(tools: tuple[Tool, ...], names: tuple[str, ...]) -> dict:
     return {**schema, "x-guidance": {"whitespace_flexible": False}}
 
 
-def tool_call_lark(schema: dict, fmt: str, split: forced.Split = forced.as_text) -> str:
+def tool_call_lark(
+    schema: dict, fmt: str, split: forced.Split = forced.as_text, prefix: str = ""
+) -> str:
     """A Lark grammar for one call in the markup of the format ``fmt``
     (``actors/families/forced.py``); ``split`` says which markers are special tokens."""
-    return forced.lark(fmt, schema, split)
+    return forced.lark(fmt, schema, split, prefix)
 
 
 # Keywords that add no constraint: a node with only these besides ``$ref`` is just the ref.
@@ -135,20 +137,27 @@ class GrammarCompiler:
         self._split = _splitter(self._llt)
         self._check_only = bool(getattr(tokenizer, "grammar_check_only", False))
 
-    def grammar_text(self, constraint: Constraint, tools: tuple[Tool, ...], fmt: str) -> str:
-        if constraint.kind == "json_object":
-            return llguidance.LLMatcher.grammar_from_json_schema({"type": "object"}, JSON_LAYOUT)
-        if constraint.kind == "json_schema":
-            check_refs(constraint.schema or {})
+    def grammar_text(
+        self, constraint: Constraint, tools: tuple[Tool, ...], fmt: str, prefix: str = ""
+    ) -> str:
+        """``prefix``: text the answer starts with (the end of a reasoning block the prompt
+        opened: a constrained answer inside it would be read as reasoning)."""
+        if constraint.kind in ("json_object", "json_schema"):
+            schema = (constraint.schema or {}) if constraint.kind == "json_schema" else None
+            check_refs(schema or {})
+            schema = {"type": "object"} if schema is None else schema
             try:
-                schema = constraint.schema or {}
+                if prefix:
+                    lark = forced.json_lark(schema, JSON_LAYOUT, self._split, prefix)
+                    return llguidance.LLMatcher.grammar_from_lark(lark)
                 return llguidance.LLMatcher.grammar_from_json_schema(schema, JSON_LAYOUT)
             except ValueError as exc:
                 raise GrammarError(f"invalid JSON schema: {exc}") from exc
         for tool in tools:
             check_refs(tool.parameters)
         schema = tool_call_schema(tools, constraint.tool_names)
-        return llguidance.LLMatcher.grammar_from_lark(tool_call_lark(schema, fmt, self._split))
+        lark = tool_call_lark(schema, fmt, self._split, prefix)
+        return llguidance.LLMatcher.grammar_from_lark(lark)
 
     def validate(self, grammar: str) -> None:
         error = llguidance.LLMatcher.validate_grammar(grammar, self._llt)
@@ -156,10 +165,14 @@ class GrammarCompiler:
             raise GrammarError(f"invalid schema: {error}")
 
     def compile(
-        self, constraint: Constraint, tools: tuple[Tool, ...] = (), fmt: str = "hermes"
+        self,
+        constraint: Constraint,
+        tools: tuple[Tool, ...] = (),
+        fmt: str = "hermes",
+        prefix: str = "",
     ) -> CompiledGrammar | None:
         """A matcher for the constraint (None for a check-only test tokenizer)."""
-        grammar = self.grammar_text(constraint, tools, fmt)
+        grammar = self.grammar_text(constraint, tools, fmt, prefix)
         self.validate(grammar)
         llt = self._llt or (_byte_tokenizer() if self._check_only else None)
         if llt is None:

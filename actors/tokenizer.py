@@ -365,12 +365,17 @@ class PromptBuilder:
             tools=request.tools if offers else (),
         )
 
-    def grammar(self, request: AdmittedRequest) -> CompiledGrammar | None:
+    def grammar(
+        self, request: AdmittedRequest, spec: OutputSpec | None = None
+    ) -> CompiledGrammar | None:
+        """The request's constraint compiled; where the prompt opened a reasoning block
+        (``spec.in_reasoning``), the constrained answer first closes it."""
         if request.constraint is None:
             return None
         tools = request.tools if isinstance(request, ChatRequest) else ()
+        prefix = spec.reasoning[1] + "\n" if spec and spec.in_reasoning and spec.reasoning else ""
         try:
-            return self.grammars.compile(request.constraint, tools, self.traits.tool_format)
+            return self.grammars.compile(request.constraint, tools, self.traits.tool_format, prefix)
         except GrammarError as exc:
             raise PromptError(str(exc), request.constraint.param) from exc
 
@@ -381,6 +386,7 @@ class PromptBuilder:
         sampling = request.sampling
         max_tokens = self._max_tokens(len(p.tokens), sampling.max_tokens)
         self._check_memory(len(p.tokens), max_tokens)
+        output = self.output_spec(request, p.text)
         return TokenizedRequest(
             request_id=request.request_id,
             prompt_tokens=tuple(p.tokens),
@@ -389,8 +395,8 @@ class PromptBuilder:
             cache_key=request.cache_key if isinstance(request, ChatRequest) else "",
             vision=p.vision,
             priority=request.priority,
-            output=self.output_spec(request, p.text),
-            grammar=self.grammar(request),
+            output=output,
+            grammar=self.grammar(request, output),
         )
 
     def _max_tokens(self, prompt: int, asked: int | None) -> int:

@@ -371,3 +371,47 @@ def test_mistral_history_gets_the_nine_character_ids_its_template_demands(smollm
     nine = formats.mistral_id("call_0123456789abcdef")
     assert len(nine) == 9 and nine.isalnum()
     assert text.count(nine) == 2  # the call and its result
+
+
+@pytest.mark.parametrize("kind", ["tool_call", "json_schema"])
+def test_constrained_answers_close_a_think_block_the_prompt_opened(smollm_tokenizer, kind):
+    """MiniMax-M2's generation prompt ends inside ``<think>``: a forced call or a JSON answer
+    written there would be read as reasoning, so the grammar closes the block first."""
+    from mlxd.actors.grammar import GrammarCompiler
+    from mlxd.protocol.messages import Constraint
+
+    builder = _builder(smollm_tokenizer, templates.source("MiniMax-M2"))
+    builder.grammars = GrammarCompiler(builder.tokenizer)
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    constraint = (
+        Constraint(kind="tool_call", tool_names=("get_weather",), param="tool_choice")
+        if kind == "tool_call"
+        else Constraint(kind="json_schema", schema=schema)
+    )
+    request = _chat(tools=TOOL, tool_choice="required", constraint=constraint)
+    text, _, _ = builder.render_chat(request, marks=False)
+    spec = builder.output_spec(request, text)
+    assert spec.in_reasoning
+    answer = (
+        '<minimax:tool_call>\n<invoke name="get_weather">\n<parameter name="city">Paris'
+        "</parameter>\n</invoke>\n</minimax:tool_call>"
+        if kind == "tool_call"
+        else '{"a": 1}'
+    )
+
+    def accepts(output: str) -> bool:
+        matcher = builder.grammar(request, spec).matcher
+        tokens = builder.tokenizer.encode(output, add_special_tokens=False)
+        return matcher.consume_tokens(tokens) and matcher.is_accepting()
+
+    assert accepts("</think>\n" + answer)
+    assert not accepts(answer)
+    parser = OutputParser(spec)
+    out = parser.feed("</think>\n" + answer)
+    out.extend(parser.flush())
+    if kind == "tool_call":
+        assert [(c.name, json.loads(c.arguments)) for c in out.calls] == [
+            ("get_weather", {"city": "Paris"})
+        ]
+    else:
+        assert json.loads(out.content) == {"a": 1} and out.reasoning == ""

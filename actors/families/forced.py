@@ -500,8 +500,18 @@ BUILDERS: dict[str, Builder] = {
 }
 
 
-def lark(fmt: str, schema: dict, split: Split = as_text) -> str:
+def lark(fmt: str, schema: dict, split: Split = as_text, prefix: str = "") -> str:
     """The Lark grammar of one call in the markup of ``fmt`` (formats without a builder: the
-    bare JSON object) to one of the calls of ``schema`` (``grammar.tool_call_schema``)."""
+    bare JSON object) to one of the calls of ``schema`` (``grammar.tool_call_schema``),
+    after ``prefix`` (the closing tag of a reasoning block the prompt opened)."""
     g = Grammar(split)
-    return g.lark(BUILDERS.get(fmt, _json)(g, schema))
+    body = BUILDERS.get(fmt, _json)(g, schema)
+    return g.lark(f"{g.mark(prefix)} {body}" if prefix else body)
+
+
+def json_lark(schema: dict, layout: dict, split: Split = as_text, prefix: str = "") -> str:
+    """A JSON answer of ``schema`` after ``prefix``, as Lark (for answers that must first
+    close the reasoning block the prompt opened)."""
+    g = Grammar(split)
+    body = g.rule("%json " + json.dumps({"x-guidance": layout, **schema}))
+    return g.lark(f"{g.mark(prefix)} {body}")
