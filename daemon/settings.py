@@ -123,7 +123,7 @@ class TokenizerSettings(_Section):
 
 def _check_output_formats(tool_format: str, tags: str, where: str) -> None:
     """``tool_format`` and ``reasoning_tags`` (of ``[tokenizer]`` or a ``[[models]]`` entry)."""
-    from mlxd.actors.parsers import TOOL_FORMATS  # plain Python, no trio or mlx
+    from mlxd.actors.families.formats import TOOL_FORMATS  # plain Python, no trio or mlx
 
     _require(
         tool_format in ("auto", *TOOL_FORMATS),
