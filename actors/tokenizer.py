@@ -32,6 +32,7 @@ from typing import Any, NamedTuple, Protocol
 import jinja2
 import msgspec
 import trio
+from mlxd.actors import chat_template
 from mlxd.actors.engine.scheduler.memory import MemoryModel
 from mlxd.actors.engine.scheduler.types import ModelInfo
 from mlxd.actors.families.reasoning import EffortError
@@ -220,9 +221,7 @@ class PromptBuilder:
             raise PromptError(str(exc), "reasoning_effort") from exc
 
     def _render(self, messages: list[dict], generation_prompt: bool, extra: dict) -> str:
-        return self.tokenizer.apply_chat_template(
-            messages, add_generation_prompt=generation_prompt, tokenize=False, **extra
-        )
+        return chat_template.render(self.tokenizer, messages, generation_prompt, **extra)
 
     def _encode(self, text: str, param: str = "messages") -> list[int]:
         return self.tokenizer.encode(utf8_text(text, param), add_special_tokens=False)

@@ -12,7 +12,9 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import jinja2
 import pytest
+from mlxd.actors import chat_template
 from transformers.utils.chat_template_utils import render_jinja_template
 
 TEMPLATES = Path(__file__).resolve().parent.parent / ".cache" / "templates"
@@ -40,15 +42,22 @@ def names() -> list[str]:
 
 
 def render(template: str, messages: list[dict], generation: bool, tools=None, **extra) -> str:
-    out, _ = render_jinja_template(
-        conversations=[messages],
-        tools=tools,
-        chat_template=template,
-        add_generation_prompt=generation,
-        bos_token="<s>",
-        eos_token="</s>",
-        **extra,
-    )
+    """As mlxd renders: transformers' renderer, or mlxd's fallback where that one refuses."""
+    variables = {"bos_token": "<s>", "eos_token": "</s>", **extra}
+    try:
+        out, _ = render_jinja_template(
+            conversations=[messages],
+            tools=tools,
+            chat_template=template,
+            add_generation_prompt=generation,
+            **variables,
+        )
+    except jinja2.exceptions.SecurityError as exc:
+        if not chat_template.refused_mutation(exc):
+            raise
+        return chat_template._compiled(template).render(
+            messages=messages, tools=tools, add_generation_prompt=generation, **variables
+        )
     return out[0]
 
 

@@ -56,9 +56,6 @@ MAIN = {
 NO_ORACLE = {
     # gpt-oss renders past calls in another shape than it writes them (tests/test_family_parsers)
     "openai-gpt-oss-120b": "history differs from output",
-    # list.append on a namespace list: transformers' immutable sandbox refuses the template
-    "Kimi-K2-Instruct": "SecurityError",
-    "Kimi-K2-Thinking": "SecurityError",
     "CohereForAI-c4ai-command-r-plus-tool_use": "needs tool descriptions as attributes",
     "fireworks-ai-llama-3-firefunction-v2": "reads a 'functions' variable",
     "llama-cpp-deepseek-r1": "llama.cpp's own test template",
@@ -415,3 +412,38 @@ def test_constrained_answers_close_a_think_block_the_prompt_opened(smollm_tokeni
         ]
     else:
         assert json.loads(out.content) == {"a": 1} and out.reasoning == ""
+
+
+def test_kimi_k2_templates_that_append_to_a_list_still_render(smollm_tokenizer):
+    """Kimi K2's current templates queue call ids with ``list.append``, which transformers'
+    immutable sandbox refuses: mlxd renders them in the mutable sandbox instead."""
+    from mlxd.protocol.messages import Message, ToolCall
+
+    builder = _builder(smollm_tokenizer, templates.source("Kimi-K2-Instruct"))
+    call = ToolCall(id="call_1", name="get_weather", arguments='{"city": "Paris"}')
+    history = (
+        Message(role="user", content="Weather in Paris?"),
+        Message(role="assistant", content="", tool_calls=(call,)),
+        Message(role="tool", tool_call_id="call_1", content="sunny"),
+    )
+    text, _, _ = builder.render_chat(_chat(messages=history, tools=TOOL), marks=False)
+    assert (
+        "<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0"
+        '<|tool_call_argument_begin|>{"city": "Paris"}<|tool_call_end|>' in text
+    )
+    assert "## Return of functions.get_weather:0\nsunny" in text
+    assert text.endswith("<|im_assistant|>assistant<|im_middle|>")
+    # the same template through transformers alone is refused: the fallback is what renders it
+    with pytest.raises(Exception, match="unsafe"):
+        builder.tokenizer.apply_chat_template(
+            [
+                {
+                    "role": "assistant",
+                    "content": "",
+                    "tool_calls": [
+                        {"id": "c", "type": "function", "function": {"name": "f", "arguments": {}}}
+                    ],
+                }
+            ],
+            tokenize=False,
+        )
