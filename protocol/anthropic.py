@@ -147,7 +147,7 @@ class ThinkingTurns(msgspec.Struct, kw_only=True):
 
 
 class ClearThinking(msgspec.Struct, tag="clear_thinking_20251015", tag_field="type", kw_only=True):
-    """Drop earlier thinking: mlxd never sends earlier thinking to the template."""
+    """Drop earlier thinking from the template's history, but for the last ``keep`` turns."""
 
     keep: Literal["all"] | ThinkingTurns | None = None
 

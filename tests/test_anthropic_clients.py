@@ -671,3 +671,37 @@ async def test_billing_header_is_logged_once_at_debug(caplog):
             await count(c, body)
     lines = [r for r in caplog.records if "billing-header" in r.getMessage()]
     assert len(lines) == 1 and lines[0].levelno == logging.DEBUG
+
+
+@pytest.mark.parametrize(
+    ("keep", "kept"),
+    [
+        (None, ["third"]),
+        ("all", ["first", "second", "third"]),
+        ({"type": "thinking_turns", "value": 2}, ["second", "third"]),
+    ],
+)
+def test_clear_thinking_drops_earlier_thinking_but_the_kept_turns(keep, kept):
+    def turn(thought):
+        return {
+            "role": "assistant",
+            "content": [
+                {"type": "thinking", "thinking": thought, "signature": "s"},
+                {"type": "text", "text": "ok"},
+            ],
+        }
+
+    turns = [
+        {"role": "user", "content": "a"},
+        turn("first"),
+        {"role": "user", "content": "b"},
+        turn("second"),
+        {"role": "user", "content": "c"},
+        turn("third"),
+        {"role": "user", "content": "d"},
+    ]
+    edit = {"type": "clear_thinking_20251015", **({"keep": keep} if keep else {})}
+    req = build({"messages": turns, "context_management": {"edits": [edit]}})
+    assert [m.reasoning for m in req.messages if m.reasoning] == kept
+    plain = build({"messages": turns})
+    assert [m.reasoning for m in plain.messages if m.reasoning] == ["first", "second", "third"]

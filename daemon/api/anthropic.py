@@ -23,12 +23,13 @@ What Claude Code sends, and what each field does here:
   (``ChatRequest.cache_breakpoints``: the message holding the block; the system
   message for ``system`` blocks and tools).
 - ``thinking`` ``enabled`` / ``adaptive`` / ``disabled`` and ``output_config.effort``
-  set the template's ``enable_thinking`` (``low`` effort turns adaptive thinking
-  off); ``display: "omitted"`` returns thinking blocks with empty text. Every
+  are one reasoning effort, which the model's family maps onto its template's
+  variables (``low`` effort with adaptive thinking is ``minimal``: off where the template
+  has only a switch); ``display: "omitted"`` returns thinking blocks with empty text. Every
   thinking block carries a signature (a digest of its text; mlxd checks none).
 - ``output_config.format`` (``json_schema``) constrains the answer like OpenAI's
-  ``response_format``; ``context_management`` edits: ``clear_thinking_*`` is what
-  mlxd always does (earlier thinking never reaches the template),
+  ``response_format``; ``context_management`` edits: ``clear_thinking_*`` drops
+  earlier thinking from the template's history (which otherwise gets it back),
   ``clear_tool_uses_*`` replaces old tool results as Anthropic documents
   (``edit_context``); other edit types, ``mcp_servers``, ``container``,
   ``chat_template`` and server tools are a 400.
@@ -404,8 +405,8 @@ def _refusals(w: wire.CountTokensRequest) -> None:
 
 
 def context_edits(w: wire.CountTokensRequest) -> list[wire.ClearToolUses]:
-    """The request's ``clear_tool_uses`` edits; ``clear_thinking`` is what mlxd always does,
-    any other edit type is a 400."""
+    """The request's ``clear_tool_uses`` edits (``clear_thinking`` is applied where the
+    conversation is built); any other edit type is a 400."""
     edits = w.context_management.edits if w.context_management else []
     out = []
     for i, raw in enumerate(edits):
@@ -464,7 +465,7 @@ def chat_request(
     c = conversation(w)
     if c.billing:
         on_billing()
-    messages = tuple(c.messages)
+    messages = clear_thinking(tuple(c.messages), _thinking_edit(w))
     v.messages(len(messages))
     v.history(messages, "messages")
     return ChatRequest(
@@ -482,7 +483,32 @@ def chat_request(
     )
 
 
-# ---- context editing: clear_tool_uses -----------------------------------------------------
+# ---- context editing: clear_thinking, clear_tool_uses ------------------------------------
+
+
+def _thinking_edit(w: wire.CountTokensRequest) -> wire.ClearThinking | None:
+    edits = w.context_management.edits if w.context_management else []
+    for raw in edits:
+        if isinstance(raw, dict) and raw.get("type") == "clear_thinking_20251015":
+            return msgspec.convert(raw, type=wire.ClearThinking)  # checked by context_edits
+    return None
+
+
+def clear_thinking(
+    messages: tuple[Message, ...], edit: wire.ClearThinking | None
+) -> tuple[Message, ...]:
+    """Earlier thinking goes back to the template (as the turn's reasoning) unless a
+    ``clear_thinking`` edit drops it: all but the last ``keep`` thinking turns (default 1,
+    ``"all"`` keeps every one)."""
+    if edit is None or edit.keep == "all":
+        return messages
+    keep = edit.keep.value if isinstance(edit.keep, wire.ThinkingTurns) else 1
+    thinking = [i for i, m in enumerate(messages) if m.reasoning]
+    dropped = set(thinking[: max(len(thinking) - keep, 0)])
+    return tuple(
+        msgspec.structs.replace(m, reasoning=None) if i in dropped else m
+        for i, m in enumerate(messages)
+    )
 
 
 def _tool_names(messages: tuple[Message, ...]) -> dict[str, str]:
