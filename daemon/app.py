@@ -153,7 +153,8 @@ def _header(scope, name: bytes) -> str | None:
 def _install_engine_routes(app: QuartTrio, pipeline: Pipeline, select) -> None:
     """Prefix-cache and speculative-decoding stats of one model (``?model=``; the
     default one unless named); clearing the prefix cache (of every loaded model unless
-    one is named)."""
+    one is named, by its exact id: an unknown one is a 404 whatever
+    ``model.accept_other_ids`` says, as for the load and unload routes)."""
 
     @app.get("/v1/cache")
     async def cache_stats() -> Response:
@@ -166,6 +167,16 @@ def _install_engine_routes(app: QuartTrio, pipeline: Pipeline, select) -> None:
     async def cache_clear() -> Response:
         named = request.args.get("model")
         model, _ = select(named)
+        models = pipeline.models
+        if named and models is not None and named not in models.entries:
+            # an exact id, as for /v1/models/{id}/load and /unload: an alias
+            # (model.accept_other_ids) would clear another model's cache
+            served = ", ".join(repr(m) for m in models.entries)
+            raise ApiError(
+                "model_not_found",
+                f"model {named!r} not found; this server serves {served}",
+                param="model",
+            )
         tier = request.args.get("tier", "")
         if tier not in ("", "ram", "disk"):
             raise ApiError("invalid_request", f"tier: 'ram' or 'disk', not {tier!r}", param="tier")

@@ -188,13 +188,44 @@ class MessagesRequest(CountTokensRequest, kw_only=True):
 # ---- responses ----------------------------------------------------------------------
 
 
+# The answer's fields that the Messages schema lists as required but nullable, in the shapes
+# the official SDK declares (``anthropic/types/``): null where mlxd has nothing to report.
+
+
+class CacheCreation(msgspec.Struct, kw_only=True):
+    """``usage.cache_creation``: the tokens written to Anthropic's 5-minute and 1-hour
+    caches; 0 here (a prefix-cache snapshot costs nothing extra)."""
+
+    ephemeral_5m_input_tokens: int = 0
+    ephemeral_1h_input_tokens: int = 0
+
+
 class Usage(msgspec.Struct, kw_only=True):
-    """``input_tokens`` are the prompt tokens not read from the prefix cache."""
+    """``input_tokens`` are the prompt tokens not read from the prefix cache. The rest
+    as Anthropic writes them: one tier (``standard``), no server tools, no region, no
+    breakdown of the output tokens."""
 
     input_tokens: int
     output_tokens: int
     cache_creation_input_tokens: int = 0
     cache_read_input_tokens: int = 0
+    cache_creation: CacheCreation = msgspec.field(default_factory=CacheCreation)
+    server_tool_use: None = None
+    service_tier: Literal["standard"] = "standard"
+    inference_geo: None = None
+    output_tokens_details: None = None
+
+
+class DeltaUsage(msgspec.Struct, kw_only=True):
+    """``message_delta``'s cumulative usage (the SDK's ``MessageDeltaUsage``: no cache
+    breakdown, tier or region)."""
+
+    input_tokens: int
+    output_tokens: int
+    cache_creation_input_tokens: int = 0
+    cache_read_input_tokens: int = 0
+    server_tool_use: None = None
+    output_tokens_details: None = None
 
 
 class OutText(msgspec.Struct, tag="text", tag_field="type", kw_only=True):
@@ -207,14 +238,20 @@ class OutThinking(msgspec.Struct, tag="thinking", tag_field="type", kw_only=True
     signature: str = ""
 
 
+class DirectCaller(msgspec.Struct, tag="direct", tag_field="type"):
+    """``{"type": "direct"}``: the model called the tool itself (not from server code)."""
+
+
 class OutToolUse(msgspec.Struct, tag="tool_use", tag_field="type", kw_only=True):
     id: str
     name: str
     input: dict[str, Any]
+    caller: DirectCaller = msgspec.field(default_factory=DirectCaller)
 
 
 class Message(msgspec.Struct, kw_only=True, omit_defaults=True):
-    """The answer; ``context_management`` only when the request asked for edits."""
+    """The answer; ``context_management`` only when the request asked for edits (the
+    fields with no default are always written, null or not)."""
 
     id: str
     type: Literal["message"]
@@ -223,6 +260,8 @@ class Message(msgspec.Struct, kw_only=True, omit_defaults=True):
     content: list[OutText | OutThinking | OutToolUse]
     stop_reason: str | None
     stop_sequence: str | None
+    stop_details: None  # a refusal's details: mlxd has no refusal classifier
+    container: None  # mlxd runs no code-execution container
     usage: Usage
     context_management: dict[str, Any] | None = None
 

@@ -271,8 +271,12 @@ class Embedding(msgspec.Struct, kw_only=True):
     embedding: list[float]
 
 
-class Error(msgspec.Struct, kw_only=True):
+class Error(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """Ollama's ``{"error": "..."}``; mlxd adds ``code``, the reason, where it has one
+    (as OpenAI's ``error.code``: ``shutting_down``, ``queue_full``, ...)."""
+
     error: str
+    code: str | None = None
 
 
 encoder = msgspec.json.Encoder()

@@ -253,8 +253,13 @@ class Usage(msgspec.Struct, kw_only=True):
 
 
 class ErrorInfo(msgspec.Struct, kw_only=True):
+    """A failed response's ``error``: ``code`` the failure's reason (as chat's error
+    ``code``), ``type`` OpenAI's error type for it."""
+
     code: str
     message: str
+    type: str | None = None
+    param: str | None = None
 
 
 class IncompleteDetails(msgspec.Struct, kw_only=True):

@@ -597,9 +597,13 @@ async def test_usage_splits_cache_reads_from_input():
         "cache_creation_input_tokens": 0,
         "output_tokens": 5,
     }
-    assert full["usage"] == expected
-    assert evs[0]["message"]["usage"] == {**expected, "output_tokens": 0}
-    assert evs[-2]["usage"] == expected  # message_delta: cumulative, input numbers included
+    nulls = {"server_tool_use": None, "output_tokens_details": None}
+    zeros = {"ephemeral_5m_input_tokens": 0, "ephemeral_1h_input_tokens": 0}
+    full_only = {"cache_creation": zeros, "service_tier": "standard", "inference_geo": None}
+    assert full["usage"] == {**expected, **nulls, **full_only}
+    assert evs[0]["message"]["usage"] == {**expected, **nulls, **full_only, "output_tokens": 0}
+    # message_delta: cumulative, input numbers included (its own shape: no tier or region)
+    assert evs[-2]["usage"] == {**expected, **nulls}
 
 
 async def test_tool_use_ids_are_toolu_and_pass_back():

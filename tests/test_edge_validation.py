@@ -246,6 +246,67 @@ async def test_responses_fields_are_checked():
             assert got == param, message
 
 
+# ---- integers beyond a double's range -------------------------------------------------------
+
+HUGE = 10**400  # 401 digits; the float 1e400 is already the JSON decoder's 400
+OLLAMA_CHAT, OLLAMA_GENERATE = "/api/chat", "/api/generate"
+
+
+def ollama(path, **options):
+    body = {"model": "m", "stream": False, "options": options}
+    if path == OLLAMA_CHAT:
+        return {**body, "messages": [{"role": "user", "content": "x"}]}
+    return {**body, "prompt": "x"}
+
+
+@pytest.mark.parametrize("sign", [1, -1])
+@pytest.mark.parametrize(
+    ("path", "body", "field"),
+    [
+        (CHAT, lambda n: chat(max_tokens=n), "max_tokens"),
+        (CHAT, lambda n: chat(max_completion_tokens=n), "max_completion_tokens"),
+        # max_completion_tokens wins, but the other one is still a number to check
+        (CHAT, lambda n: chat(max_tokens=n, max_completion_tokens=5), "max_tokens"),
+        (COMPLETIONS, lambda n: {"prompt": "x", "max_tokens": n}, "max_tokens"),
+        (RESPONSES, lambda n: {"input": "x", "max_output_tokens": n}, "max_output_tokens"),
+        (MESSAGES, lambda n: anthropic(max_tokens=n), "max_tokens"),
+        (OLLAMA_CHAT, lambda n: ollama(OLLAMA_CHAT, num_predict=n), "options.num_predict"),
+        (OLLAMA_GENERATE, lambda n: ollama(OLLAMA_GENERATE, num_predict=n), "options.num_predict"),
+        (OLLAMA_CHAT, lambda n: ollama(OLLAMA_CHAT, num_ctx=n), "options.num_ctx"),
+        (OLLAMA_GENERATE, lambda n: ollama(OLLAMA_GENERATE, seed=n), "options.seed"),
+    ],
+)
+async def test_a_token_count_beyond_a_doubles_range_is_400_naming_the_field(
+    path, body, field, sign
+):
+    """Above ``engine.max_tokens_cap`` a count is clamped (``test_max_tokens.py``), but a
+    401-digit integer is out of range on every API, as ``seed``, ``top_k`` and ``n`` are."""
+    data = json.dumps(body(sign * HUGE)).encode()
+    headers = {"Content-Type": "application/json"}
+    async with client() as (c, _):
+        r = await c.post(path, data=data, headers=headers)
+        if path.startswith("/api/"):
+            assert r.status_code == 400, await r.get_data()
+            message = json.loads(await r.get_data())["error"]
+            assert message.startswith(f"{field} is out of range"), message
+            return
+        param, message = await error_of(path, r, 400)
+    if path == MESSAGES:
+        assert message.startswith(f"{field}: {field} is out of range"), message
+    else:
+        assert param == field, message
+        assert "out of range" in message
+
+
+@pytest.mark.parametrize("path", [CHAT, COMPLETIONS, MESSAGES, RESPONSES])
+async def test_a_huge_count_within_a_doubles_range_is_still_clamped(path):
+    field = "max_output_tokens" if path == RESPONSES else "max_tokens"
+    body = {**MINIMAL[path], field: 10**300}
+    async with client() as (c, _):
+        r = await c.post(path, data=json.dumps(body), headers={"Content-Type": "application/json"})
+    assert r.status_code == 200, await r.get_data()
+
+
 # ---- structured output that allows nothing ------------------------------------------------
 
 LOOP = {"$ref": "#/$defs/a", "$defs": {"a": {"$ref": "#/$defs/a"}}}

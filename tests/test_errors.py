@@ -6,11 +6,16 @@ import json
 from typing import get_args
 
 import pytest
-from mlxd.daemon.api import anthropic, openai, responses
+from mlxd.daemon.api import anthropic, ollama, openai, responses
 from mlxd.daemon.api.errors import REASONS, STATUS, ApiError, code_of
 from mlxd.protocol.messages import Failed, Reason
 
-FORMATS = {"openai": openai.ERRORS, "anthropic": anthropic.ERRORS, "responses": responses.ERRORS}
+FORMATS = {
+    "openai": openai.ERRORS,
+    "anthropic": anthropic.ERRORS,
+    "responses": responses.ERRORS,
+    "ollama": ollama.ERRORS,
+}
 
 
 def test_every_reason_has_a_status():
@@ -27,15 +32,24 @@ def test_every_reason_renders_in_every_api(api, reason):
     assert response.status_code == STATUS[reason]
     assert response.headers["Retry-After"] == "2"
     body = json.loads(fmt.body(error))
-    if api == "anthropic":
+    code = code_of(reason)
+    if api == "anthropic":  # the code where the SDK reads it (APIStatusError.error_code)
         assert body["type"] == "error"
-        assert body["error"] == {"type": fmt.type_of(error), "message": "max_tokens: why"}
+        details = {"details": {"error_code": code}} if code else {}
+        assert body["error"] == {
+            "type": fmt.type_of(error),
+            "message": "max_tokens: why",
+            **details,
+        }
+    elif api == "ollama":  # Ollama's one field, and mlxd's code beside it
+        assert body == {"error": "max_tokens: why", **({"code": code} if code else {})}
+        return
     else:
         assert body["error"] == {
             "message": "why",
             "type": fmt.type_of(error),
             "param": "max_tokens",
-            "code": code_of(reason),
+            "code": code,
         }
     # The API's catch-all type only for the server's own failures and timeouts.
     if fmt.type_of(error) == fmt.default:

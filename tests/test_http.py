@@ -207,6 +207,27 @@ async def test_unknown_model_is_404_unless_aliases_allowed():
         assert (await c.post(CHAT, json=user("x", model="gpt-9"))).status_code == 200
 
 
+@pytest.mark.parametrize("accept", ["auto", True])
+async def test_clearing_the_cache_of_an_unknown_model_is_404_and_clears_nothing(accept):
+    """An action on a model takes its exact id (as load and unload do): with one model
+    served, ``model.accept_other_ids`` lets chat serve any id, but ``DELETE /v1/cache``
+    of an alias would clear the real model's cache."""
+    async with client(settings_with(model={"accept_other_ids": accept})) as (c, _, runner):
+        err = await error_of(await c.delete("/v1/cache?model=nope"), 404)
+        served = await c.post(CHAT, json=user("x", model="nope"))  # the alias still serves
+        await trio.sleep(0.05)  # a ClearCache would have reached the engine by now
+        refused_cleared = runner.cleared
+        named = await c.delete("/v1/cache?model=fake-model")
+        every = await c.delete("/v1/cache")
+        with trio.fail_after(5):
+            while runner.cleared < 2:
+                await trio.sleep(0.01)
+    assert err["code"] == "model_not_found" and err["param"] == "model"
+    assert "'nope'" in err["message"] and "'fake-model'" in err["message"]
+    assert served.status_code == 200 and refused_cleared == 0
+    assert named.status_code == 200 and every.status_code == 200
+
+
 async def test_models_and_health():
     async with client() as (c, pipeline, _):
         models = json.loads(await (await c.get("/v1/models")).get_data())

@@ -285,8 +285,8 @@ async def test_a_retry_of_a_failed_load_unloads_no_healthy_model_until_it_loads(
     async with served(settings, models) as (c, _):
         await answer(c, "a")
         await answer(c, "b")
-        first = await c.post(CHAT, json=ask("broken"))  # a first load makes room: a goes
-        assert first.status_code == 500
+        first = await c.post(CHAT, json=ask("broken"))  # a first load makes room: a goes,
+        assert first.status_code == 500  # and is reloaded once the load failed
         await answer(c, "a")
         for _ in range(3):  # its retries leave a and b loaded
             assert (await c.post(CHAT, json=ask("broken"))).status_code == 500
@@ -302,6 +302,64 @@ async def test_a_retry_of_a_failed_load_unloads_no_healthy_model_until_it_loads(
     }
     assert now["b"]["last_unload_reason"] == "lru"
     assert [m.loads for m in models.values()] == [2, 1, 5]
+
+
+async def test_a_broken_models_first_load_leaves_the_healthy_model_loaded():
+    """max_loaded 1: the broken entry's first load unloads the idle healthy one to make
+    room; once it fails (its request answered first), the healthy one is reloaded, its
+    idle time kept, and the next request for it loads nothing."""
+    a, broken = FakeModel(), FakeModel(error=OSError("no weights here"))
+    settings = multi_settings("a", "broken", max_loaded=1, failed_retry_s=0)
+    async with served(settings, {"a": a, "broken": broken}) as (c, pipeline):
+        await answer(c, "a")
+        a.gate = threading.Event()  # a's reload waits for the test
+        failed = await c.post(CHAT, json=ask("broken"))
+        during = await states(c)  # a's reload is held: the 500 did not wait for it
+        a.gate.set()
+        with trio.fail_after(5):
+            while (await states(c))["a"]["state"] != "loaded":
+                await trio.sleep(0.01)
+        assert await answer(c, "a", "again") == "AGAIN"
+        now = await states(c)
+    assert failed.status_code == 500
+    assert json.loads(await failed.get_data())["error"]["code"] == "model_load_failed"
+    assert during["a"]["state"] in ("unloaded", "loading") and a.loads <= 2
+    assert {m: s["state"] for m, s in now.items()} == {"a": "loaded", "broken": "failed"}
+    assert (a.loads, broken.loads) == (2, 1)  # the restore's load, none for the request
+    assert (now["a"]["loads"], now["a"]["unloads"]) == (2, 1)
+
+
+async def test_a_restore_waits_for_a_wanted_model_and_unloads_nothing():
+    """A model the failed load unloaded comes back only into room there is: a request
+    waiting for another model takes that room first, and the restore is dropped."""
+    models = {"a": FakeModel(), "b": FakeModel(), "broken": FakeModel(error=OSError("gone"))}
+    settings = multi_settings("a", "b", "broken", max_loaded=1, failed_retry_s=0)
+    async with served(settings, models) as (c, _):
+        await answer(c, "a")
+        models["broken"].gate = threading.Event()
+        async with trio.open_nursery() as nursery:
+            results: dict = {}
+
+            async def call(model):
+                results[model] = await c.post(CHAT, json=ask(model))
+
+            nursery.start_soon(call, "broken")
+            with trio.fail_after(5):  # broken is loading (a is gone); then b is asked for
+                while (await states(c))["broken"]["state"] != "loading":
+                    await trio.sleep(0.01)
+            nursery.start_soon(call, "b")
+            with trio.fail_after(5):  # b's Load is in the engine's inbox
+                while (await states(c))["b"]["waiting_for_load"] != 1:
+                    await trio.sleep(0.01)
+            models["broken"].gate.set()
+        now = await states(c)
+    assert results["broken"].status_code == 500 and results["b"].status_code == 200
+    assert {m: s["state"] for m, s in now.items()} == {
+        "a": "unloaded",
+        "b": "loaded",
+        "broken": "failed",
+    }
+    assert [m.loads for m in models.values()] == [1, 1, 1]
 
 
 async def test_requests_waiting_on_a_loading_model_are_bounded_503_retry_after():
@@ -360,6 +418,47 @@ def _request(rid: str, model: str) -> TokenizedRequest:
     return TokenizedRequest(
         request_id=rid, prompt_tokens=(1, 2, 3), sampling=SamplingParams(max_tokens=2), model=model
     )
+
+
+def test_a_failed_load_reloads_what_it_unloaded_with_its_idle_time():
+    now = [100.0]
+    broken = FakeModel(error=OSError("gone"))
+    factories = {"a": FakeModel(), "b": FakeModel(), "broken": broken}
+
+    def core(runner, info, max_batch):
+        return EngineCore(runner, max_batch=4, prefill_chunk_tokens=64)
+
+    specs = [ModelSpec(m, f, 0) for m, f in factories.items()]
+    pool = ModelPool.of(
+        specs, PoolLimits(max_loaded=2, idle_unload_s=50), core, clock=lambda: now[0]
+    )
+    for model in ("a", "b"):
+        pool.want(model, f"r-{model}")
+        assert pool.next_load() == model
+        pool.loading(model)
+        assert pool.load(model) is None
+        pool.abort(f"r-{model}")
+        now[0] += 10
+    pool.submit(_request("r-x", "broken"))
+    assert pool.next_load() == "broken"
+    pool.loading("broken")  # a (least recently used) is unloaded for it
+    assert list(pool.loaded) == ["b"]
+    failed = pool.load("broken")
+    assert failed is not None and [f.reason for f in failed.failed] == ["model_load_failed"]
+    assert pool.next_load() == "a" and not pool.idle  # it fits again: reloaded
+    pool.loading("a")
+    assert pool.load("a") is None
+    assert sorted(pool.loaded) == ["a", "b"] and pool.next_load() is None and pool.idle
+    assert pool.loaded["a"].last_used == 100.0  # idle since its last use, not since now
+    assert pool.next_expiry() == 150.0
+    states = [(e.model, e.state) for e in pool.events]
+    assert states[-5:] == [
+        ("a", "unloaded"),
+        ("broken", "loading"),
+        ("broken", "failed"),
+        ("a", "loading"),
+        ("a", "loaded"),
+    ]
 
 
 def test_the_weights_cap_unloads_the_least_recently_used_idle_models():

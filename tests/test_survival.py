@@ -270,9 +270,46 @@ async def test_a_client_that_reads_nothing_is_cut_off_after_send_timeout_s():
 LONG = [{"role": "user", "content": "z" * 1500}]
 STREAMS = {
     "openai": ("/v1/chat/completions", {"messages": LONG, "stream": True}),
+    "completions": ("/v1/completions", {"prompt": "z" * 1500, "stream": True}),
     "anthropic": ("/v1/messages", {"messages": LONG, "stream": True, "max_tokens": 2000}),
     "responses": ("/v1/responses", {"input": "z" * 1500, "stream": True}),
+    "ollama": ("/api/chat", {"model": "m", "messages": LONG, "stream": True}),
 }
+
+
+def sse_frames(text: str) -> list[tuple[str | None, dict | str]]:
+    """(event name, data) of each SSE frame; ``data: [DONE]`` stays a string."""
+    frames = []
+    for block in text.split("\n\n"):
+        if not block.strip() or block.startswith(":"):
+            continue
+        lines = dict(line.split(": ", 1) for line in block.split("\n"))
+        data = lines["data"]
+        frames.append((lines.get("event"), data if data == "[DONE]" else json.loads(data)))
+    return frames
+
+
+def cut_off_codes(name: str, text: str) -> list[str]:
+    """The reason codes the end of a cut-off stream names, in the API's own places."""
+    if name == "ollama":  # NDJSON: the last line is the error
+        last = json.loads(text.strip().rsplit("\n", 1)[-1])
+        assert set(last) == {"error", "code"} and "drain_timeout_s" in last["error"]
+        return [last["code"]]
+    frames = sse_frames(text)
+    if name in ("openai", "completions"):
+        assert frames[-1] == (None, "[DONE]")
+        error = frames[-2][1]["error"]
+        assert error["type"] == "service_unavailable" and "drain_timeout_s" in error["message"]
+        return [error["code"]]
+    if name == "anthropic":
+        event, body = frames[-1]
+        assert event == "error" and body["error"]["type"] == "overloaded_error"
+        return [body["error"]["details"]["error_code"]]
+    (event, error), (last, failed) = frames[-2:]
+    assert (event, last) == ("error", "response.failed")
+    assert failed["response"]["error"]["type"] == "service_unavailable"
+    assert "shutting down" in failed["response"]["error"]["message"]
+    return [error["code"], failed["response"]["error"]["code"]]
 
 
 async def test_drain_cut_off_ends_open_streams_with_an_error_event():
@@ -303,14 +340,15 @@ async def test_drain_cut_off_ends_open_streams_with_an_error_event():
         with trio.fail_after(5):  # each handler closes its session after its last frame
             while len(pipeline.mailboxes):
                 await trio.sleep(0.01)
-    openai = ends["openai"].split("\n\n")
-    assert openai[-1] == "" and openai[-2] == "data: [DONE]"
-    error = json.loads(openai[-3].removeprefix("data: "))["error"]
-    assert error["code"] == "shutting_down" and "drain_timeout_s" in error["message"]
-    assert ends["anthropic"].rstrip().rsplit("\n\n", 1)[-1].startswith("event: error")
-    assert '"overloaded_error"' in ends["anthropic"]
-    assert "event: response.failed" in ends["responses"]
-    assert "shutting down" in ends["responses"]
+    # One code for the cut-off in every API: chat's error ``code`` is everyone's.
+    codes = {name: cut_off_codes(name, text) for name, text in ends.items()}
+    assert codes == {
+        "openai": ["shutting_down"],
+        "completions": ["shutting_down"],
+        "anthropic": ["shutting_down"],
+        "responses": ["shutting_down", "shutting_down"],
+        "ollama": ["shutting_down"],
+    }
 
 
 async def test_drain_cut_off_before_the_first_token_is_a_503():

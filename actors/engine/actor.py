@@ -181,16 +181,17 @@ class _Loop:
             if not self.pool.idle:
                 return True
 
-    def load_wanted(self) -> list[EngineStep]:
-        """Load every wanted model there is room for; the failures of those that fail."""
-        failures = []
+    def load_wanted(self) -> None:
+        """Load every wanted model there is room for, then any that a failed load unloaded
+        (the pool's ``restore``). A load's failures are delivered as soon as it fails,
+        with the messages that came meanwhile taken in: a request waiting for another
+        model goes before a reload of what the failed load unloaded."""
         while (model := self.pool.next_load()) is not None:
             self.pool.loading(model)
             self.exchange([], [])  # publish "loading" (and any unloads) before the slow part
             failed = self.pool.load(model)
             if failed is not None:
-                failures.append(failed)
-        return failures
+                self.exchange([failed], [])
 
 
 def core_for(runner: Runner, info: ModelInfo, max_batch: int, options: EngineOptions):
@@ -281,11 +282,12 @@ def _serve(pool: ModelPool, loop: _Loop) -> None:
     touched: list[str] | None = None
     while True:
         loop.exchange(steps, touched)
-        steps = loop.load_wanted()
+        steps = []
+        loop.load_wanted()
         pool.expire()
-        if pool.idle and not steps and not loop.wait_idle():
+        if pool.idle and not loop.wait_idle():
             return  # every sender closed: shutdown
-        steps += loop.load_wanted()
+        loop.load_wanted()
         trio.from_thread.check_cancelled()
         step = pool.step()
         touched = [step.model] if step is not None else None

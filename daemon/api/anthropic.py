@@ -8,7 +8,8 @@ event sequence: ``message_start``, ``ping``, per block
 ``content_block_start`` / ``content_block_delta`` / ``content_block_stop``,
 ``message_delta`` (stop reason, cumulative usage), ``message_stop``.
 ``x-api-key``, ``anthropic-version`` and ``anthropic-beta`` headers are
-accepted (mlxd has no keys). Errors use ``{"type": "error", "error": {"type", "message"}}``.
+accepted (mlxd has no keys). Errors use ``{"type": "error", "error": {"type", "message"}}``
+(with ``details.error_code``, the reason's code, where it has one).
 
 What Claude Code sends, and what each field does here:
 
@@ -38,7 +39,12 @@ What Claude Code sends, and what each field does here:
 - The answer echoes the requested ``model``; tool-use ids are ``toolu_…``;
   ``usage.input_tokens`` counts the prompt tokens not read from the prefix cache,
   ``cache_read_input_tokens`` those read from it, ``cache_creation_input_tokens``
-  is 0 (writing a snapshot costs nothing extra here).
+  is 0 (writing a snapshot costs nothing extra here). The fields the schema lists
+  as required but nullable are always sent, in the shapes the official SDK
+  declares: ``stop_details`` and ``container`` null (in ``message_delta``'s delta
+  too), ``usage.cache_creation`` zeros, ``usage.service_tier`` ``standard``,
+  ``usage.server_tool_use`` / ``inference_geo`` / ``output_tokens_details`` null,
+  and ``caller: {"type": "direct"}`` on ``tool_use`` blocks.
 """
 
 from __future__ import annotations
@@ -126,11 +132,16 @@ _TYPES: dict[ErrorReason, str] = {
 
 class AnthropicErrors(ErrorFormat):
     """``{"type": "error", "error": {"type", "message"}}``; the field at fault leads the
-    message (Anthropic errors have no ``param``)."""
+    message (Anthropic errors have no ``param``). A reason with a ``code`` (as OpenAI's
+    ``error.code``: ``shutting_down``, ``queue_full``, ...) adds ``"details":
+    {"error_code": code}``, which the official SDK reads as the exception's ``error_code``."""
 
     def error(self, error: ApiError) -> dict:
         message = f"{error.param}: {error}" if error.param else str(error)
-        return {"type": "error", "error": {"type": self.type_of(error), "message": message}}
+        body: dict = {"type": self.type_of(error), "message": message}
+        if error.code is not None:  # where the SDKs read a stable code (``error_code``)
+            body["details"] = {"error_code": error.code}
+        return {"type": "error", "error": body}
 
     def body(self, error: ApiError) -> bytes:
         return wire.encoder.encode(self.error(error))
@@ -623,6 +634,15 @@ def usage(u: Usage) -> wire.Usage:
     )
 
 
+def delta_usage(u: Usage) -> wire.DeltaUsage:
+    """``message_delta``'s usage: the same counts, in its own (smaller) shape."""
+    return wire.DeltaUsage(
+        input_tokens=u.prompt - u.cached,
+        output_tokens=u.completion,
+        cache_read_input_tokens=u.cached,
+    )
+
+
 @dataclass(frozen=True)
 class Shaping:
     """What the answer's shape depends on besides the output: the model id the client
@@ -657,6 +677,8 @@ def message_body(rid: str, shaping: Shaping, c: Choice) -> wire.Message:
         content=content,
         stop_reason=stop_reason(f),
         stop_sequence=f.stop_string,
+        stop_details=None,
+        container=None,
         usage=usage(usage_of([c])),
         context_management=shaping.context_management(),
     )
@@ -691,6 +713,8 @@ class MessageStream:
             content=[],
             stop_reason=None,
             stop_sequence=None,
+            stop_details=None,
+            container=None,
             usage=usage(u),
         )
         return [
@@ -698,7 +722,7 @@ class MessageStream:
             sse_event("ping", {"type": "ping"}),
         ]
 
-    def _block(self, kind: str, block: dict) -> list[bytes]:
+    def _block(self, kind: str, block: dict | wire.OutToolUse) -> list[bytes]:
         out = self._close()
         self.index += 1
         self.open = kind
@@ -737,7 +761,7 @@ class MessageStream:
             out.append(self._delta({"type": "text_delta", "text": event.text}))
         for c in event.tool_calls:
             if c.id is not None:
-                block = {"type": "tool_use", "id": tool_use_id(c.id), "name": c.name, "input": {}}
+                block = wire.OutToolUse(id=tool_use_id(c.id), name=c.name, input={})
                 out += self._block("tool_use", block)
             if c.arguments:
                 out.append(self._delta({"type": "input_json_delta", "partial_json": c.arguments}))
@@ -749,8 +773,13 @@ class MessageStream:
 
     def closing(self, u: Usage) -> list[bytes]:
         assert self.end is not None
-        delta = {"stop_reason": stop_reason(self.end), "stop_sequence": self.end.stop_string}
-        body: dict = {"type": "message_delta", "delta": delta, "usage": usage(u)}
+        delta = {
+            "container": None,
+            "stop_details": None,
+            "stop_reason": stop_reason(self.end),
+            "stop_sequence": self.end.stop_string,
+        }
+        body: dict = {"type": "message_delta", "delta": delta, "usage": delta_usage(u)}
         if self.shaping.edits is not None:
             body["context_management"] = self.shaping.context_management()
         return [

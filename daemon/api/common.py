@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 import math
+import sys
 from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass, field
 
@@ -77,6 +78,10 @@ def decode(decoder: msgspec.json.Decoder, body: bytes, max_depth: int = 64):
 
 
 SEED_MAX = 2**63 - 1
+# JSON's numbers are doubles to most parsers; msgspec decodes an integer of any length. One
+# beyond a double's range is refused as the float ``1e400`` is (the decoder's "Number out
+# of range"), even where a large value is otherwise clamped.
+NUMBER_MAX = sys.float_info.max
 # Below this a temperature samples as greedy decoding does, and 1/T (the sampler scales the
 # logits by it) could overflow: such a request is decoded greedily.
 GREEDY_BELOW = 1e-5
@@ -153,6 +158,7 @@ class Validator:
         ``max_tokens`` above ``engine.max_tokens_cap`` clamped to it, or refused when
         ``engine.max_tokens_overflow = "refuse"``; a tiny temperature → 0, greedy)."""
         e = self.engine
+        self.in_range(params.max_tokens, max_tokens_param)  # beyond a double: never clamped
         params = self.max_tokens(params, max_tokens_param)
         for name in _FINITE:
             check(math.isfinite(getattr(params, name)), name, f"{name} must be a finite number")
@@ -191,6 +197,15 @@ class Validator:
             'engine.max_tokens_overflow = "clamp" lowers it instead)',
         )
         return msgspec.structs.replace(params, max_tokens=e.max_tokens_cap)
+
+    @staticmethod
+    def in_range(value: int | None, param: str) -> None:
+        """An integer field within a double's range (a 401-digit one is a 400, not clamped)."""
+        check(
+            value is None or -NUMBER_MAX <= value <= NUMBER_MAX,
+            param,
+            f"{param} is out of range (a number beyond what a double holds)",
+        )
 
     def top_k(self, top_k: int) -> int:
         """0 (or -1, as vLLM spells it) is off; otherwise below the vocabulary size."""

@@ -12,7 +12,8 @@ arguments as objects; ``think`` sets the template's ``enable_thinking`` and reas
 comes back as ``thinking``. ``keep_alive`` sets how long the model stays loaded once
 idle (a ``KeepAlive`` to the model pool); an empty prompt just loads the model, or with
 ``keep_alive: 0`` unloads it, as Ollama's clients expect. Errors are
-``{"error": "..."}`` with Ollama's status codes.
+``{"error": "..."}`` with Ollama's status codes, and ``code`` (the reason, as the other
+APIs name it) where the reason has one; a failure mid-stream is such a line.
 """
 
 from __future__ import annotations
@@ -68,13 +69,17 @@ from quart_trio import QuartTrio
 
 
 class OllamaErrors(ErrorFormat):
-    """``{"error": "..."}``: Ollama's error body, whatever the reason (the status says it)."""
+    """``{"error": "..."}``: Ollama's error body, whatever the reason (the status says it),
+    and ``code``, the reason's, where it has one (the same ``code`` as the other APIs')."""
 
-    def body(self, error: ApiError) -> bytes:
+    def error(self, error: ApiError) -> wire.Error:
         message = str(error)
         if error.param and error.param not in message:
             message = f"{error.param}: {message}"
-        return wire.encoder.encode(wire.Error(error=message))
+        return wire.Error(error=message, code=error.code)
+
+    def body(self, error: ApiError) -> bytes:
+        return wire.encoder.encode(self.error(error))
 
 
 ERRORS = OllamaErrors({}, "error")
@@ -449,7 +454,7 @@ async def _ndjson(
                         timings = clock.timings(event)
                         yield _line(shape.last(done_reason(event.finish_reason), timings))
                     case Failed():
-                        yield _line(wire.Error(error=str(ApiError.from_failed(event))))
+                        yield _line(ERRORS.error(ApiError.from_failed(event)))
                         return
             batch = await anext(rest, None)
     finally:

@@ -62,6 +62,8 @@ def sampling_from(
     is not given takes mlxd's defaults, as on the OpenAI routes."""
     o = options or wire.Options()
     _refused(o)
+    v.in_range(o.num_ctx, "options.num_ctx")
+    v.in_range(o.seed, "options.seed")  # a negative one is random, but not any length
     check(o.num_ctx is None or o.num_ctx >= 1, "options.num_ctx", "num_ctx must be at least 1")
     repeat, presence, frequency = _penalties(o)
     params = SamplingParams(

@@ -243,6 +243,7 @@ def chat_requests(w: wire.ChatCompletionRequest, rid: str, v: Validator) -> list
     tools, choice, forced = _tools(w, v)
     constraint = both_constraints(response_constraint(w.response_format), forced)
     check(not w.top_logprobs or bool(w.logprobs), "top_logprobs", "needs logprobs: true")
+    v.in_range(w.max_tokens, "max_tokens")  # checked even where max_completion_tokens wins
     sampling = sampling_from(
         w,
         w.max_tokens if w.max_completion_tokens is None else w.max_completion_tokens,

@@ -72,8 +72,9 @@ from mlxd.protocol.messages import (
 from quart import Blueprint, Response, request
 from quart_trio import QuartTrio
 
-# HTTP errors are OpenAI's error object, with OpenAI's types; in a stream the type is
-# the ``code`` of the ``error`` event and of the failed response.
+# HTTP errors are OpenAI's error object, with OpenAI's types; in a stream the reason's
+# ``code`` (``shutting_down``, ``request_timeout``, ...: chat's ``error.code``) is the
+# ``code`` of the ``error`` event and of the failed response (a reason without one: its type).
 ERRORS = OPENAI_ERRORS
 log = logging.getLogger("mlxd.responses")
 
@@ -501,9 +502,10 @@ class ResponseStream:
         return [self.sse(kind, {"response": response})]
 
     def failed(self, error: ApiError) -> list[bytes]:
-        code, message = ERRORS.type_of(error), str(error)
+        kind, message = ERRORS.type_of(error), str(error)
+        code = error.code or kind  # the reason, as every API names it; else the type
         response = self.env.body("failed", self.out)
-        response.error = wire.ErrorInfo(code=code, message=message)
+        response.error = wire.ErrorInfo(code=code, message=message, type=kind, param=error.param)
         event = {"code": code, "message": message, "param": error.param}
         return [self.sse("error", event), self.sse("response.failed", {"response": response})]
 

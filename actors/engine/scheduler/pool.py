@@ -18,7 +18,10 @@ requests submitted to that model (``model_load_failed``) and nothing else. A mod
 ``keep_alive`` (Ollama's, set per model by a ``KeepAlive``) replaces ``idle_unload_s``
 for it. A model whose last load failed unloads nothing for its next try: room is made once that
 load has succeeded (meanwhile one model more than ``max_loaded`` may be loaded), so
-a broken model cannot evict a healthy one again and again.
+a broken model cannot evict a healthy one again and again. A first load that fails
+after it made room reloads the models it unloaded (``restore``: right after the failure
+is published, each that fits without unloading any other, with its idle time kept), so
+a failed load leaves the pool as it found it.
 """
 
 from __future__ import annotations
@@ -106,6 +109,10 @@ class ModelPool:
     events: list[ModelEvent] = field(default_factory=list)  # news not yet published
     weights_seen: dict[str, int] = field(default_factory=dict)  # model → weights at last load
     failed: set[str] = field(default_factory=set)  # models whose last load raised
+    # model being loaded → the models unloaded to make room for it, with their last use
+    evicted: dict[str, list[tuple[str, float]]] = field(default_factory=dict)
+    # unloaded for a load that then failed: reloaded if they fit as things are (last use)
+    restore: OrderedDict[str, float] = field(default_factory=OrderedDict)
     keep_alive: dict[str, float] = field(default_factory=dict)  # model → idle s (inf: never)
     _last: str = ""  # the model stepped last (round-robin goes on after it)
 
@@ -210,6 +217,10 @@ class ModelPool:
         for model in self.wanted:
             if self._room_for(model):
                 return model
+        for model in list(self.restore):
+            if model not in self.loaded and self._fits_now(model):
+                return model
+            del self.restore[model]  # back already, or no room: it loads on its next request
         return None
 
     def step(self) -> EngineStep | None:
@@ -258,15 +269,25 @@ class ModelPool:
     def load(self, model: str) -> EngineStep | None:
         """Make room and load ``model`` (on the generation thread): None when it loaded,
         else the failures of the requests that were submitted to it."""
+        restoring = self._restoring(model)
         self.wanted.pop(model, None)
-        return self._load(model, strict=False)
+        last_used = self.restore.pop(model, None)
+        failed = self._load(model, strict=False)
+        if failed is None and restoring and last_used is not None:
+            self.loaded[model].last_used = last_used  # idle as long as before its unload
+        return failed
 
     def loading(self, model: str) -> None:
         """Record that ``model`` is about to load (published before the slow part); room
-        is made now, unless its last load failed (then once this one has succeeded)."""
-        if model not in self.failed:
-            self._make_room(model)
+        is made now, unless its last load failed (then once this one has succeeded) or
+        it comes back after a failed load (it fits as things are)."""
+        if model not in self.failed and not self._restoring(model):
+            self.evicted[model] = self._make_room(model)
         self.events.append(ModelEvent(model=model, state="loading"))
+
+    def _restoring(self, model: str) -> bool:
+        """``model`` loads to undo a failed load's unloading, not for a request."""
+        return model in self.restore and model not in self.wanted
 
     def _load(self, model: str, *, strict: bool) -> EngineStep | None:
         spec, before = self.specs[model], self._active_bytes()
@@ -290,6 +311,7 @@ class ModelPool:
         for request in self.queued.pop(model, []):
             slot.core.submit(request)
         self.failed.discard(model)
+        self.evicted.pop(model, None)
         self._fit_count(keep=model)
         self._fit_memory(keep=model)
         return None
@@ -298,6 +320,9 @@ class ModelPool:
         log.error("model %s failed to load", model, exc_info=exc)
         self.failed.add(model)
         self.free_memory()  # whatever the failed load had allocated
+        for victim, last_used in self.evicted.pop(model, []):
+            log.info("model %s failed to load: reloading %s, unloaded for it", model, victim)
+            self.restore.setdefault(victim, last_used)
         message = f"model {model!r} could not be loaded: {type(exc).__name__}: {exc}"
         self.events.append(ModelEvent(model=model, state="failed", message=message))
         for rid in self.pins.pop(model, set()):
@@ -357,15 +382,26 @@ class ModelPool:
         fits_bytes = not cap or not held or held + self.weights_seen.get(model, 0) <= cap
         return count < self.limits.max_loaded and fits_bytes
 
-    def _make_room(self, model: str) -> None:
-        """Unload the least recently used idle models until ``model`` fits."""
+    def _fits_now(self, model: str) -> bool:
+        """Whether ``model`` fits with no model unloaded."""
+        cap = self.limits.max_loaded_bytes
+        held = sum(s.weights for s in self.loaded.values())
+        fits_bytes = not cap or not held or held + self.weights_seen.get(model, 0) <= cap
+        return len(self.loaded) < self.limits.max_loaded and fits_bytes
+
+    def _make_room(self, model: str) -> list[tuple[str, float]]:
+        """Unload the least recently used idle models until ``model`` fits; those unloaded,
+        with their last use."""
         cap = self.limits.max_loaded_bytes
         need = self.weights_seen.get(model, 0)
+        unloaded: list[tuple[str, float]] = []
         for victim in [m for m in self.loaded if self._evictable(m)]:  # LRU first
             held = sum(s.weights for s in self.loaded.values())
             if len(self.loaded) < self.limits.max_loaded and (not cap or held + need <= cap):
-                return
+                break
+            unloaded.append((victim, self.loaded[victim].last_used))
             self.unload(victim, "lru" if len(self.loaded) >= self.limits.max_loaded else "memory")
+        return unloaded
 
     def _fit_count(self, keep: str) -> None:
         """After a load that made no room first (a retry): unload idle others past the count."""
