@@ -21,7 +21,7 @@ from typing import Any
 
 import msgspec
 from mlxd.actors.engine.loading.sources import is_hub_id
-from mlxd.daemon import blas, cluster, parse_cmd, service
+from mlxd.daemon import blas, cluster, kernel_cache, parse_cmd, service
 from mlxd.daemon.bench import main as bench_main
 from mlxd.daemon.dashboard import terminal
 from mlxd.daemon.security import ApiKeys
@@ -178,6 +178,7 @@ def serve(args: argparse.Namespace) -> int:
     # over (it re-reads the API key file), and on the ranks that follow rank 0
     signal.signal(signal.SIGHUP, _sighup_ignored)
     logging.getLogger("mlxd").info(blas.status())
+    logging.getLogger("mlxd").info(kernel_cache.use(settings.engine.kernel_cache_dir))
     if (threads := blas.set_threads(settings.engine.blas_threads)) is not None:
         logging.getLogger("mlxd").info(threads)
     import trio
