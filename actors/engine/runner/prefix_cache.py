@@ -25,7 +25,8 @@ prompt plus how many of its tokens it covers.
 - Disk tier (``disk_tier``): an evicted snapshot goes to ``on_evict`` (the runner
   writes it to disk) instead of being lost, and so does every snapshot on ``spill_all``
   (shutdown, model unload). A snapshot read back from disk is inserted with
-  ``from_disk``; its first hit counts as a disk hit.
+  ``from_disk``; its first hit counts as a disk hit. Every other snapshot inserted also
+  goes to ``on_insert`` (the disk tier writes it behind, so a crash keeps it).
 """
 
 from __future__ import annotations
@@ -87,6 +88,8 @@ class PrefixCache:
     _newest: OrderedDict[str, tuple[int, ...]] = field(default_factory=OrderedDict)
     stats: PrefixCacheCounters = field(default_factory=PrefixCacheCounters)
     on_evict: Callable[[Entry], None] | None = None  # the disk tier's spill (None: off)
+    # a snapshot was just made (not one read back from disk): the disk tier's write-behind
+    on_insert: Callable[[Entry], None] | None = None
     disk: Any = None  # the disk tier's view (``disk_tier.DiskView``), for its counters
 
     def __post_init__(self) -> None:
@@ -186,6 +189,8 @@ class PrefixCache:
         while self.stats.bytes > self.max_bytes:
             self._evict_one(self._victim(spare=key))
         self.stats.entries = len(self._entries)
+        if self.on_insert is not None and not from_disk and key in self._entries:
+            self.on_insert(self._entries[key])
 
     def _drop_trimmable_prefixes_of(self, key: tuple[int, ...]) -> None:
         """A trimmable entry serves all its prefixes: shorter trimmable copies only cost bytes."""
