@@ -191,3 +191,30 @@ async def test_every_api_returns_the_familys_calls(name):
         assert any(i["type"] == "reasoning" for i in responses["output"])
         assert anthropic["content"][0]["type"] == "thinking"
         assert ollama["message"]["thinking"] == "The user wants weather."
+
+
+async def test_an_effort_gpt_oss_cannot_take_is_a_400_in_each_api():
+    templates.template_dir()
+    hi = [{"role": "user", "content": "hi"}]
+    async with family_client("openai-gpt-oss-120b") as c:
+        chat = await c.post(
+            "/v1/chat/completions", json={"messages": hi, "reasoning_effort": "none"}
+        )
+        responses = await c.post(
+            "/v1/responses", json={"input": "hi", "reasoning": {"effort": "none"}}
+        )
+        anthropic = await c.post(
+            "/v1/messages",
+            json={"model": "m", "max_tokens": 64, "messages": hi, "thinking": {"type": "disabled"}},
+        )
+        ollama = await c.post(
+            "/api/chat", json={"model": "m", "messages": hi, "think": False, "stream": False}
+        )
+        fine = await c.post(
+            "/v1/chat/completions",
+            json={"messages": hi, "reasoning_effort": "low", "max_tokens": 4},
+        )
+    for r in (chat, responses, anthropic, ollama):
+        assert r.status_code == 400, await r.get_data()
+        assert "low, medium, high" in (await r.get_data()).decode()
+    assert fine.status_code == 200
