@@ -208,8 +208,8 @@ def test_forced_call_grammar_round_trips_through_each_parser(settings, fmt):  # 
 
     from mlx_lm.utils import load_tokenizer
     from mlxd.actors.engine.loading.load import resolve_model_dir
-    from mlxd.actors.grammar import GrammarCompiler, tool_call_lark, tool_call_schema
     from mlxd.actors.families.output import OutputParser
+    from mlxd.actors.grammar import GrammarCompiler, tool_call_lark, tool_call_schema
     from mlxd.protocol.messages import Constraint, OutputSpec, Tool
 
     _, model_dir = resolve_model_dir("", Path(settings.model.cache_dir), lambda _line: None)

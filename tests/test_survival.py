@@ -19,8 +19,8 @@ import msgspec
 import pytest
 import trio
 from hypercorn.trio import serve
-from mlxd.actors.mailbox import Mailbox, merge_deltas
 from mlxd.actors.families.output import OutputParser
+from mlxd.actors.mailbox import Mailbox, merge_deltas
 from mlxd.actors.tokenizer import PromptError
 from mlxd.daemon.app import create_app
 from mlxd.daemon.supervisor import drain, http_config
