@@ -203,6 +203,13 @@ class PrefixCacheSettings(_Section):
     disk_max_bytes: Positive = 20 << 30  # the files never take more (LRU)
     # spilled snapshots waiting for the disk writer; past it a spill is dropped
     disk_write_queue_bytes: Positive = 1 << 30
+    # every snapshot made is written at most this long after (0: only evicted, unloaded
+    # and shutdown ones), so a kill -9 loses at most this long; the wait lets a turn's
+    # longer snapshot replace its shorter ones before either is written
+    disk_write_behind_s: Seconds = 2.0
+    # attention KV is written in blocks of this many tokens, each once however many
+    # snapshots share it (0: each snapshot whole)
+    disk_block_tokens: NonNegative = 256
 
 
 class SpeculativeSettings(_Section):

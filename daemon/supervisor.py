@@ -146,7 +146,12 @@ def disk_store(s: Settings) -> DiskStore | None:
         return None
     slugs = [disk_slug(e) for e in s.model_entries()]
     return DiskStore(
-        Path(p.disk_dir), p.disk_max_bytes, slugs, max_pending_bytes=p.disk_write_queue_bytes
+        Path(p.disk_dir),
+        p.disk_max_bytes,
+        slugs,
+        max_pending_bytes=p.disk_write_queue_bytes,
+        write_behind_s=p.disk_write_behind_s,
+        block_tokens=p.disk_block_tokens,
     )
 
 

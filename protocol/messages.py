@@ -419,6 +419,12 @@ class DiskCounters(msgspec.Struct, kw_only=True):
     evictions: int = 0
     pending_writes: int = 0  # spilled snapshots the I/O thread has not written yet
     spills_dropped: int = 0  # spills refused: writes off or the write queue full
+    # snapshots not written because a longer one of the same conversation, queued after
+    # them, serves them (prefix_cache.disk_write_behind_s)
+    coalesced: int = 0
+    blocks: int = 0  # attention-KV block files held (``bytes`` counts each once)
+    block_writes: int = 0
+    bytes_written: int = 0  # snapshot and block files written, in bytes (all so far)
     corrupt_removed: int = 0
     torn_removed: int = 0
     incompatible_removed: int = 0

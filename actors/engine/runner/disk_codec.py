@@ -8,6 +8,12 @@ CacheList, QuantizedKVCache and mlxd's own cache classes all round-trip at exact
 length the RAM tier held them. Only array conversion happens here, on the engine
 thread; the files are ``disk_tier``'s, on its I/O thread.
 
+Append-only attention KV (``_APPEND_ONLY`` layers holding a row per token) is marked so
+the store keeps it in shared token blocks (``disk_blocks``). Everything else is stored
+whole with its snapshot: SSM state, rotating (sliding-window) buffers, whose rows are not
+in token order once they wrap, and ``CacheList`` layers (a sliding-window model's mixed
+layers), whose children are not told apart here.
+
 ``DiskReads`` is the engine's side of a read: a request whose prompt the disk covers
 further than RAM waits (not prefilling) while the file is read off the thread; the
 snapshot is then made into arrays and put in the RAM tier, where the request's own
@@ -24,8 +30,10 @@ from typing import Any
 
 import mlx.core as mx
 import numpy as np
+from mlx_lm.models.cache import KVCache, QuantizedKVCache
 from mlxd.actors.engine.runner import caches
 from mlxd.actors.engine.runner.disk_tier import DiskView, Encoded, Loaded, files_fingerprint
+from mlxd.actors.engine.runner.kv_quant import QuantizedRowCache
 from mlxd.actors.engine.runner.prefix_cache import Entry, PrefixCache
 
 log = logging.getLogger("mlxd.disk_cache")
@@ -33,21 +41,28 @@ log = logging.getLogger("mlxd.disk_cache")
 # Cache classes are looked up only in these packages.
 _MODULES = ("mlx_lm.", "mlx_vlm.", "mlxd.")
 _IDLE_WAIT_S = 0.01  # nothing else to run: block this long on a read, not spin
+# Layers whose arrays have one row per token along axis 2, from the first token, and only
+# ever grow (exact types: a subclass such as ChunkedKVCache may drop its first rows).
+_APPEND_ONLY = (KVCache, QuantizedKVCache, QuantizedRowCache)
+_TOKEN_AXIS = 2
 
 
 class Unserializable(ValueError):
     """A cache layer holding something the format cannot store."""
 
 
-def encode(snapshot: list[Any]) -> Encoded:
-    """A snapshot's layer tree and zero-copy views of its arrays (evaluated already)."""
+def encode(snapshot: list[Any], n_tokens: int = 0) -> Encoded:
+    """A snapshot's layer tree and zero-copy views of its arrays (evaluated already).
+    ``n_tokens``: the tokens it holds (0: unknown, nothing is marked as blockable KV)."""
     buffers: list[Any] = []
     offset = [0]
 
-    def tree(x: Any) -> Any:
+    def tree(x: Any, kv: bool = False) -> Any:
         if isinstance(x, mx.array):
             node = {"a": str(x.dtype).rsplit(".", 1)[-1], "s": list(x.shape), "o": offset[0]}
             node["n"] = 0
+            if kv and x.ndim == 4 and x.shape[_TOKEN_AXIS] >= n_tokens:
+                node["b"] = _TOKEN_AXIS
             if x.size:
                 view = memoryview(mx.contiguous(x.reshape(-1))).cast("B")
                 node["n"] = view.nbytes
@@ -55,7 +70,7 @@ def encode(snapshot: list[Any]) -> Encoded:
                 offset[0] += view.nbytes
             return node
         if isinstance(x, (list, tuple)):
-            return {"l" if isinstance(x, list) else "t": [tree(v) for v in x]}
+            return {"l" if isinstance(x, list) else "t": [tree(v, kv) for v in x]}
         if x is None or isinstance(x, (bool, int, float, str)):
             return {"v": x}
         raise Unserializable(f"cannot store a {type(x).__name__} in a cache state")
@@ -63,7 +78,8 @@ def encode(snapshot: list[Any]) -> Encoded:
     layers = []
     for layer in snapshot:
         cls = type(layer)
-        node = {"c": f"{cls.__module__}:{cls.__qualname__}", "state": tree(layer.state)}
+        kv = n_tokens > 0 and cls in _APPEND_ONLY and getattr(layer, "offset", -1) == n_tokens
+        node = {"c": f"{cls.__module__}:{cls.__qualname__}", "state": tree(layer.state, kv)}
         if isinstance(getattr(cls, "meta_state", None), property):
             node["meta"] = tree(layer.meta_state)
         layers.append(node)
@@ -134,21 +150,25 @@ def namespace_key(
 
 
 class DiskSpill:
-    """The RAM tier's eviction hook: encode the snapshot (here), write it (I/O thread)."""
+    """The RAM tier's hooks: encode the snapshot (here), write it (I/O thread) now when
+    RAM evicts it, within ``write_behind_s`` when RAM has just made it."""
 
     def __init__(self, view: DiskView):
         self.view = view
         self._refused: set[str] = set()
 
-    def __call__(self, entry: Entry) -> None:
+    def __call__(self, entry: Entry, behind: bool = False) -> None:
         try:
-            enc = encode(entry.snapshot)
+            enc = encode(entry.snapshot, len(entry.tokens))
         except Unserializable as exc:
             if str(exc) not in self._refused:  # once per kind of layer
                 self._refused.add(str(exc))
                 log.warning("prefix cache on disk: a snapshot is not stored: %s", exc)
             return
-        self.view.spill(entry.tokens, entry.trimmable, enc)
+        self.view.spill(entry.tokens, entry.trimmable, enc, behind=behind)
+
+    def behind(self, entry: Entry) -> None:
+        self(entry, behind=True)
 
 
 class DiskReads:
@@ -214,6 +234,10 @@ class DiskReads:
 
 
 def attach(cache: PrefixCache, view: DiskView) -> None:
-    """Give a RAM tier its disk tier: evictions spill there, counters show it."""
+    """Give a RAM tier its disk tier: evictions spill there, new snapshots are written
+    behind (``write_behind_s`` > 0), counters show it."""
     cache.disk = view
-    cache.on_evict = DiskSpill(view)
+    spill = DiskSpill(view)
+    cache.on_evict = spill
+    if view.store.write_behind_s > 0:
+        cache.on_insert = spill.behind
