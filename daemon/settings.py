@@ -106,6 +106,8 @@ class MemorySettings(_Section):
     set_mlx_limit: bool = True
     cache_limit_mb: NonNegative = 256
     release_after_idle_s: Seconds = 2.0
+    admission: Literal["use", "reserve"] = "use"
+    decode_reserve_tokens: Positive = 256
 
 
 class TokenizerSettings(_Section):
@@ -159,7 +161,7 @@ class EngineSettings(_Section):
     # the user's cache directory, "" = MLX's default (the temp directory), or a path
     kernel_cache_dir: str = "auto"
     default_max_tokens: Positive = 512
-    max_tokens_cap: Positive = 4096
+    max_tokens_cap: NonNegative = 0  # 0: the model's context
     # a request's max_tokens above what fits (this cap, the context left after the prompt,
     # the memory budget): "clamp" lowers it to fit, "refuse" answers 400
     max_tokens_overflow: Literal["clamp", "refuse"] = "clamp"

@@ -292,6 +292,7 @@ _ENGINE_GAUGES = (
     ("mlxd_batch_size", "Sequences in the last decode step", "batch_size"),
     ("mlxd_kv_reserved_bytes", "Estimated KV/state of running sequences", "kv_reserved"),
     ("mlxd_kv_budget_bytes", "Memory budget for KV/state (0: none)", "kv_budget"),
+    ("mlxd_preempted_requests", "Requests out of the batch for memory now", "preempted"),
 )
 _ENGINE_COUNTERS = (
     ("mlxd_decode_steps", "Decode steps (from the model's last load)", "decode_steps"),
@@ -301,6 +302,10 @@ _ENGINE_COUNTERS = (
         "batch_tokens_total",
     ),
     ("mlxd_failed_steps", "Decode steps that failed (their requests failed)", "failed_steps"),
+    ("mlxd_preemptions", "Rows taken out of the batch to stay in the memory budget", "preemptions"),
+    ("mlxd_resumes", "Preempted rows brought back into the batch", "resumes"),
+    ("mlxd_preempted_bytes", "Bytes of the snapshots preempted rows left", "preempted_bytes"),
+    ("mlxd_preempted_seconds", "Seconds rows spent preempted", "preempted_seconds"),
 )
 
 

@@ -215,6 +215,10 @@ class TokenizedRequest(msgspec.Struct, frozen=True, kw_only=True):
     output: OutputSpec = OutputSpec()
     grammar: object | None = None
     cache_key: str = ""  # the client's prefix-sharing group (ChatRequest.cache_key)
+    # A resumed request (after a preemption or a failed step): its prompt ends with this
+    # many tokens it generated itself. Its seeded sampler skips that many draws and its
+    # grammar consumes them, so it goes on exactly where it stopped.
+    resumed: int = 0
 
 
 # ---- admission inbox ----------------------------------------------------------------
@@ -512,6 +516,14 @@ class EngineStats(msgspec.Struct, frozen=True, kw_only=True):
     kv_reserved: int = 0
     kv_budget: int = 0
     failed_steps: int = 0
+    # memory.admission "use": rows taken out of the batch to make room, rows brought back,
+    # the bytes of the snapshots they left, and the seconds they spent out (all so far);
+    # ``preempted`` is how many are out now
+    preemptions: int = 0
+    resumes: int = 0
+    preempted: int = 0
+    preempted_bytes: int = 0
+    preempted_seconds: float = 0.0
     expires_at: float = 0.0  # when the model unloads if it gets no more work (Unix s; 0: never)
     counters: RunnerCounters = RunnerCounters()
 

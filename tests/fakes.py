@@ -78,6 +78,7 @@ class FakeRunner:
     prefilling: dict[str, _Seq] = field(default_factory=dict)
     running: dict[str, _Seq] = field(default_factory=dict)
     removed: list[str] = field(default_factory=list)
+    preempted: list[str] = field(default_factory=list)  # rows taken out for memory, in order
     decode_steps: int = 0
     batch_sizes: list[int] = field(default_factory=list)
     cleared: int = 0
@@ -188,13 +189,26 @@ class FakeRunner:
         self.prefilling.pop(request_id, None)
         self.running.pop(request_id, None)
 
+    def preempt(self, request_id: str) -> int:
+        """Like the real runner: the row goes; its "snapshot" is the bytes it held (the
+        fake keeps no cache: the resume recomputes, and ``replies`` makes it go on)."""
+        self.preempted.append(request_id)
+        seq = self.running.get(request_id) or self.prefilling.get(request_id)
+        held = self._held(request_id, seq) if seq is not None else 0
+        self.remove(request_id)
+        return held * self.bytes_per_token
+
+    def _held(self, request_id: str, seq: _Seq) -> int:
+        """Tokens the sequence holds: its first prompt and every token it emitted."""
+        return len(self.replies[request_id][0]) + seq.emitted
+
     def reset(self) -> None:
         self.resets += 1
         self.running.clear()
 
     def memory_stats(self) -> tuple[int, int]:
-        held = [*self.prefilling.values(), *self.running.values()]
-        active = sum(len(s.request.prompt_tokens) + s.emitted for s in held) * self.bytes_per_token
+        held = [*self.prefilling.items(), *self.running.items()]
+        active = sum(self._held(rid, s) for rid, s in held) * self.bytes_per_token
         return active, max(self.peak, active)
 
     def counters(self) -> RunnerCounters:

@@ -144,4 +144,3 @@ def test_a_replayed_seeded_row_goes_on_as_if_never_interrupted(smollm):
     assert set(failed) == {"boom"}
     assert {rid: tokens[rid] for rid in expected} == expected
     assert runner.decoding == 0 and runner.prefilling_count == 0
-    assert not runner._seeded

@@ -187,7 +187,7 @@ class Validator:
         """At least 1; above the cap, the cap (``clamp``) or a 400 (``refuse``). The
         tokenizer stage clamps it again to the context and memory left after the prompt."""
         e, asked = self.engine, params.max_tokens
-        if asked is None or asked <= e.max_tokens_cap:
+        if asked is None or not e.max_tokens_cap or asked <= e.max_tokens_cap:  # 0: the context
             check(asked is None or asked >= 1, param, f"{param} must be at least 1")
             return params
         check(

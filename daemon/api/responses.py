@@ -357,12 +357,16 @@ def _logprobs(w: wire.ResponsesRequest) -> bool:
     return _INCLUDE_LOGPROBS in (w.include or ()) or bool(w.top_logprobs)
 
 
+# cap 0 (the model's context): more than any context, which the tokenizer clamps it to
+_UP_TO_CONTEXT = 1 << 30
+
+
 def _max_output_tokens(w: wire.ResponsesRequest, v: Validator) -> int | None:
     """None in OpenAI's API means up to the context: here ``engine.max_tokens_cap``, which
     the tokenizer shrinks to the context and memory left (``engine.default_max_tokens``,
     meant for chat clients, would cut agents' long turns short)."""
     if w.max_output_tokens is None and v.engine.max_tokens_overflow == "clamp":
-        return v.engine.max_tokens_cap
+        return v.engine.max_tokens_cap or _UP_TO_CONTEXT
     return w.max_output_tokens
 
 

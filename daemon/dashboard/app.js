@@ -154,10 +154,17 @@ function modelRow(m) {
   );
   tr.append(
     cell(m.id), stateCell, cell(m.kind || "–"), cell(bytes(m.weights_bytes), true),
-    cell(bytes(m.kv_reserved_bytes), true), cell(`${m.open_requests} / ${m.finished_requests}`, true),
+    cell(bytes(m.kv_reserved_bytes), true), preemptedCell(m),
+    cell(`${m.open_requests} / ${m.finished_requests}`, true),
     cell(`${m.loads} / ${m.unloads}`, true), actions,
   );
   return tr;
+}
+
+function preemptedCell(m) {
+  const td = cell(`${m.preemptions} / ${m.resumes}`, true);
+  td.title = `${bytes(m.preempted_bytes)} of snapshots left, ${m.preempted_seconds.toFixed(1)} s out`;
+  return td;
 }
 
 function button(label, action, model, disabled) {

@@ -24,7 +24,7 @@ from mlxd.daemon.pipeline import Pipeline, ServerState
 from mlxd.daemon.settings import Settings
 from mlxd.daemon.telemetry import status_snapshot
 from mlxd.protocol import status as wire
-from mlxd.protocol.messages import Abort, SpeculativeCounters, Unload
+from mlxd.protocol.messages import Abort, EngineStats, SpeculativeCounters, Unload
 from quart import Response, request
 from quart_trio import QuartTrio
 
@@ -58,6 +58,11 @@ class ModelRow(msgspec.Struct, kw_only=True):
     context_length: int | None
     weights_bytes: int
     kv_reserved_bytes: int
+    # memory.admission "use": rows preempted and resumed, their snapshots' bytes, time out
+    preemptions: int = 0
+    resumes: int = 0
+    preempted_bytes: int = 0
+    preempted_seconds: float = 0.0
     loads: int
     unloads: int
     last_load_s: float
@@ -159,6 +164,7 @@ def _model_row(m: wire.ServedModel, counts: dict[str, int], history: History) ->
         context_length=m.model.context_length if m.model else None,
         weights_bytes=m.weights_bytes,
         kv_reserved_bytes=m.engine.kv_reserved if m.engine else 0,
+        **_preemption(m.engine),
         loads=m.loads,
         unloads=m.unloads,
         last_load_s=m.last_load_s,
@@ -167,6 +173,17 @@ def _model_row(m: wire.ServedModel, counts: dict[str, int], history: History) ->
         open_requests=counts.get(m.id, 0),
         finished_requests=history.done_by_model.get(m.id, 0),
     )
+
+
+def _preemption(engine: EngineStats | None) -> dict[str, int | float]:
+    if engine is None:
+        return {}
+    return {
+        "preemptions": engine.preemptions,
+        "resumes": engine.resumes,
+        "preempted_bytes": engine.preempted_bytes,
+        "preempted_seconds": engine.preempted_seconds,
+    }
 
 
 def _install_model_routes(app: QuartTrio, pipeline: Pipeline, settings: Settings) -> None:

@@ -133,7 +133,12 @@ def memory_model(runner: MlxRunner, options: MemoryOptions | None) -> MemoryMode
     # Freed buffers MLX keeps for reuse; the rest go back to the system (and all of
     # them whenever the engine goes idle, ``release_buffers``).
     mx.set_cache_limit(options.cache_limit_mb << 20)
-    model = MemoryModel(layers=runner.probe_layers(), budget_bytes=budget)
+    model = MemoryModel(
+        layers=runner.probe_layers(),
+        budget_bytes=budget,
+        admission=options.admission,
+        reserve_tokens=options.decode_reserve_tokens,
+    )
     log.info(
         "memory: %.0f MiB device, %.0f MiB weights, %.0f MiB for requests "
         "(%d KV bytes per token, %d bytes of fixed state per request)",

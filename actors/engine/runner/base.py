@@ -199,9 +199,7 @@ class MlxRunner:
             self.spec_prefill_stats = spec_prefill.stats
         self._sparse: set[str] = set()  # requests sparse-prefilled: never remembered
         self._keys: dict[str, str] = {}  # request → its cache key, for its snapshots
-        # Seeded request → its first prompt's length: a replay (the same id, its prompt
-        # grown by the tokens it emitted) skips one draw of its key per token emitted.
-        self._seeded: dict[str, int] = {}
+        self._remembered = 0  # bytes of the last snapshot ``_remember`` kept (``preempt``)
         self._make_cache = make_cache or (lambda: make_prompt_cache(model))
         cache = self._make_cache()
         check_batchable(cache, self._make_cache())
@@ -333,9 +331,8 @@ class MlxRunner:
             # sync (a snapshot, not every step): its own buffers now, its size exact, and no
             # graph kept alive over the live cache it was copied from
             mx.eval([c.state for c in snapshot])
-            self.prefix_cache.insert(
-                tokens, snapshot, caches.nbytes(snapshot), caches.can_trim(snapshot)
-            )
+            self._remembered = caches.nbytes(snapshot)
+            self.prefix_cache.insert(tokens, snapshot, self._remembered, caches.can_trim(snapshot))
         self.prefix_cache.claim(tokens, key)
 
     def prefill(self, request_id: str, budget: int) -> int:
@@ -580,15 +577,18 @@ class MlxRunner:
     def _guarded_sampler(self, request: TokenizedRequest):
         """The request's sampler; one that can fail is guarded (greedy stays the shared object,
         so an all-greedy batch still samples in one call)."""
-        rid, prompt = request.request_id, len(request.prompt_tokens)
-        if request.sampling.seed is not None:  # its first join's, kept through replays
-            self._seeded.setdefault(rid, prompt)
-        sample = make_sampler(request.sampling, prompt - self._seeded.get(rid, prompt))
+        # a resumed row's key skips one draw per token it emitted before
+        sample = make_sampler(request.sampling, request.resumed)
         if sample is greedy_sampler:
             return sample
         return self._guard.sampler(request.request_id, sample)
 
     def _guarded_processors(self, request: TokenizedRequest) -> list:
+        if isinstance(request.grammar, CompiledGrammar) and request.resumed:
+            # rebuilt from the start over the tokens it emitted: the resume does not
+            # depend on where the row's last step left the shared matcher
+            request.grammar.matcher.reset()
+            request.grammar.matcher.consume_tokens(list(request.prompt_tokens[-request.resumed :]))
         processors = make_processors(request.sampling, request.grammar)
         return [self._guard.processor(request.request_id, p) for p in processors]
 
@@ -624,7 +624,6 @@ class MlxRunner:
             rid = self._uid_to_rid[r.uid]
             out.append(Decoded(rid, r.token, r.finish_reason, logprobs.get(r.uid)))
             if r.finish_reason is not None:
-                self._seeded.pop(rid, None)
                 del self._uid_to_rid[r.uid], self._rid_to_uid[rid]
                 self._remember_finished(rid, r.all_tokens, r.prompt_cache)  # a fresh copy
                 self._top.pop(rid, None)
@@ -659,9 +658,18 @@ class MlxRunner:
                 self._remember_finished(request_id, tokens, cache, live=True)
         self._sparse.discard(request_id)
         self._keys.pop(request_id, None)
-        self._seeded.pop(request_id, None)
         if self._disk is not None:
             self._disk.forget(request_id)
+
+    def preempt(self, request_id: str) -> int:
+        """Take a row out of the batch to free its memory (``memory.admission = "use"``),
+        leaving its cache in the prefix cache as a snapshot at its tokens so far (evicted
+        to the disk tier, or dropped, like any other under pressure): its resume, a request
+        whose prompt is those tokens, starts from it or recomputes them. Returns the
+        snapshot's bytes (0: none kept: no prefix cache, or the row was still prefilling)."""
+        self._remembered = 0
+        self.remove(request_id)  # a variant's own removal (the speculative batch's) too
+        return self._remembered
 
     def clear_cache(self, tier: str = "", every_model: bool = False) -> None:
         """Drop the prefix cache's snapshots: in RAM, on disk (this model's, or every

@@ -5,7 +5,20 @@ and the memory budget allows (see ``memory.py`` for why the memory gate is
 here), spends a prompt-token budget on
 prefill (oldest request first, chunked, so a long prompt never stalls running
 streams for more than one chunk), then runs one batched decode step, and
-returns one ``EngineStep`` carrying the news for every request. Timeouts are
+returns one ``EngineStep`` carrying the news for every request.
+
+Under ``memory.admission = "use"`` (``memory.py``) a request is admitted when its
+prompt plus a growth margin fits, and rows are counted for what they hold as
+they grow. Before a decode step whose growth would not fit (after evicting
+prefix-cache snapshots), the row that arrived last (of the lowest priority) is
+*preempted*: the runner leaves its cache in the prefix cache as a snapshot at its
+tokens so far (evicted to the disk tier or dropped under pressure, like any
+snapshot) and frees it; its tokens, seed draws and grammar stay known here
+(``Recovery``). It resumes ahead of new arrivals once it fits again, as its
+replay: prompt + output so far, which hits the snapshot (a disk read waits off
+this thread, ``Runner.wait_for``) or is recomputed by prefill, and goes on with
+no ``Started`` and no token repeated. Rows with images cannot be rebuilt that way;
+they are counted for their whole ``max_tokens`` and never preempted. Timeouts are
 not kept here: the pipeline's timer fails a request that waited too long or
 passed its deadline, and the engine honours the ``Abort`` that follows.
 
@@ -25,7 +38,9 @@ from __future__ import annotations
 import bisect
 import itertools
 import logging
+import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from mlxd.actors.engine.scheduler.checks import check_sampling
@@ -74,6 +89,7 @@ class EngineCore:
         retry_after_s: float = 1.0,
         vocab_size: int | None = None,
         batch_prefill: bool | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ):
         self.runner = runner
         # None: where the runner says it pays (a GPU); False: one forward pass per request
@@ -95,10 +111,20 @@ class EngineCore:
         self._steps = self._decode_steps = self._batch_size = self._batch_tokens = 0
         self._failed_steps = 0
         self.recovery = Recovery()
+        self.clock = clock
+        # memory.admission "use": rows taken out for memory, back ahead of new arrivals
+        self.preempted: list[_Waiting] = []  # kept sorted, as the rows first arrived
+        self._order: dict[str, tuple[int, int]] = {}  # (priority, arrival) of each row
+        self._decoded: dict[str, int] = {}  # tokens each row has decoded since it started
+        self._out_since: dict[str, float] = {}  # when each preempted row went out
+        self._growth = _step_growth(runner)
+        self._preemptions = self._resumes = self._preempted_bytes = 0
+        self._preempted_seconds = 0.0
 
     @property
     def idle(self) -> bool:
-        return not (self.waiting or self.prefilling or self.decoding) and self.recovery.idle
+        busy = self.waiting or self.prefilling or self.decoding or self.preempted
+        return not busy and self.recovery.idle
 
     def submit(self, request: TokenizedRequest) -> None:
         # Equal priorities keep their arrival order (``seq``).
@@ -106,10 +132,12 @@ class EngineCore:
 
     def abort(self, request_id: str) -> None:
         self.waiting = [w for w in self.waiting if w.request.request_id != request_id]
+        self.preempted = [w for w in self.preempted if w.request.request_id != request_id]
+        self._back(request_id)
         self.prefilling.pop(request_id, None)
         self._left.pop(request_id, None)
         self.decoding.pop(request_id, None)
-        self.recovery.forget(request_id)
+        self._forget(request_id)
         self._release(request_id)
         self.runner.remove(request_id)
 
@@ -120,6 +148,7 @@ class EngineCore:
         if not self.recovery.active:
             self._admit(started, failed)
         self._prefill(failed)
+        self._make_room(failed)
         tokens = self._decode(failed)
         self._steps += 1
         return EngineStep(started=tuple(started), tokens=tuple(tokens), failed=tuple(failed))
@@ -139,6 +168,11 @@ class EngineCore:
             kv_reserved=self.reserved_bytes,
             kv_budget=self.memory.budget_bytes if self.memory else 0,
             failed_steps=self._failed_steps,
+            preemptions=self._preemptions,
+            resumes=self._resumes,
+            preempted=len(self.preempted),
+            preempted_bytes=self._preempted_bytes,
+            preempted_seconds=self._preempted_seconds,
             counters=self.runner.counters(),
         )
 
@@ -151,6 +185,8 @@ class EngineCore:
         (in its place) until that prefill has passed the shared part and left a snapshot
         there (``Runner.wait_for``): the shared prefix is computed once, not once each.
         """
+        if not self._bring_back(failed):
+            return  # a preempted row waits for room: new arrivals wait behind it
         held: list[_Waiting] = []
         try:
             while self.waiting and len(self.prefilling) + len(self.decoding) < self.max_batch:
@@ -165,7 +201,8 @@ class EngineCore:
                     self.waiting.pop(0)
                     failed.append(self._too_large(request))
                     continue
-                self.waiting.pop(0)
+                first = self.waiting.pop(0)
+                self._order[request.request_id] = (first.priority, first.seq)
                 self._start(request, need, started, failed)
         finally:
             self.waiting[:0] = held  # they keep their places at the front
@@ -188,7 +225,7 @@ class EngineCore:
                 check_sampling(request.sampling, request.prompt_tokens, self.vocab_size)
             cached = self.runner.start(request)
         except Exception as exc:  # noqa: BLE001 - any runner error fails this request only
-            self.recovery.forget(rid)
+            self._forget(rid)
             failed.append(self._failure(rid, "could not start", exc))
             return
         self.prefilling[rid] = request
@@ -209,12 +246,14 @@ class EngineCore:
             )
         )
 
-    def _estimate(self, request: TokenizedRequest) -> int:
+    def _estimate(self, request: TokenizedRequest, decoded: int = 0) -> int:
+        """What a row is counted for once ``decoded`` tokens are in its cache (0: joining);
+        a row that cannot be preempted (images) for its whole ``max_tokens``."""
         if self.memory is None:
             return 0
-        return self.memory.request_bytes(
-            len(request.prompt_tokens), request.sampling.max_tokens or 0
-        )
+        full = request.vision is not None
+        max_tokens = request.sampling.max_tokens or 0
+        return self.memory.row_bytes(len(request.prompt_tokens), max_tokens, decoded, full=full)
 
     def _too_large(self, request: TokenizedRequest) -> Failed:
         assert self.memory is not None
@@ -230,6 +269,95 @@ class EngineCore:
 
     def _release(self, request_id: str) -> None:
         self.reserved_bytes -= self.reserved.pop(request_id, 0)
+        self._decoded.pop(request_id, None)
+
+    def _forget(self, request_id: str) -> None:
+        """The request ended (finished, failed or aborted): nothing will rebuild it."""
+        self.recovery.forget(request_id)
+        self._order.pop(request_id, None)
+
+    # ---- preemption (memory.admission "use") ----------------------------------------
+
+    def _make_room(self, failed: list[Failed]) -> None:
+        """Before a decode step: count every row for what the step may add to it; while
+        that does not fit (snapshots evicted first), preempt the newest row."""
+        if self.memory is None:
+            return
+        while self.decoding:
+            needs = {rid: self._need(rid) for rid in self.reserved}
+            extra = sum(needs.values()) - self.reserved_bytes
+            if extra <= 0 or self._fits(extra):
+                self.reserved.update(needs)
+                self.reserved_bytes += extra
+                return
+            victim = self._victim()
+            if victim is None:
+                if len(self.reserved) == 1:  # alone, it outgrows the whole budget
+                    self._outgrown(failed)
+                return
+            self._preempt(victim)
+
+    def _need(self, rid: str) -> int:
+        request = self.decoding.get(rid) or self.prefilling[rid]
+        return self._estimate(request, self._decoded.get(rid, 0) + self._growth)
+
+    def _victim(self) -> str | None:
+        """The row that arrived last (the lowest priority first), among those that can be
+        rebuilt from their tokens; None when no other row is left to free memory."""
+        rows = [r for r in self.reserved if self.recovery.preemptable(r)]
+        if not rows or len(self.reserved) < 2:
+            return None
+        return max(rows, key=lambda r: self._order.get(r, (0, 0)))
+
+    def _preempt(self, rid: str) -> None:
+        """Take ``rid`` out of the batch: its cache becomes a snapshot (``Runner.preempt``),
+        its tokens and state stay here until it resumes as its replay."""
+        self.prefilling.pop(rid, None)
+        self.decoding.pop(rid, None)
+        self._left.pop(rid, None)
+        self._release(rid)
+        spilled = self.runner.preempt(rid)
+        priority, seq = self._order.get(rid, (0, 0))
+        bisect.insort(self.preempted, _Waiting(priority, seq, self.recovery.preempt(rid)))
+        self._out_since[rid] = self.clock()
+        self._preemptions += 1
+        self._preempted_bytes += spilled
+        log.info("request %s preempted for memory (%d snapshot bytes)", rid, spilled)
+
+    def _bring_back(self, failed: list[Failed]) -> bool:
+        """Resume preempted rows, first come first, while they fit; False while one waits."""
+        while self.preempted:
+            if len(self.prefilling) + len(self.decoding) >= self.max_batch:
+                return False
+            request = self.preempted[0].request
+            if self.runner.wait_for(request) is not None:
+                return False  # its snapshot is being read from disk, or shared soon
+            need = self._estimate(request)
+            if self.memory and not self._fits(need):
+                return False
+            self.preempted.pop(0)
+            self._back(request.request_id)
+            self._resumes += 1
+            self._start(request, need, [], failed)
+        return True
+
+    def _back(self, rid: str) -> None:
+        since = self._out_since.pop(rid, None)
+        if since is not None:
+            self._preempted_seconds += self.clock() - since
+
+    def _outgrown(self, failed: list[Failed]) -> None:
+        """The one row left cannot grow within the budget: it fails as too large (the
+        tokenizer stage refuses such requests; this is for a core driven directly)."""
+        rid = next(iter(self.reserved))
+        request = self.decoding.get(rid) or self.prefilling[rid]
+        self.prefilling.pop(rid, None)
+        self.decoding.pop(rid, None)
+        self._left.pop(rid, None)
+        self._release(rid)
+        self.runner.remove(rid)
+        self._forget(rid)
+        failed.append(self._too_large(request))
 
     # ---- prefill and decode ---------------------------------------------------------
 
@@ -286,7 +414,7 @@ class EngineCore:
         self._left.pop(rid, None)
         self._release(rid)
         self.runner.remove(rid)
-        self.recovery.forget(rid)
+        self._forget(rid)
         failed.append(self._failure(rid, "prefill failed", exc))
 
     def _prefilled(self, rid: str, left: int) -> None:
@@ -313,7 +441,7 @@ class EngineCore:
             if self.decoding.pop(rid, None) is not None:
                 self._release(rid)
                 self.runner.remove(rid)
-                self.recovery.forget(rid)
+                self._forget(rid)
                 failed.append(self._failure(rid, "sampling failed", exc))
         self.recovery.passed(in_step)
         tokens: dict[str, list[int]] = {}
@@ -334,9 +462,10 @@ class EngineCore:
                 self._release(d.request_id)
         for rid, t in tokens.items():
             if rid in finished:
-                self.recovery.forget(rid)
+                self._forget(rid)
             else:
                 self.recovery.decoded(rid, t)
+                self._decoded[rid] = self._decoded.get(rid, 0) + len(t)
         return [
             TokenStep(
                 request_id=rid,
@@ -368,7 +497,7 @@ class EngineCore:
             if rid in guilty or rid not in resumable:
                 what = "decode step failed" if memory or rid in guilty else _NOT_RESUMABLE
                 failed.append(self._failure(rid, what, exc))
-                self.recovery.forget(rid)
+                self._forget(rid)
                 self.runner.remove(rid)  # whatever the runner still keeps for it
 
     def _resume(self, failed: list[Failed]) -> None:
@@ -393,3 +522,10 @@ class EngineCore:
                 retry_after=self.retry_after_s,
             )
         return Failed(request_id=request_id, reason="internal_error", message=f"{what}: {exc}")
+
+
+def _step_growth(runner: Runner) -> int:
+    """Tokens one decode step may add to a row's cache: 2 (a row that joined decodes twice,
+    ``MlxRunner.decode``), or a speculative step's drafts and its bonus token."""
+    spec = runner.counters().speculative
+    return 1 + (spec.num_draft_tokens if spec is not None and spec.enabled else 1)

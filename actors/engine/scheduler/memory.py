@@ -13,6 +13,15 @@ gate sits where the token count is known:
   budget; the others wait in its queue, in order, until finishing sequences
   free their share.
 
+What a running sequence is counted for depends on ``memory.admission``. Under
+"reserve" it is its whole prompt + ``max_tokens`` from the start, so no row can
+outgrow its share, and most of the budget sits unused by answers shorter than
+their ``max_tokens``. Under "use" (the default) it is what the sequence holds
+(prompt + tokens generated, and the coming step's growth), never less than
+prompt + ``memory.decode_reserve_tokens``: a request is admitted when that
+margin fits, and before a step whose growth would not fit the engine preempts
+the newest row (``core.py``), so the sum never passes the budget.
+
 The engine is the one place that knows exactly which sequences hold memory and
 frees their share in the same step they finish, abort or fail. Routing
 tokenized requests back through the admission controller would need a second
@@ -68,6 +77,20 @@ class MemoryModel:
     layers: tuple[Layer, ...]
     budget_bytes: int
     step: int = KV_STEP
+    # "use": a row holds its prompt and what it has generated, never less than
+    # ``reserve_tokens`` of growth; "reserve": its whole prompt + max_tokens from the start
+    admission: str = "use"
+    reserve_tokens: int = 256  # memory.decode_reserve_tokens
+
+    def row_bytes(self, prompt_tokens: int, max_tokens: int, decoded: int, *, full: bool) -> int:
+        """Bytes a running row is counted for once ``decoded`` tokens are in its cache (the
+        coming step's growth included). Under "use" that is what it holds, but never less
+        than ``reserve_tokens`` of growth (the margin it was admitted with); under "reserve",
+        or ``full`` (a row that cannot be preempted), its whole ``max_tokens``."""
+        if full or self.admission == "reserve":
+            return self.request_bytes(prompt_tokens, max_tokens)
+        floor = min(self.reserve_tokens, max_tokens)
+        return self.request_bytes(prompt_tokens, max(min(decoded, max_tokens), floor))
 
     @property
     def kv_bytes_per_token(self) -> int:

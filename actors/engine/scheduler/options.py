@@ -23,6 +23,8 @@ class MemoryOptions:
     kv_budget_mb: int = 0  # an explicit request budget (0: what the fraction leaves)
     set_mlx_limit: bool = True  # make MLX's memory limit the same fraction
     cache_limit_mb: int = 256  # freed buffers MLX keeps for reuse
+    admission: Literal["use", "reserve"] = "use"  # what a running row is counted for
+    decode_reserve_tokens: int = 256  # "use": the growth margin a row is admitted with
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,8 @@ decides what happens to the rows that were in it:
   usually holds most of that) and whose ``max_tokens`` is what it has left, so
   its client sees the output go on where it stopped. Its penalties see the same
   tokens as before, and a seeded row's key goes on where it stopped (the runner
-  skips one draw per token emitted), as in an uninterrupted run; under speculative
+  skips one draw per token emitted, ``TokenizedRequest.resumed``), as in an
+  uninterrupted run; under speculative
   decoding, whose draws per token vary, a replayed seeded row restarts its key
   from the seed. A row with a grammar or images cannot be rebuilt that way
   (the grammar's state, the image inputs); the engine fails it with a message
@@ -26,6 +27,10 @@ decides what happens to the rows that were in it:
 While a trial runs, the engine admits and prefills nothing but replays, so a
 trial step holds only rows it can blame. Allocation failures are no row's
 fault and are not bisected: the engine fails that step's rows with a 503.
+
+A row preempted for memory (``core.py``, ``memory.admission = "use"``) resumes
+the same way, as its replay; its grammar state is rebuilt by the runner from the
+tokens it emitted, so a constrained row can be preempted.
 
 Plain bookkeeping: no trio, no mlx.
 """
@@ -75,6 +80,9 @@ class Recovery:
         """The request ended (finished, failed or aborted)."""
         for table in (self.origins, self.emitted, self.parked):
             table.pop(request_id, None)
+        self._unsuspect(request_id)
+
+    def _unsuspect(self, request_id: str) -> None:
         self.rebuilding.discard(request_id)
         self.suspects = deque(
             g for g in ([r for r in g if r != request_id] for g in self.suspects) if g
@@ -114,7 +122,19 @@ class Recovery:
             prompt_tokens=origin.prompt_tokens + tuple(emitted),
             sampling=msgspec.structs.replace(sampling, max_tokens=left),
             checkpoints=(),
+            resumed=len(emitted),
         )
+
+    def preempt(self, request_id: str) -> TokenizedRequest:
+        """The request a preempted row resumes as (its prompt + what it emitted); it stays
+        known, so its resume sends no second ``Started``."""
+        self._unsuspect(request_id)  # a trial must not wait for a row that is out
+        return self._replay(request_id)
+
+    def preemptable(self, request_id: str) -> bool:
+        """Rebuilt from its tokens alone: images are not (a grammar is: ``resumed``)."""
+        origin = self.origins.get(request_id)
+        return origin is not None and origin.vision is None
 
     def next_replays(self) -> list[TokenizedRequest]:
         """Replays to start now: the next trial group's, and every row not under suspicion."""
