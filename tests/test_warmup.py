@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 from mlxd.actors.engine import actor as engine
+from mlxd.actors.engine.backend_policy import for_backend
 from mlxd.actors.engine.scheduler import warmup
 from mlxd.actors.engine.scheduler.core import EngineCore
 from mlxd.daemon.supervisor import engine_options
@@ -47,13 +48,17 @@ class WarmingRunner(FakeRunner):
 
 def test_the_plan_follows_the_setting_and_the_backend_table():
     # auto: the CPU's small set (batches of 2 and 1, no full chunk); a GPU's: every size
-    assert warmup.plan("cpu", None, 32, None, 512) == warmup.WarmupPlan(batch=2)
-    assert warmup.plan("cuda", None, 32, None, 2048) == warmup.WarmupPlan(32, 64, 2048 + 64)
-    assert warmup.plan("metal", None, 8, 4, 2048).batch == 4  # the cap, within max_batch
+    assert warmup.plan(for_backend("cpu"), None, 32, None, 512) == warmup.WarmupPlan(batch=2)
+    assert warmup.plan(for_backend("cuda"), None, 32, None, 2048) == warmup.WarmupPlan(
+        32, 64, 2048 + 64
+    )
+    assert (
+        warmup.plan(for_backend("metal"), None, 8, 4, 2048).batch == 4
+    )  # the cap, within max_batch
     # true: every batch size up to the cap (0 or "auto": max_batch) and a full chunk
-    assert warmup.plan("cpu", True, 16, None, 512) == warmup.WarmupPlan(16, 64, 576)
-    assert warmup.plan("cpu", True, 16, 64, 512).batch == 16
-    assert warmup.plan("cuda", False, 32, None, 2048) is None
+    assert warmup.plan(for_backend("cpu"), True, 16, None, 512) == warmup.WarmupPlan(16, 64, 576)
+    assert warmup.plan(for_backend("cpu"), True, 16, 64, 512).batch == 16
+    assert warmup.plan(for_backend("cuda"), False, 32, None, 2048) is None
 
 
 def test_the_warm_up_meets_every_batch_size_and_leaves_the_core_idle():

@@ -226,7 +226,8 @@ def warm_up(runner: Runner, info: ModelInfo, max_batch: int, options: EngineOpti
         return info
     core = core_for(runner, info, max_batch, options)
     wanted, cap = options.warmup, options.warmup_max_batch
-    plan = warmup.plan(info.backend, wanted, core.max_batch, cap, core.prefill_chunk_tokens)
+    row = backend_policy.for_backend(info.backend)
+    plan = warmup.plan(row, wanted, core.max_batch, cap, core.prefill_chunk_tokens)
     if plan is None:
         return info
     with scope():

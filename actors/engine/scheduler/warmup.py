@@ -21,8 +21,8 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
+from typing import Protocol
 
-from mlxd.actors.engine import backend_policy
 from mlxd.actors.engine.scheduler.core import EngineCore
 from mlxd.actors.engine.scheduler.types import Warmup
 from mlxd.protocol.messages import SamplingParams, TokenizedRequest
@@ -33,6 +33,14 @@ log = logging.getLogger("mlxd.engine")
 # batch_prefill_max_context, so the short rows share a pass there too.
 _SHORT_TOKENS = 64
 _TOKEN_RANGE = 1000  # prompt ids drawn from 1.._TOKEN_RANGE (every vocabulary has them)
+
+
+class BackendWarmup(Protocol):
+    """The backend's warm-up defaults (a row of ``actors/engine/backend_policy.py``, which
+    the caller looks up: the scheduler imports nothing that imports mlx)."""
+
+    warmup_max_batch: int
+    warmup_full_chunk: bool
 
 
 @dataclass(frozen=True)
@@ -46,7 +54,7 @@ class WarmupPlan:
 
 
 def plan(
-    backend: str, wanted: bool | None, max_batch: int, cap: int | None, chunk: int
+    row: BackendWarmup, wanted: bool | None, max_batch: int, cap: int | None, chunk: int
 ) -> WarmupPlan | None:
     """``engine.warmup`` (None: "auto", the backend table's set; True: every batch size up
     to ``cap`` and a full chunk; False: none) for a core of ``max_batch`` rows and
@@ -54,7 +62,6 @@ def plan(
     0: ``max_batch``)."""
     if wanted is False:
         return None
-    row = backend_policy.for_backend(backend)
     if cap is None:
         cap = row.warmup_max_batch if wanted is None else 0
     batch = min(cap or max_batch, max_batch)
