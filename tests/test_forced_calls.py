@@ -82,6 +82,8 @@ SAMPLES = {
     "solar": "<|tool_calls|><|tool_call:begin|>call_1<|tool_call:name|>book<|tool_call:args|>"
     f"{A}<|tool_call:end|><|calls|>",
     "functionary": f"<function=book>{A}</function>",
+    "functionary_v3_2": f"book\n{A}",
+    "command_r_plus": 'Action:\n```json\n[\n    {"tool_name":"book","parameters":' + A + "}\n]```",
     "gigachat3": f"<|message_sep|>\n\nfunction call<|role_sep|>\n{CALL}",
     "granite": f"<|tool_call|>[{CALL}]",
     "firefunction": f"functools[{CALL}]",
@@ -100,7 +102,14 @@ VARIANTS = {
 }
 
 # Formats with no forced-call builder: they get the bare JSON object.
-UNBUILT = {"function_gemma", "muse_spark", "kimi_k3"}
+UNBUILT = {
+    "function_gemma",
+    "muse_spark",
+    "kimi_k3",
+    # MiniMax-M3 nests arguments as XML elements closed by their own free key: no grammar
+    # can match a closing tag to a key it did not enumerate
+    "minimax_m3",
+}
 
 
 def grammar(fmt: str, tools: tuple[Tool, ...] = (BOOK,), names: tuple[str, ...] = ("book",)):

@@ -444,6 +444,25 @@ def _functionary(g: Grammar, schema: dict) -> str:
     )
 
 
+def _command_r_plus(g: Grammar, schema: dict) -> str:
+    """Command R+: ``Action:\\n```json\\n[{"tool_name": NAME, "parameters": {…}}]```"."""
+
+    def call(c: Call) -> str:
+        return g.json(_object({"tool_name": {"const": c.name}, "parameters": c.params}))
+
+    start, end = g.mark("Action:\n```json\n[\n    "), g.mark("\n]```")
+    return f"{start} {g.alternatives(calls_of(schema), call)} {end}"
+
+
+def _functionary_v3_2(g: Grammar, schema: dict) -> str:
+    """Functionary v3.2: ``NAME\\n{…}`` (the prompt ends with the ``>>>`` before it)."""
+
+    def call(c: Call) -> str:
+        return f'{g.mark(c.name)} "\\n" {g.json(c.params)}'
+
+    return g.alternatives(calls_of(schema), call)
+
+
 def _object(properties: dict) -> dict:
     """An object of exactly these keys."""
     return {
@@ -497,6 +516,8 @@ BUILDERS: dict[str, Builder] = {
     "firefunction": _around("functools[", "]"),
     "solar": _solar,
     "functionary": _functionary,
+    "functionary_v3_2": _functionary_v3_2,
+    "command_r_plus": _command_r_plus,
 }
 
 

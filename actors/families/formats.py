@@ -83,7 +83,7 @@ def _tool_call(found: dict, make_id: IdFactory) -> ToolCall | None:
     return ToolCall(id=make_id(), name=name, arguments=text)
 
 
-def _library_body(name: str, make_id: IdFactory, tools: tuple[Tool, ...], rewrite=None):
+def library_body(name: str, make_id: IdFactory, tools: tuple[Tool, ...], rewrite=None):
     """A body parser over mlx-lm's parser ``name`` (``rewrite`` maps the body first)."""
     parser = library_parser(name)
     schemas = tool_dicts(tools) or None
@@ -105,7 +105,7 @@ def library(name: str, start: str | None = None, end: str | None = None, rewrite
 
     def build(make_id: IdFactory, tools: tuple[Tool, ...]) -> ToolStream:
         parser = library_parser(name)
-        body = _library_body(name, make_id, tools, rewrite)
+        body = library_body(name, make_id, tools, rewrite)
         if parser is None or body is None:  # the library broke its contract: plain JSON
             return _json(make_id, tools)
         return DelimitedToolParser(
@@ -161,7 +161,7 @@ def _hy3_rewrite(body: str) -> str:
 
 
 def _hy3_body(make_id: IdFactory, tools: tuple[Tool, ...]):
-    glm = _library_body("glm47", make_id, tools)
+    glm = library_body("glm47", make_id, tools)
 
     def parse(body: str) -> list[ToolCall] | None:
         parts = _HY3_CALL.findall(_hy3_rewrite(body))
@@ -177,6 +177,15 @@ def _hy3(make_id: IdFactory, tools: tuple[Tool, ...]) -> ToolStream:
     return DelimitedToolParser(
         "<tool_calls:opensource>", "</tool_calls:opensource>", _hy3_body(make_id, tools)
     )
+
+
+_FENCE = re.compile(r"\s*```(?:json)?\s*(.*?)\s*```\s*$", re.DOTALL)
+
+
+def _fenced_calls(body: str, make_id: IdFactory) -> list[ToolCall] | None:
+    """Command R+: the calls after ``Action:`` are a JSON list in a ```json fence."""
+    fenced = _FENCE.match(body)
+    return json_markup.json_calls(fenced.group(1), make_id) if fenced else None
 
 
 def _plugin(module: str) -> Build:
@@ -235,6 +244,13 @@ FORMATS: tuple[ToolFormat, ...] = (
         library("minimax_m2"),
         template=("<minimax:tool_call>",),
         show=("<minimax:tool_call>", "</minimax:tool_call>"),
+    ),
+    ToolFormat(
+        "minimax_m3",
+        "the template writes ]<]minimax[>[<invoke name=…> with nested XML arguments (MiniMax-M3)",
+        _plugin("minimax_m3"),
+        template=("]<]minimax[>[",),
+        show=("]<]minimax[>[",),
     ),
     ToolFormat(
         "gemma4",
@@ -316,9 +332,12 @@ FORMATS: tuple[ToolFormat, ...] = (
     ),
     ToolFormat(
         "muse_spark",
-        "the template writes <atem:function_calls> (mlx-lm's muse_spark parser)",
-        library("muse_spark"),
+        "the template writes messages to=self (reasoning), to=user and to=NAME holding "
+        "<atem:function_calls> (Muse; harmony's message shape, mlx-lm's muse_spark parser)",
+        _plugin("muse"),
         template=("<atem:function_calls>",),
+        show=("<|start|>", "<|message|>", "<|eom|>", "<|eot|>"),
+        reasoning=True,
     ),
     ToolFormat(
         "kimi_k3",
@@ -391,6 +410,19 @@ FORMATS: tuple[ToolFormat, ...] = (
         "the template writes <function=NAME>{…}</function> (Functionary v3.1)",
         markup("<function=", "</function>", json_markup.functionary_call),
         template=("<function=", "</function>"),
+    ),
+    ToolFormat(
+        "functionary_v3_2",
+        "the template writes >>>NAME messages, {…} on the next line, >>>all for text "
+        "(Functionary v3.2)",
+        _plugin("functionary_v3_2"),
+        template=(">>>all",),
+    ),
+    ToolFormat(
+        "command_r_plus",
+        'the template writes Action: ```json [{"tool_name": …, "parameters": …}]``` (Command R+)',
+        markup("Action:", "", _fenced_calls),
+        template=("Action:\n```json",),
     ),
     ToolFormat(
         "granite",

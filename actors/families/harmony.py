@@ -72,7 +72,16 @@ def _call(name: str, body: str, make_id: IdFactory) -> ToolCall | None:
 
 
 class HarmonyParser:
-    """Splits harmony messages into reasoning, content and calls (see the module docstring)."""
+    """Splits harmony messages into reasoning, content and calls (see the module docstring).
+
+    A family writing messages of the same shape with other tokens (Muse) subclasses it with
+    its own markers, ``route`` and ``calls``."""
+
+    HEADER_STOP = _HEADER_STOP
+    BODY_STOP = _BODY_STOP
+    BODY_MARKERS = _BODY_MARKERS
+    NEXT = _NEXT
+    OPENERS = _OPENERS
 
     def __init__(self, make_id: IdFactory):
         self._make_id = make_id
@@ -92,10 +101,10 @@ class HarmonyParser:
     def _between(self, buffer: str, out: Parsed) -> str:
         """Before a message: whitespace is dropped, then a header or a headerless body."""
         stripped = buffer.lstrip()
-        if any(stripped.startswith(o) for o in _OPENERS):
+        if any(stripped.startswith(o) for o in self.OPENERS):
             self._state = "header"
             return stripped
-        if not stripped or any(o.startswith(stripped) for o in _OPENERS):
+        if not stripped or any(o.startswith(stripped) for o in self.OPENERS):
             self._held = buffer  # could still open a header
             return ""
         self._open_body("")
@@ -103,7 +112,7 @@ class HarmonyParser:
 
     def _header(self, buffer: str, out: Parsed) -> str:
         skip = len(_START) if buffer.startswith(_START) else 0
-        stop = _HEADER_STOP.search(buffer, skip)
+        stop = self.HEADER_STOP.search(buffer, skip)
         if stop is None:
             self._held = buffer
             return ""
@@ -116,21 +125,33 @@ class HarmonyParser:
         return buffer[stop.end() :]
 
     def _open_body(self, header: str) -> None:
+        self._written, self._state = header, "body"
+        self._route, self._name = self.route(header)
+
+    def route(self, header: str) -> tuple[str, str]:
+        """Where a message's body goes (content | reasoning | call), and the function called."""
         recipient, channel = _RECIPIENT.search(header), _CHANNEL.search(header)
-        self._written, self._state, self._route = header, "body", "content"
         if recipient is not None and recipient.group(1).startswith(_FUNCTIONS):
-            self._route, self._name = "call", recipient.group(1)[len(_FUNCTIONS) :]
-        elif channel is not None and channel.group(1) == "analysis":
-            self._route = "reasoning"
+            return "call", recipient.group(1)[len(_FUNCTIONS) :]
+        if channel is not None and channel.group(1) == "analysis":
+            return "reasoning", ""
+        return "content", ""
+
+    def calls(self, name: str, body: str) -> list[ToolCall] | None:
+        """A call message's body read as its calls; None: it is content after all."""
+        call = _call(name, body, self._make_id)
+        return [call] if call is not None else None
 
     def _body(self, buffer: str, out: Parsed) -> str:
-        stop = _BODY_STOP.search(buffer)
+        stop = self.BODY_STOP.search(buffer)
         if stop is None:
-            keep = len(buffer) if self._route == "call" else partial_suffix(buffer, _BODY_MARKERS)
+            keep = (
+                len(buffer) if self._route == "call" else partial_suffix(buffer, self.BODY_MARKERS)
+            )
             self._put(buffer[: len(buffer) - keep], out)
             self._held = buffer[len(buffer) - keep :]
             return ""
-        end = stop.start() if stop.group() in _NEXT else stop.end()
+        end = stop.start() if stop.group() in self.NEXT else stop.end()
         self._close(buffer[: stop.start()], buffer[stop.start() : end], out)
         return buffer[end:]
 
@@ -146,11 +167,11 @@ class HarmonyParser:
         if self._route != "call":
             self._put(body, out)
             return
-        call = _call(self._name, body, self._make_id)
-        if call is None:
+        calls = self.calls(self._name, body)
+        if calls is None:
             out.content += self._written + body + end_token
         else:
-            out.calls.append(whole(call))
+            out.calls.extend(whole(c) for c in calls)
 
     def flush(self) -> Parsed:
         out = Parsed()

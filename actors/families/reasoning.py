@@ -28,18 +28,70 @@ OFF = ("none", "minimal")
 
 @dataclass(frozen=True)
 class Tags:
+    """A reasoning block's tag pair, and the markup around the answer after it."""
+
     open: str
     close: str
     why: str
+    # What identifies it in a template (all of these; default: the open tag). Templates that
+    # build their tags from pieces (Kimi K3's ``'<|open|>' + tag``) name the pieces here.
+    found_by: tuple[str, ...] = ()
+    # Markup around the answer that is not content (Kimi K3's response wrapper, Apriel's
+    # final-response markers, a bare close tag where the model skipped thinking): dropped.
+    drop: tuple[str, ...] = ()
+    # Special tokens of ``drop`` (and of the tags, where they are spelled from several) that
+    # the detokenizer must not hide, so the parser sees them.
+    show: tuple[str, ...] = ()
 
+    def found_in(self, template: str) -> bool:
+        return all(m in template for m in self.found_by or (self.open,))
+
+
+_KIMI_K3 = ("<|open|>", "<|close|>", "<|sep|>")
 
 # Tried in order; ``<think>`` last, since other markups may mention it in prose.
 _TAGS = (
     Tags("<|channel>thought", "<channel|>", "Gemma 4's thought channel"),
     Tags("[THINK]", "[/THINK]", "Mistral's [THINK] block"),
     Tags("<seed:think>", "</seed:think>", "Seed-OSS's <seed:think> block"),
-    Tags("<mm:think>", "</mm:think>", "MiniMax-M3's <mm:think> block"),
-    Tags("<|START_THINKING|>", "<|END_THINKING|>", "Cohere's thinking block"),
+    # MiniMax-M3 writes a bare </mm:think> first where it does not think
+    Tags("<mm:think>", "</mm:think>", "MiniMax-M3's <mm:think> block", drop=("</mm:think>",)),
+    Tags(
+        "<|START_THINKING|>",
+        "<|END_THINKING|>",
+        "Cohere's thinking block",
+        drop=("<|START_RESPONSE|>", "<|END_RESPONSE|>", "<|START_TEXT|>", "<|END_TEXT|>"),
+        show=("<|START_RESPONSE|>", "<|END_RESPONSE|>", "<|START_TEXT|>", "<|END_TEXT|>"),
+    ),
+    Tags(
+        "<|open|>think<|sep|>",
+        "<|close|>think<|sep|>",
+        "Kimi K3's think section, its answer in a response section",
+        found_by=("'<|open|>'", "open_tag('think'"),
+        drop=("<|open|>response<|sep|>", "<|close|>response<|sep|>", "<|close|>message<|sep|>"),
+        show=_KIMI_K3,
+    ),
+    Tags(
+        "<think:opensource>",
+        "</think:opensource>",
+        "Tencent Hy3's <think:opensource> block",
+        found_by=("'<think{}>'", "':opensource'"),
+    ),
+    Tags(
+        "<|think|>",
+        "<|end|>",
+        "Solar Open's think message, its answer in a content message",
+        found_by=("<|think|>", "<|begin|>assistant<|content|>"),
+        drop=("<|begin|>assistant", "<|content|>"),
+        show=("<|begin|>", "<|content|>"),
+    ),
+    Tags(
+        "Here are my reasoning steps:",
+        "[BEGIN FINAL RESPONSE]",
+        "Apriel's reasoning steps before its final response",
+        found_by=("[BEGIN FINAL RESPONSE]",),
+        drop=("[BEGIN FINAL RESPONSE]", "[END FINAL RESPONSE]"),
+    ),
     Tags("<think>", "</think>", "a <think> block"),
 )
 
@@ -47,12 +99,18 @@ _TAGS = (
 def detect_tags(template: str, vocab: Collection[str] = ()) -> tuple[Tags | None, str]:
     """The reasoning tags of a template (else of the vocabulary), and why."""
     for tags in _TAGS:
-        if tags.open in template:
+        if tags.found_in(template):
             return tags, f"template: {tags.why} ({tags.open} … {tags.close})"
     for tags in _TAGS:
         if tags.open in vocab and tags.close in vocab:
             return tags, f"vocabulary: {tags.why} ({tags.open} … {tags.close} are tokens)"
     return None, "neither the template nor the vocabulary has reasoning tags"
+
+
+def of_pair(pair: tuple[str, str]) -> Tags:
+    """The registry's entry for a tag pair (a pair the settings name: no answer markup)."""
+    found = next((t for t in _TAGS if (t.open, t.close) == pair), None)
+    return found or Tags(*pair, why="setting")
 
 
 class EffortError(ValueError):

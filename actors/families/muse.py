@@ -1,0 +1,62 @@
+"""Muse's ATEM messages: reasoning to ``self``, answers to ``user``, calls to a tool.
+
+After the generation prompt ``<|start|>assistant`` the model writes one or more
+messages, each a recipient header, ``<|message|>``, a body and an end token
+(``<|eom|>`` between messages, ``<|eot|>`` at the end of the turn)::
+
+     to=self<|message|>…thinking…<|eom|>
+    <|start|>assistant to=get_weather<|message|><atem:function_calls>
+    <atem:invoke name="get_weather">
+    <atem:parameter name="city">Paris</atem:parameter>
+    </atem:invoke>
+    </atem:function_calls><|eot|>
+
+The shape is harmony's (``harmony.py``) with other tokens, so the parser is
+harmony's with Muse's markers. A message to ``self`` is reasoning, one to
+``user`` (or to no one) is content, one to any other recipient is a call whose
+body mlx-lm's ``muse_spark`` parser reads; a body it cannot read is given back,
+header and all, as content. Pure Python: no trio, no mlx.
+"""
+
+from __future__ import annotations
+
+import re
+
+from mlxd.actors.families.formats import library_body
+from mlxd.actors.families.harmony import _RECIPIENT, HarmonyParser
+from mlxd.actors.parsers import IdFactory
+from mlxd.protocol.messages import Tool, ToolCall
+
+_START, _MESSAGE = "<|start|>", "<|message|>"
+_FUNCTION_CALLS = re.compile(r"\s*<atem:function_calls>(.*?)</atem:function_calls>\s*$", re.DOTALL)
+
+
+def make_parser(make_id: IdFactory, tools: tuple[Tool, ...] = ()) -> MuseParser:
+    return MuseParser(make_id, tools)
+
+
+class MuseParser(HarmonyParser):
+    """Harmony's message parser with Muse's end tokens and recipients."""
+
+    HEADER_STOP = re.compile(r"<\|(?:message|eom|eot|start)\|>")
+    BODY_STOP = re.compile(r"<\|(?:eom|eot|start)\|>")
+    BODY_MARKERS = ("<|eom|>", "<|eot|>", _START)
+    NEXT = (_START,)
+    OPENERS = (_START, _MESSAGE, "to=")
+
+    def __init__(self, make_id: IdFactory, tools: tuple[Tool, ...]):
+        super().__init__(make_id)
+        self._atem = library_body("muse_spark", make_id, tools)
+
+    def route(self, header: str) -> tuple[str, str]:
+        recipient = _RECIPIENT.search(header)
+        name = recipient.group(1) if recipient else "user"
+        if name == "self":
+            return "reasoning", ""
+        return ("content", "") if name == "user" else ("call", name)
+
+    def calls(self, name: str, body: str) -> list[ToolCall] | None:
+        block = _FUNCTION_CALLS.match(body)
+        if block is None or self._atem is None:
+            return None
+        return self._atem(block.group(1))
