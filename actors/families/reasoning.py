@@ -92,6 +92,7 @@ _TAGS = (
         found_by=("[BEGIN FINAL RESPONSE]",),
         drop=("[BEGIN FINAL RESPONSE]", "[END FINAL RESPONSE]"),
     ),
+    Tags("<|inner_prefix|>", "<|inner_suffix|>", "Apertus's inner deliberation block"),
     Tags("<think>", "</think>", "a <think> block"),
 )
 
@@ -130,6 +131,23 @@ _EFFORT_VALUES: tuple[tuple[str, dict[str, str]], ...] = (
 )
 
 
+# Families' own variables that take a word per effort: variable → {API effort: its value}.
+_MODES: tuple[tuple[str, dict[str, str]], ...] = (
+    # MiniMax-M3: "disabled" opens the answer with </mm:think>, "enabled" with <mm:think>,
+    # "adaptive" (its default) lets the model decide.
+    (
+        "thinking_mode",
+        {"none": "disabled", "minimal": "disabled", "low": "adaptive"}
+        | {e: "enabled" for e in ("medium", "high", "xhigh", "max")},
+    ),
+    # Kimi K3 raises on anything but low / high / max (read only while ``thinking``).
+    (
+        "thinking_effort",
+        {"low": "low", "medium": "high", "high": "high", "xhigh": "max", "max": "max"},
+    ),
+)
+
+
 @dataclass(frozen=True)
 class Controls:
     """The reasoning variables a template reads, and how efforts map onto them."""
@@ -137,10 +155,12 @@ class Controls:
     switches: tuple[str, ...]  # boolean variables (enable_thinking, thinking)
     effort_var: bool  # the template reads reasoning_effort
     effort_values: dict[str, str] | None  # its accepted values (None: any effort as given)
+    modes: tuple[tuple[str, dict[str, str]], ...] = ()  # variables of _MODES it reads
 
     @property
     def why(self) -> str:
         names = [*self.switches] + (["reasoning_effort"] if self.effort_var else [])
+        names += [name for name, _ in self.modes]
         return ", ".join(names) if names else "none (the template has no reasoning switch)"
 
     def kwargs(self, effort: str) -> dict:
@@ -148,6 +168,7 @@ class Controls:
         if effort not in EFFORTS:
             raise EffortError(f"unknown reasoning effort {effort!r}; known: {', '.join(EFFORTS)}")
         out: dict = {name: effort not in OFF for name in self.switches}
+        out |= {name: values[effort] for name, values in self.modes if effort in values}
         if self.effort_var and self.effort_values is not None:
             value = self.effort_values.get(effort)
             if value is None and not (effort in OFF and self.switches):
@@ -169,7 +190,8 @@ def _variables(template: str) -> set[str]:
     try:
         return set(jinja2.meta.find_undeclared_variables(_ENV.parse(template)))
     except jinja2.TemplateError:  # a tag this plain parser lacks ({% generation %}): by name
-        return {n for n in ("enable_thinking", "thinking", "reasoning_effort") if n in template}
+        names = ("enable_thinking", "thinking", "reasoning_effort", *(m for m, _ in _MODES))
+        return {n for n in names if n in template}
 
 
 def controls(template: str) -> Controls:
@@ -178,4 +200,5 @@ def controls(template: str) -> Controls:
     switches = tuple(n for n in ("enable_thinking", "thinking") if n in found)
     effort_var = "reasoning_effort" in found
     values = next((v for marker, v in _EFFORT_VALUES if marker in template), None)
-    return Controls(switches, effort_var, values if effort_var else None)
+    modes = tuple(m for m in _MODES if m[0] in found)
+    return Controls(switches, effort_var, values if effort_var else None, modes)
