@@ -473,3 +473,125 @@ def test_kimi_k2_templates_that_append_to_a_list_still_render(smollm_tokenizer):
             ],
             tokenize=False,
         )
+
+
+@pytest.mark.parametrize(
+    ("name", "fmt"),
+    [
+        ("MiniMax-M3", "minimax_m3"),  # its template also writes <tool_call>: not Hermes
+        ("CohereForAI-c4ai-command-r-plus-tool_use", "command_r_plus"),
+        ("meetkai-functionary-medium-v3.2", "functionary_v3_2"),
+        ("muse-glimmer", "muse_spark"),
+    ],
+)
+def test_the_newer_families_are_detected_from_their_templates(name, fmt):
+    assert formats.detect(templates.source(name)).format.name == fmt
+
+
+def _read(fmt: str, text: str, tools: tuple[Tool, ...] = TOOL, chunk: int = 1):
+    parser = formats.make_tool_parser(fmt, lambda: "id", tools)
+    outs = [parser.feed(text[i : i + chunk]) for i in range(0, len(text), chunk)]
+    outs.append(parser.flush())
+    calls = [(p.name, json.loads(p.arguments)) for o in outs for p in o.calls if p.name]
+    return calls, "".join(o.content for o in outs), "".join(o.reasoning for o in outs)
+
+
+M3 = "]<]minimax[>["
+
+
+def _m3(args: str, name: str = "get_weather") -> str:
+    return f'{M3}<tool_call>\n{M3}<invoke name="{name}">{args}{M3}</invoke>\n{M3}</tool_call>'
+
+
+def _el(key: str, inner: str) -> str:
+    return f"{M3}<{key}>{inner}{M3}</{key}>"
+
+
+def test_minimax_m3_reads_nested_arguments_by_the_schema():
+    params = {
+        "type": "object",
+        "properties": {
+            "city": {"type": "string"},
+            "days": {"type": "integer"},
+            "hot": {"type": "boolean"},
+            "tags": {"type": "array", "items": {"type": "string"}},
+            "opts": {"type": "object"},
+        },
+    }
+    tool = (Tool(name="get_weather", parameters=params),)
+    args = (
+        _el("city", "3 <b>&</b>")  # a string stays as written: digits, < and & too
+        + _el("days", "3")
+        + _el("hot", "false")
+        + _el("tags", _el("item", "1") + _el("item", "b"))
+        + _el("opts", _el("deep", _el("item", _el("a", "1.5") + _el("q", "x"))) + _el("n", ""))
+    )
+    calls, content, _ = _read("minimax_m3", "Checking." + _m3(args), tool)
+    assert content == "Checking."
+    assert calls == [
+        (
+            "get_weather",
+            {
+                "city": "3 <b>&</b>",
+                "days": 3,
+                "hot": False,
+                "tags": ["1", "b"],
+                "opts": {"deep": [{"a": 1.5, "q": "x"}], "n": ""},
+            },
+        )
+    ]
+
+
+def test_minimax_m3_markup_that_does_not_nest_is_content():
+    for broken in (
+        _m3(f"{M3}<city>Paris{M3}</town>"),  # closes another element
+        _m3(f"{M3}<city>Paris"),  # never closed
+        _m3(f"{M3}<city>Paris{M3}</city>stray"),  # text between elements
+        _m3("", name=""),
+    ):
+        calls, content, _ = _read("minimax_m3", broken)
+        assert calls == [] and content == broken
+
+
+def test_functionary_v3_2_streams_content_then_reads_each_call():
+    text = 'all\nLet me check.>>>get_weather\n{"city": "Paris"}>>>get_weather\n{"city": "Tokyo"}'
+    for chunk in (1, 4, len(text)):
+        calls, content, _ = _read("functionary_v3_2", text, chunk=chunk)
+        assert content == "Let me check."
+        assert calls == [("get_weather", {"city": "Paris"}), ("get_weather", {"city": "Tokyo"})]
+
+
+def test_functionary_v3_2_gives_back_what_is_not_a_call():
+    assert _read("functionary_v3_2", "get_weather\nnot json") == ([], "get_weather\nnot json", "")
+    assert _read("functionary_v3_2", "Hello there, >>>") == ([], "Hello there, >>>", "")
+    assert _read("functionary_v3_2", ">>>all\n1 >> 2") == ([], "1 >> 2", "")
+
+
+def test_command_r_plus_reads_the_fenced_action_and_leaves_prose_alone():
+    action = 'Action: ```json\n[{"tool_name": "get_weather", "parameters": {"city": "Paris"}}]\n```'
+    assert _read("command_r_plus", "Plan.\n" + action) == (
+        [("get_weather", {"city": "Paris"})],
+        "Plan.\n",
+        "",
+    )
+    prose = "Action: none needed, it is sunny."
+    assert _read("command_r_plus", prose) == ([], prose, "")
+
+
+def test_muse_messages_split_into_reasoning_content_and_calls():
+    call = (
+        '<atem:function_calls>\n<atem:invoke name="get_weather">\n'
+        '<atem:parameter name="city">Paris</atem:parameter>\n</atem:invoke>\n</atem:function_calls>'
+    )
+    text = (
+        " to=self<|message|>Need the weather.<|eom|><|start|>assistant to=user<|message|>Checking."
+        f"<|eom|><|start|>assistant to=get_weather<|message|>{call}<|eom|>"
+    )
+    for chunk in (1, 9):
+        assert _read("muse_spark", text, chunk=chunk) == (
+            [("get_weather", {"city": "Paris"})],
+            "Checking.",
+            "Need the weather.",
+        )
+    broken = " to=get_weather<|message|>{not atem}<|eot|>"
+    assert _read("muse_spark", broken)[:2] == ([], broken.lstrip())
