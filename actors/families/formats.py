@@ -382,7 +382,15 @@ FORMATS: tuple[ToolFormat, ...] = (
         "the template writes <|START_ACTION|>[…]<|END_ACTION|> (Cohere Command)",
         markup("<|START_ACTION|>", "<|END_ACTION|>", json_markup.json_calls),
         template=("<|START_ACTION|>",),
-        show=("<|START_ACTION|>", "<|END_ACTION|>"),
+        # and the answer's markup, which the reasoning stage drops (reasoning.Tags.drop)
+        show=(
+            "<|START_ACTION|>",
+            "<|END_ACTION|>",
+            "<|START_RESPONSE|>",
+            "<|END_RESPONSE|>",
+            "<|START_TEXT|>",
+            "<|END_TEXT|>",
+        ),
     ),
     ToolFormat(
         "gigachat",
@@ -403,6 +411,8 @@ FORMATS: tuple[ToolFormat, ...] = (
             "<|tool_call:name|>",
             "<|tool_call:args|>",
             "<|tool_call:end|>",
+            "<|begin|>",  # the answer's message header, which the reasoning stage drops
+            "<|content|>",
         ),
     ),
     ToolFormat(

@@ -39,15 +39,10 @@ class Tags:
     # Markup around the answer that is not content (Kimi K3's response wrapper, Apriel's
     # final-response markers, a bare close tag where the model skipped thinking): dropped.
     drop: tuple[str, ...] = ()
-    # Special tokens of ``drop`` (and of the tags, where they are spelled from several) that
-    # the detokenizer must not hide, so the parser sees them.
-    show: tuple[str, ...] = ()
 
     def found_in(self, template: str) -> bool:
         return all(m in template for m in self.found_by or (self.open,))
 
-
-_KIMI_K3 = ("<|open|>", "<|close|>", "<|sep|>")
 
 # Tried in order; ``<think>`` last, since other markups may mention it in prose.
 _TAGS = (
@@ -61,7 +56,6 @@ _TAGS = (
         "<|END_THINKING|>",
         "Cohere's thinking block",
         drop=("<|START_RESPONSE|>", "<|END_RESPONSE|>", "<|START_TEXT|>", "<|END_TEXT|>"),
-        show=("<|START_RESPONSE|>", "<|END_RESPONSE|>", "<|START_TEXT|>", "<|END_TEXT|>"),
     ),
     Tags(
         "<|open|>think<|sep|>",
@@ -69,7 +63,6 @@ _TAGS = (
         "Kimi K3's think section, its answer in a response section",
         found_by=("'<|open|>'", "open_tag('think'"),
         drop=("<|open|>response<|sep|>", "<|close|>response<|sep|>", "<|close|>message<|sep|>"),
-        show=_KIMI_K3,
     ),
     Tags(
         "<think:opensource>",
@@ -83,7 +76,6 @@ _TAGS = (
         "Solar Open's think message, its answer in a content message",
         found_by=("<|think|>", "<|begin|>assistant<|content|>"),
         drop=("<|begin|>assistant", "<|content|>"),
-        show=("<|begin|>", "<|content|>"),
     ),
     Tags(
         "Here are my reasoning steps:",
