@@ -7,8 +7,9 @@ entries are tried in order and the first match wins; ``detect`` also says why,
 for ``mlxd parse`` and the log. Where mlx-lm ships the family's parser
 (``mlx_lm.tool_parsers``) the entry wraps it (``mlx_lm_parsers.py``); mlxd's
 own parsers cover what no library has: Hermes JSON with arguments streamed as
-generated, Mistral, Llama 3 JSON, gpt-oss's harmony channels, DeepSeek's
-markups, and the JSON-in-markers families (``json_markup.py``).
+generated, Mistral, Llama 3 JSON, gpt-oss's harmony channels and Muse's messages
+of the same shape, DeepSeek's markups, MiniMax-M3's nested XML, Functionary
+v3.2's ``>>>`` messages, and the JSON-in-markers families (``json_markup.py``).
 Callers never branch on a family's name: they ask this module.
 Pure Python: no trio, no mlx.
 """
