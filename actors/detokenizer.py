@@ -159,6 +159,11 @@ def special_ids(tokenizer: object) -> frozenset[int]:
 
 
 def marker_ids(tokenizer: object, markers: tuple[str, ...]) -> frozenset[int]:
-    """Ids of special tokens whose text is one of ``markers``."""
+    """Ids of special tokens whose text is one of ``markers`` or a piece of one (Kimi K3
+    writes its reasoning tag ``<|open|>think<|sep|>`` as three tokens)."""
     added = getattr(tokenizer, "added_tokens_decoder", None) or {}
-    return frozenset(i for i, t in added.items() if getattr(t, "content", None) in markers)
+    return frozenset(
+        i
+        for i, t in added.items()
+        if (text := getattr(t, "content", None)) and any(text in m for m in markers)
+    )

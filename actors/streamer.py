@@ -28,6 +28,7 @@ from mlxd.actors.detokenizer import (
     marker_ids,
     special_ids,
 )
+from mlxd.actors.families import reasoning
 from mlxd.actors.families.formats import BY_NAME
 from mlxd.actors.families.output import OutputParser
 from mlxd.actors.mailbox import Mailbox, Mailboxes
@@ -133,7 +134,9 @@ class StreamState:
     def _hidden(self, spec: OutputSpec) -> frozenset[int] | None:
         """Special tokens to hide; None (the tokenizer's own rule) unless a parser needs some."""
         fmt = BY_NAME.get(spec.tool_format or "")
-        markers = (fmt.show if fmt else ()) + (spec.reasoning or ())
+        tags = reasoning.of_pair(spec.reasoning) if spec.reasoning else None
+        answer = (tags.open, tags.close, *tags.drop) if tags else ()
+        markers = (fmt.show if fmt else ()) + answer
         shown = marker_ids(self._tokenizer, markers) if markers else frozenset()
         return self._special - shown if shown else None
 

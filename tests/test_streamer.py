@@ -106,3 +106,43 @@ def test_requests_that_ended_elsewhere_are_forgotten():
     boxes.unregister("gone")
     boxes.deliver(Failed(request_id="timed_out", reason="request_timeout", message="late"))
     assert state.on_step(EngineStep()) == [] and len(state) == 1
+
+
+class KimiK3Tokenizer(SpecialTokenizer):
+    """Kimi K3's markup tokens as special ones (ids 3-5), and ``<s>`` (2)."""
+
+    added_tokens_decoder = {
+        2: Added("<s>", True),
+        3: Added("<|open|>", True),
+        4: Added("<|sep|>", True),
+        5: Added("<|close|>", True),
+    }
+
+
+def test_reasoning_tags_spelled_in_several_special_tokens_reach_the_parser(monkeypatch):
+    """Without tools, Kimi K3's reasoning tag ``<|open|>think<|sep|>`` (three tokens) and its
+    response wrapper must still reach the parser: every special token in them is shown."""
+    import tests.test_streamer as here
+
+    monkeypatch.setattr(here, "SpecialTokenizer", KimiK3Tokenizer)
+    tokens = [
+        2,
+        3,
+        *codes("think"),
+        4,
+        *codes("hmm"),
+        5,
+        *codes("think"),
+        4,
+        3,
+        *codes("response"),
+        4,
+        *codes("Hi."),
+        5,
+        *codes("response"),
+        4,
+    ]
+    spec = OutputSpec(reasoning=("<|open|>think<|sep|>", "<|close|>think<|sep|>"))
+    deltas, _ = run(spec, tokens)
+    assert "".join(d.reasoning for d in deltas) == "hmm"
+    assert "".join(d.text for d in deltas) == "Hi."
