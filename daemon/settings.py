@@ -155,11 +155,11 @@ class EngineSettings(_Section):
     # warmup_max_batch and a full prefill chunk, false = none
     warmup: bool | Literal["auto"] = "auto"
     warmup_max_batch: NonNegative | Literal["auto"] = "auto"  # 0 = the model's max_batch
-    blas_threads: NonNegative = 0
-    chunked_linear_attention: bool | Literal["auto"] = "auto"
     # where MLX keeps the GPU kernels it compiles (daemon/kernel_cache.py): "auto" = under
     # the user's cache directory, "" = MLX's default (the temp directory), or a path
     kernel_cache_dir: str = "auto"
+    blas_threads: NonNegative = 0
+    chunked_linear_attention: bool | Literal["auto"] = "auto"
     default_max_tokens: Positive = 512
     max_tokens_cap: NonNegative = 0  # 0: the model's context
     # a request's max_tokens above what fits (this cap, the context left after the prompt,
