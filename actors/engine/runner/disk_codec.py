@@ -33,7 +33,6 @@ import numpy as np
 from mlx_lm.models.cache import KVCache, QuantizedKVCache
 from mlxd.actors.engine.runner import caches
 from mlxd.actors.engine.runner.disk_tier import DiskView, Encoded, Loaded, files_fingerprint
-from mlxd.actors.engine.runner.kv_quant import QuantizedRowCache
 from mlxd.actors.engine.runner.prefix_cache import Entry, PrefixCache
 
 log = logging.getLogger("mlxd.disk_cache")
@@ -43,7 +42,10 @@ _MODULES = ("mlx_lm.", "mlx_vlm.", "mlxd.")
 _IDLE_WAIT_S = 0.01  # nothing else to run: block this long on a read, not spin
 # Layers whose arrays have one row per token along axis 2, from the first token, and only
 # ever grow (exact types: a subclass such as ChunkedKVCache may drop its first rows).
-_APPEND_ONLY = (KVCache, QuantizedKVCache, QuantizedRowCache)
+# mlxd's QuantizedRowCache (``kv_quant``) by name: importing kv_quant brings in mlx-vlm,
+# which only models with ``engine.kv_bits`` set load (test_the_loader_imports_no_...).
+_APPEND_ONLY = (KVCache, QuantizedKVCache)
+_APPEND_ONLY_NAMES = frozenset({"mlxd.actors.engine.runner.kv_quant:QuantizedRowCache"})
 _TOKEN_AXIS = 2
 
 
@@ -78,8 +80,10 @@ def encode(snapshot: list[Any], n_tokens: int = 0) -> Encoded:
     layers = []
     for layer in snapshot:
         cls = type(layer)
-        kv = n_tokens > 0 and cls in _APPEND_ONLY and getattr(layer, "offset", -1) == n_tokens
-        node = {"c": f"{cls.__module__}:{cls.__qualname__}", "state": tree(layer.state, kv)}
+        name = f"{cls.__module__}:{cls.__qualname__}"
+        append_only = cls in _APPEND_ONLY or name in _APPEND_ONLY_NAMES
+        kv = n_tokens > 0 and append_only and getattr(layer, "offset", -1) == n_tokens
+        node = {"c": name, "state": tree(layer.state, kv)}
         if isinstance(getattr(cls, "meta_state", None), property):
             node["meta"] = tree(layer.meta_state)
         layers.append(node)
