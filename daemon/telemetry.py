@@ -317,6 +317,9 @@ _DISK_COUNTERS = (
     ("torn_removed", "Disk-tier files a crash left half-written, deleted at start-up"),
     ("incompatible_removed", "Disk-tier files of another model, template, kv_bits or format"),
     ("spills_dropped", "Snapshots not written: disk writes off or the write queue full"),
+    ("coalesced", "Snapshots not written: a longer one of the conversation, queued after, serves"),
+    ("block_writes", "Attention-KV block files written (each token block once)"),
+    ("bytes_written", "Bytes of snapshot and block files written to the disk tier"),
 )
 
 
@@ -352,6 +355,7 @@ def _prefix_metrics(loaded: list[tuple[str, EngineStats]]) -> Iterator[Metric]:
     if disk is not None:
         yield _gauge("mlxd_prefix_cache_disk_max_bytes", "The disk tier's budget", disk.max_bytes)
         yield _gauge("mlxd_prefix_cache_disk_writable", "0: disk writes off", disk.writable)
+        yield _gauge("mlxd_prefix_cache_disk_blocks", "Attention-KV block files held", disk.blocks)
         for name, doc in _DISK_COUNTERS:
             yield CounterMetricFamily(f"mlxd_prefix_cache_disk_{name}", doc, getattr(disk, name))
 

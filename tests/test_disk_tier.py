@@ -723,6 +723,11 @@ def test_restarts_and_unloads_keep_contexts_warm(tmp_path, tiny_models, smollm_t
         assert status["cache"]["disk"]["bytes"] > 0
         metrics = httpx.get(f"{d.url}/metrics", timeout=WAIT_S).text
         assert 'mlxd_prefix_cache_hits_total{model="swa",tier="disk"}' in metrics
+        written = [ln for ln in metrics.splitlines() if ln.startswith("mlxd_prefix_cache_disk_")]
+        by_name = {ln.split()[0]: float(ln.split()[-1]) for ln in written}
+        assert by_name["mlxd_prefix_cache_disk_bytes_written_total"] > 0, written
+        assert "mlxd_prefix_cache_disk_blocks" in by_name  # turns here are under one block
+        assert "mlxd_prefix_cache_disk_coalesced_total" in by_name
         bad = httpx.delete(f"{d.url}/v1/cache", params={"tier": "ssd"}, timeout=WAIT_S)
         assert bad.status_code == 400 and "tier" in bad.text
         r = httpx.delete(f"{d.url}/v1/cache", params={"tier": "disk"}, timeout=WAIT_S)
