@@ -71,6 +71,10 @@ class SpeculativeRunner(MlxRunner):
         self._target = Target(model, self.drafter.wants_hidden)
         self._batch_args = (num_draft, spec_max_batch, stop_tokens)
         self.batch = self._new_batch()
+        # A preempted seeded row's PRNG key as it left the batch: verification splits it a
+        # varying number of times per emitted token, so its resume takes the key itself
+        # rather than skipping draws. Bounded: a row aborted while preempted never rejoins.
+        self._preempted_keys: dict[str, mx.array] = {}
 
     def _new_drafter(self) -> Drafter:
         draft, name = self._drafter_args
@@ -132,14 +136,23 @@ class SpeculativeRunner(MlxRunner):
                 "while speculative decoding is on (speculative.enabled)"
             )
         cache = self._joining(pending)
+        key = self._preempted_keys.pop(request.request_id, None) if request.resumed else None
         with mx.stream(self._stream):
-            join(self.batch, self.drafter, request, cache)
+            join(self.batch, self.drafter, request, cache, key)
 
     def decode(self) -> list[Decoded]:
         out, finished = step(self.batch, self._stream)
         for e in finished:
             self._remember_finished(e.request_id, e.cache_tokens, e.cache)
         return out
+
+    def preempt(self, request_id: str) -> int:
+        row = next((r for r in self.batch.rows if r.request_id == request_id), None)
+        if row is not None and row.key is not None:
+            if len(self._preempted_keys) >= _MAX_PREEMPTED_KEYS:
+                self._preempted_keys.pop(next(iter(self._preempted_keys)))
+            self._preempted_keys[request_id] = row.key
+        return super().preempt(request_id)
 
     def remove(self, request_id: str) -> None:
         self._pending.pop(request_id, None)
@@ -151,8 +164,22 @@ class SpeculativeRunner(MlxRunner):
         self._keys.pop(request_id, None)
 
 
-def join(batch: SpeculativeBatch, drafter: Drafter, request: TokenizedRequest, cache) -> None:
-    """A prefilled request (``cache`` holds its prompt but the last token) joins ``batch``."""
+_MAX_PREEMPTED_KEYS = 4096
+
+
+def seeded_key(params) -> mx.array | None:
+    return mx.random.key(params.seed) if params.seed is not None else None
+
+
+def join(
+    batch: SpeculativeBatch,
+    drafter: Drafter,
+    request: TokenizedRequest,
+    cache,
+    key: mx.array | None = None,
+) -> None:
+    """A prefilled request (``cache`` holds its prompt but the last token) joins ``batch``;
+    ``key``: a resumed seeded row's PRNG key where it left off."""
     prompt = list(request.prompt_tokens)
     draft_state = drafter.joined(request.request_id, prompt)
     params = request.sampling
@@ -162,7 +189,7 @@ def join(batch: SpeculativeBatch, drafter: Drafter, request: TokenizedRequest, c
         max_tokens=params.max_tokens,
         params=params,
         processors=make_processors(params),
-        key=mx.random.key(params.seed) if params.seed is not None else None,
+        key=key if key is not None else seeded_key(params),
     )
     batch.add(row, cache, draft_state)
 
