@@ -7,15 +7,15 @@ reasoning text and complete tool calls. Like the stop matcher, every parser
 holds back any tail that could still start its markup, so raw markup never
 leaks out as content whatever the chunk boundaries. Here:
 
+- ``StateParser``: the loop of a parser whose state names the method that reads next;
 - reasoning: ``<think>…</think>`` (or another tag pair) at the start of the output;
-- ``TaggedToolParser``: Hermes / Qwen ``<tool_call>{"name": …, "arguments": {…}}</tool_call>``;
-  once the name is out, the arguments stream as they are generated;
 - ``MarkerToolParser`` + ``parse_mistral``: ``[TOOL_CALLS]`` then a JSON list of calls, or
   ``name[ARGS]{…}`` items (text before the marker is content);
 - ``LeadingToolParser``: output that starts with a call (Llama 3 JSON, generic JSON).
 
-Which format a model writes, and the parsers of the other families, are in
-``actors/families/formats.py``. Calls come out as ``CallPiece``s: a call's first
+Which format a model writes, and the parsers of the other families (markup between
+start and end markers, Hermes JSON with streamed arguments: ``families/delimited.py``),
+are in ``actors/families/``. Calls come out as ``CallPiece``s: a call's first
 piece has its id and name, later pieces continue its arguments. A call whose
 JSON does not parse is given back as content, never dropped (except arguments
 already streamed). Pure Python: no trio, no mlx.
@@ -83,7 +83,23 @@ class Parsed:
 # ---- reasoning ------------------------------------------------------------------------
 
 
-class ReasoningParser:
+class StateParser:
+    """A parser that reads its buffer with the method its state names (``_<state>``): each
+    takes what is left and the output, and returns what it did not read (a tail that may
+    start a marker goes to ``_held``, for the next chunk)."""
+
+    _state: str
+    _held: str
+
+    def feed(self, text: str) -> Parsed:
+        out = Parsed()
+        buffer, self._held = self._held + text, ""
+        while buffer:
+            buffer = getattr(self, f"_{self._state}")(buffer, out)
+        return out
+
+
+class ReasoningParser(StateParser):
     """Splits a leading ``open…close`` block off as reasoning.
 
     The block counts only at the start of the output (after whitespace), or from
@@ -96,13 +112,6 @@ class ReasoningParser:
         self._state = "inside" if inside else "start"  # start | inside | content
         self._held = ""
         self._strip = False
-
-    def feed(self, text: str) -> Parsed:
-        out = Parsed()
-        buffer, self._held = self._held + text, ""
-        while buffer:
-            buffer = getattr(self, f"_{self._state}")(buffer, out)
-        return out
 
     def _start(self, buffer: str, out: Parsed) -> str:
         stripped = buffer.lstrip()
@@ -208,116 +217,6 @@ def calls_from_values(values: list[object] | None, make_id: IdFactory) -> list[T
     if not calls or any(c is None for c in calls):
         return None
     return calls  # type: ignore[return-value]
-
-
-_HERMES_HEADER = re.compile(
-    r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"arguments"\s*:\s*(?=\{)'
-)
-_ARGS_TAIL = re.compile(r"\s*\}?\s*$")  # what may still close the call object
-
-
-class TaggedToolParser:
-    """Hermes / Qwen: each call is a JSON object between ``<tool_call>`` and ``</tool_call>``.
-
-    Text outside the tags is content; whitespace between or after calls is
-    dropped. When a call starts ``{"name": …, "arguments": {`` its arguments
-    stream as they come (holding back what may be the call object's closing
-    brace); otherwise the call is parsed whole at its closing tag.
-    """
-
-    def __init__(self, make_id: IdFactory, open_tag="<tool_call>", close_tag="</tool_call>"):
-        self._open, self._close = open_tag, close_tag
-        self._make_id = make_id
-        self._inside = False
-        self._streaming = False  # inside a call whose arguments are streaming
-        self._held = ""
-        self._space = ""  # whitespace after a call, shown only if content follows
-        self._called = False
-
-    def feed(self, text: str) -> Parsed:
-        out = Parsed()
-        buffer, self._held = self._held + text, ""
-        while buffer:
-            if self._streaming:
-                buffer = self._in_args(buffer, out)
-            elif self._inside:
-                buffer = self._in_call(buffer, out)
-            else:
-                buffer = self._in_text(buffer, out)
-        return out
-
-    def _in_text(self, buffer: str, out: Parsed) -> str:
-        start = buffer.find(self._open)
-        cut = start if start >= 0 else len(buffer) - partial_suffix(buffer, (self._open,))
-        self._emit(buffer[:cut], out)
-        if start >= 0:
-            self._inside = True
-            return buffer[start + len(self._open) :]
-        self._held = buffer[cut:]
-        return ""
-
-    def _emit(self, text: str, out: Parsed) -> None:
-        if self._called and not text.strip():
-            self._space += text
-            return
-        out.content += self._space + text
-        self._space = ""
-
-    def _in_call(self, buffer: str, out: Parsed) -> str:
-        end = buffer.find(self._close)
-        header = _HERMES_HEADER.match(buffer)
-        if header is not None and (end < 0 or header.end() <= end):
-            name = _json_string(header.group(1))
-            out.calls.append(CallPiece(arguments="", id=self._make_id(), name=name))
-            self._streaming, self._called, self._space = True, True, ""
-            return buffer[header.end() :]
-        if end < 0:
-            self._held = buffer
-            return ""
-        self._inside = False
-        self._finish_call(buffer[:end], out, closed=True)
-        return buffer[end + len(self._close) :]
-
-    def _in_args(self, buffer: str, out: Parsed) -> str:
-        end = buffer.find(self._close)
-        if end >= 0:
-            self._end_args(buffer[:end], out)
-            return buffer[end + len(self._close) :]
-        body = buffer[: len(buffer) - partial_suffix(buffer, (self._close,))]
-        cut = _ARGS_TAIL.search(body).start()  # type: ignore[union-attr]
-        if cut:
-            out.calls.append(CallPiece(arguments=body[:cut]))
-        self._held = buffer[cut:]
-        return ""
-
-    def _end_args(self, rest: str, out: Parsed) -> None:
-        """The last of the arguments: ``rest`` less the call object's closing brace."""
-        rest = rest.rstrip()
-        rest = rest[:-1].rstrip() if rest.endswith("}") else rest
-        if rest:
-            out.calls.append(CallPiece(arguments=rest))
-        self._inside = self._streaming = False
-
-    def _finish_call(self, body: str, out: Parsed, *, closed: bool) -> None:
-        calls = calls_from_values(_json_values(body), self._make_id)
-        if calls is None:
-            raw = self._open + body + (self._close if closed else "")
-            self._emit(raw, out)
-            return
-        out.calls.extend(whole(c) for c in calls)
-        self._called, self._space = True, ""
-
-    def flush(self) -> Parsed:
-        out = Parsed()
-        held, self._held = self._held, ""
-        if self._streaming:
-            self._end_args(held, out)
-        elif self._inside:
-            self._inside = False
-            self._finish_call(held, out, closed=False)
-        elif held:
-            self._emit(held, out)
-        return out
 
 
 class LeadingToolParser:

@@ -24,15 +24,8 @@ from __future__ import annotations
 import re
 from collections.abc import Callable
 
-from mlxd.actors.parsers import (
-    IdFactory,
-    Parsed,
-    _arguments_text,
-    _json_values,
-    _utf8,
-    partial_suffix,
-    whole,
-)
+from mlxd.actors.families.delimited import DelimitedToolParser
+from mlxd.actors.parsers import IdFactory, _arguments_text, _json_values, _utf8
 from mlxd.protocol.messages import Tool, ToolCall
 
 # A call read from the markup, before it is given an id: (name, arguments object).
@@ -116,7 +109,6 @@ _SECTIONS: dict[str, tuple[str, Callable[[str], list[Found] | None]]] = {
     "<｜DSML｜function_calls>": ("</｜DSML｜function_calls>", dsml_calls),
     "<｜DSML｜tool_calls>": ("</｜DSML｜tool_calls>", dsml_calls),
 }
-_STARTS = tuple(_SECTIONS)
 
 
 def _tool_calls(found: list[Found], make_id: IdFactory) -> list[ToolCall] | None:
@@ -127,74 +119,17 @@ def _tool_calls(found: list[Found], make_id: IdFactory) -> list[ToolCall] | None
     return [ToolCall(id=make_id(), name=name, arguments=text) for name, text in named]  # type: ignore[arg-type]
 
 
-def make_parser(make_id: IdFactory, tools: tuple[Tool, ...] = ()) -> DeepSeekToolParser:
-    """The request's tools are not needed: DSML says which values are strings."""
-    return DeepSeekToolParser(make_id)
+def make_parser(make_id: IdFactory, tools: tuple[Tool, ...] = ()) -> DelimitedToolParser:
+    """The request's tools are not needed: DSML says which values are strings. Whitespace
+    before a call section is dropped: the V3.2 / V4 templates write the answer, then a blank
+    line, then the section, so the answer renders back the same."""
 
+    def body(read: Callable[[str], list[Found] | None]) -> Callable[[str], list[ToolCall] | None]:
+        def parse(text: str) -> list[ToolCall] | None:
+            found = read(text)
+            return _tool_calls(found, make_id) if found else None
 
-class DeepSeekToolParser:
-    """Content around call sections of any of DeepSeek's markups (see the module docstring)."""
+        return parse
 
-    def __init__(self, make_id: IdFactory):
-        self._make_id = make_id
-        self._section: str | None = None  # the start marker of the open section
-        self._held = ""
-        self._space = ""  # trailing whitespace: shown once content follows it
-        self._called = False
-
-    def feed(self, text: str) -> Parsed:
-        out = Parsed()
-        buffer, self._held = self._held + text, ""
-        while buffer:
-            buffer = self._in_section(buffer, out) if self._section else self._in_text(buffer, out)
-        return out
-
-    def _in_text(self, buffer: str, out: Parsed) -> str:
-        found = [(at, m) for m in _STARTS if (at := buffer.find(m)) >= 0]
-        if found:
-            at, self._section = min(found)
-            self._emit(buffer[:at], out)
-            return buffer[at + len(self._section) :]
-        cut = len(buffer) - partial_suffix(buffer, _STARTS)
-        self._emit(buffer[:cut], out)
-        self._held = buffer[cut:]
-        return ""
-
-    def _in_section(self, buffer: str, out: Parsed) -> str:
-        end = _SECTIONS[self._section][0]  # type: ignore[index]
-        at = buffer.find(end)
-        if at < 0:
-            self._held = buffer
-            return ""
-        self._finish(buffer[:at], end, out)
-        return buffer[at + len(end) :]
-
-    def _emit(self, text: str, out: Parsed) -> None:
-        """Content, less trailing whitespace, which waits to see what follows it."""
-        shown = text.rstrip()
-        if shown:
-            out.content += self._space + shown
-            self._space = ""
-        self._space += text[len(shown) :]
-
-    def _finish(self, body: str, end: str, out: Parsed) -> None:
-        start, self._section = self._section or "", None
-        found = _SECTIONS[start][1](body)
-        calls = _tool_calls(found, self._make_id) if found else None
-        if calls is None:
-            self._emit(start + body + end, out)
-            return
-        out.calls.extend(whole(c) for c in calls)
-        self._called, self._space = True, ""
-
-    def flush(self) -> Parsed:
-        out = Parsed()
-        held, self._held = self._held, ""
-        if self._section:
-            self._finish(held, "", out)
-        else:
-            self._emit(held, out)
-        if not self._called:
-            out.content += self._space
-        self._space = ""
-        return out
+    sections = {start: (end, body(read)) for start, (end, read) in _SECTIONS.items()}
+    return DelimitedToolParser(sections, trim_before=True)

@@ -22,14 +22,13 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from mlxd.actors.families import json_markup
-from mlxd.actors.families.delimited import DelimitedToolParser
+from mlxd.actors.families.delimited import HermesToolParser, one_section
 from mlxd.actors.families.mlx_lm_parsers import library_parser
 from mlxd.actors.parsers import (
     IdFactory,
     LeadingToolParser,
     MarkerToolParser,
     Parsed,
-    TaggedToolParser,
     _arguments_text,
     _json_values,
     _utf8,
@@ -109,7 +108,7 @@ def library(name: str, start: str | None = None, end: str | None = None, rewrite
         body = library_body(name, make_id, tools, rewrite)
         if parser is None or body is None:  # the library broke its contract: plain JSON
             return _json(make_id, tools)
-        return DelimitedToolParser(
+        return one_section(
             start if start is not None else parser.start,
             end if end is not None else parser.end,
             body,
@@ -120,7 +119,7 @@ def library(name: str, start: str | None = None, end: str | None = None, rewrite
 
 def markup(start: str, end: str, body: Callable[[str, IdFactory], list[ToolCall] | None]) -> Build:
     """A format whose calls ``body`` reads between ``start`` and ``end``."""
-    return lambda make_id, tools: DelimitedToolParser(start, end, lambda t: body(t, make_id))
+    return lambda make_id, tools: one_section(start, end, lambda t: body(t, make_id))
 
 
 def mistral_id(call_id: str) -> str:
@@ -134,7 +133,7 @@ def mistral_id(call_id: str) -> str:
 
 
 def _hermes(make_id: IdFactory, tools: tuple[Tool, ...]) -> ToolStream:
-    return TaggedToolParser(make_id)
+    return HermesToolParser(make_id)
 
 
 def _mistral(make_id: IdFactory, tools: tuple[Tool, ...]) -> ToolStream:
@@ -175,7 +174,7 @@ def _hy3_body(make_id: IdFactory, tools: tuple[Tool, ...]):
 
 
 def _hy3(make_id: IdFactory, tools: tuple[Tool, ...]) -> ToolStream:
-    return DelimitedToolParser(
+    return one_section(
         "<tool_calls:opensource>", "</tool_calls:opensource>", _hy3_body(make_id, tools)
     )
 

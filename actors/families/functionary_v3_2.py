@@ -19,6 +19,7 @@ import re
 from mlxd.actors.parsers import (
     IdFactory,
     Parsed,
+    StateParser,
     _arguments_text,
     _json_values,
     partial_suffix,
@@ -36,7 +37,7 @@ def make_parser(make_id: IdFactory, tools: tuple[Tool, ...] = ()) -> Functionary
     return FunctionaryParser(make_id)
 
 
-class FunctionaryParser:
+class FunctionaryParser(StateParser):
     """Splits ``>>>``-separated messages into content and calls (see the module docstring)."""
 
     def __init__(self, make_id: IdFactory):
@@ -44,13 +45,6 @@ class FunctionaryParser:
         self._state = "header"  # header | content | call
         self._held = ""
         self._name = ""
-
-    def feed(self, text: str) -> Parsed:
-        out = Parsed()
-        buffer, self._held = self._held + text, ""
-        while buffer:
-            buffer = getattr(self, f"_{self._state}")(buffer, out)
-        return out
 
     def _header(self, buffer: str, out: Parsed) -> str:
         if SEP.startswith(buffer):  # the model may write the prompt's ``>>>`` again

@@ -36,6 +36,7 @@ import re
 from mlxd.actors.parsers import (
     IdFactory,
     Parsed,
+    StateParser,
     _arguments_text,
     _json_values,
     _utf8,
@@ -71,7 +72,7 @@ def _call(name: str, body: str, make_id: IdFactory) -> ToolCall | None:
     return ToolCall(id=make_id(), name=name, arguments=text) if text is not None else None
 
 
-class HarmonyParser:
+class HarmonyParser(StateParser):
     """Splits harmony messages into reasoning, content and calls (see the module docstring).
 
     A family writing messages of the same shape with other tokens (Muse) subclasses it with
@@ -90,13 +91,6 @@ class HarmonyParser:
         self._written = ""  # the current message's header as written, given back if its call fails
         self._route = "content"  # where the body goes: content | reasoning | call
         self._name = ""  # the function a call body is for
-
-    def feed(self, text: str) -> Parsed:
-        out = Parsed()
-        buffer, self._held = self._held + text, ""
-        while buffer:
-            buffer = getattr(self, f"_{self._state}")(buffer, out)
-        return out
 
     def _between(self, buffer: str, out: Parsed) -> str:
         """Before a message: whitespace is dropped, then a header or a headerless body."""

@@ -26,7 +26,7 @@ import json
 import re
 from dataclasses import dataclass, field
 
-from mlxd.actors.families.delimited import DelimitedToolParser
+from mlxd.actors.families.delimited import DelimitedToolParser, one_section
 from mlxd.actors.parsers import IdFactory, _arguments_text, _utf8
 from mlxd.protocol.messages import Tool, ToolCall
 
@@ -46,7 +46,7 @@ class _Element:
 
 def make_parser(make_id: IdFactory, tools: tuple[Tool, ...] = ()) -> DelimitedToolParser:
     schemas = {t.name: t.parameters for t in tools}
-    return DelimitedToolParser(START, END, lambda body: calls(body, schemas, make_id))
+    return one_section(START, END, lambda body: calls(body, schemas, make_id))
 
 
 def _tree(body: str) -> _Element | None:
