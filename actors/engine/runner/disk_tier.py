@@ -624,8 +624,8 @@ class DiskStore:
                 self._pending -= enc.nbytes
                 self.stats.pending_writes -= 1
 
-    def _write_file(self, space: str, tokens: tuple[int, ...], trimmable: bool, enc: Encoded):
-        parts = disk_blocks.split(enc.layers, enc.buffers, tokens, self.block_tokens, space)
+    def _header(self, space: str, tokens: tuple[int, ...], trimmable: bool, parts) -> bytes:
+        """A snapshot file's header: what it holds, its blocks and its payload's checksum."""
         crc = 0
         for buf in parts.own:
             crc = zlib.crc32(buf, crc)
@@ -641,7 +641,11 @@ class DiskStore:
             "payload_bytes": parts.own_bytes,
             "payload_crc": crc,
         }
-        head = json.dumps(header, separators=(",", ":")).encode()
+        return json.dumps(header, separators=(",", ":")).encode()
+
+    def _write_file(self, space: str, tokens: tuple[int, ...], trimmable: bool, enc: Encoded):
+        parts = disk_blocks.split(enc.layers, enc.buffers, tokens, self.block_tokens, space)
+        head = self._header(space, tokens, trimmable, parts)
         size = _HEAD.size + len(head) + parts.own_bytes
         with self._lock:
             s = self._spaces.get(space)
