@@ -453,6 +453,13 @@ def load_served(options: LoadOptions, shard: Shard | None = None) -> tuple[MlxRu
         )
     runner.spec_stats = runner.spec_stats or off
     runner.spec_prefill_stats = sparse.stats if sparse is not None else None
+    _prefill_policy(runner, o)
+    return runner, dataclasses.replace(info, memory=memory_model(runner, o.memory))
+
+
+def _prefill_policy(runner: MlxRunner, o: LoadOptions) -> None:
+    """The backend's prefill streams and batched-prefill rows (``backend_policy``), unless
+    the settings name them."""
     choice = backend_policy.prefill(
         backend(),
         streams=o.prefill_streams,
@@ -462,7 +469,6 @@ def load_served(options: LoadOptions, shard: Shard | None = None) -> tuple[MlxRu
     _split_prefill(runner, choice.streams)
     if not choice.batch_every and choice.max_context:  # only short rows share passes
         runner.batch_prefill_max_context = choice.max_context
-    return runner, dataclasses.replace(info, memory=memory_model(runner, o.memory))
 
 
 def _attach_disk(cache: PrefixCache | None, o: LoadOptions, model_dir: Path, make_cache) -> None:
