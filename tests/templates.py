@@ -92,3 +92,24 @@ def written(
     elif end.strip() and end.strip() in text:
         text = text[: text.rindex(end.strip())]
     return prompt[:cut], text
+
+
+def feed(name: str, prompt: str, text: str, tools, chunk: int | None = None) -> list:
+    """What mlxd's output parser makes of ``text`` after ``prompt``, with the formats
+    detected from template ``name``: the ``Parsed`` of each chunk (``chunk`` characters
+    at a time; None: whole), then of the flush."""
+    from mlxd.actors.families.output import OutputParser
+    from mlxd.actors.tools import traits_of
+    from mlxd.protocol.messages import OutputSpec
+
+    traits = traits_of(source(name), set())
+    tags = traits.reasoning
+    spec = OutputSpec(
+        tool_format=traits.tool_format,
+        reasoning=tags,
+        in_reasoning=bool(tags) and prompt.rstrip().endswith(tags[0]),  # type: ignore[index]
+        tools=tools,
+    )
+    parser = OutputParser(spec, make_id=lambda: "id")
+    pieces = [text] if chunk is None else [text[i : i + chunk] for i in range(0, len(text), chunk)]
+    return [parser.feed(p) for p in pieces] + [parser.flush()]

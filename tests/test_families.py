@@ -139,17 +139,7 @@ def _written(name: str, user: str, args: list[dict]) -> tuple[str, str]:
 
 
 def _parse(text: str, prompt: str, name: str, chunk: int | None = None):
-    traits = traits_of(templates.source(name), set())
-    tags = traits.reasoning
-    spec = OutputSpec(
-        tool_format=traits.tool_format,
-        reasoning=tags,
-        in_reasoning=bool(tags) and prompt.rstrip().endswith(tags[0]),  # type: ignore[index]
-        tools=TOOL,
-    )
-    parser = OutputParser(spec, make_id=lambda: "id")
-    pieces = [text] if chunk is None else [text[i : i + chunk] for i in range(0, len(text), chunk)]
-    outs = [parser.feed(p) for p in pieces] + [parser.flush()]
+    outs = templates.feed(name, prompt, text, TOOL, chunk)
     calls: dict[int, list[str]] = {}
     for out in outs:
         for piece in out.calls:

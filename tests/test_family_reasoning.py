@@ -17,9 +17,9 @@ import json
 
 import pytest
 from mlxd.actors.families import reasoning
-from mlxd.actors.families.output import AnswerMarkup, OutputParser
+from mlxd.actors.families.output import AnswerMarkup
 from mlxd.actors.tools import traits_of
-from mlxd.protocol.messages import OutputSpec, Tool
+from mlxd.protocol.messages import Tool
 
 from tests import templates
 
@@ -93,17 +93,7 @@ def turn(name: str) -> tuple[str, str, bool] | None:
 
 def parse(name: str, prompt: str, text: str, chunk: int | None):
     """(reasoning, content, calls) as mlxd reads ``text`` after ``prompt``."""
-    traits = traits_of(templates.source(name), set())
-    tags = traits.reasoning
-    spec = OutputSpec(
-        tool_format=traits.tool_format,
-        reasoning=tags,
-        in_reasoning=bool(tags) and prompt.rstrip().endswith(tags[0]),  # type: ignore[index]
-        tools=TOOL,
-    )
-    parser = OutputParser(spec, make_id=lambda: "id")
-    pieces = [text] if chunk is None else [text[i : i + chunk] for i in range(0, len(text), chunk)]
-    outs = [parser.feed(p) for p in pieces] + [parser.flush()]
+    outs = templates.feed(name, prompt, text, TOOL, chunk)
     calls = [(p.name, json.loads(p.arguments)) for o in outs for p in o.calls if p.name]
     return "".join(o.reasoning for o in outs), "".join(o.content for o in outs), calls
 
