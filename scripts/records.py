@@ -1,0 +1,74 @@
+"""Benchmark records: each benchmark script appends what it measured to ``docs/results/NAME.jsonl``.
+
+A record is one JSON object a line: ``name`` (the benchmark), ``command`` (how to run it
+again), ``date`` (UTC, ISO 8601), ``machine`` (what it ran on), ``peer`` (what mlxd was
+compared against, or null), ``figures`` (a flat ``{label: number}`` map, or a list of such
+rows under ``rows`` for a per-workload table) and ``notes`` (a sentence or two that explain
+the numbers). ``scripts/render_benchmarks.py`` draws ``docs/benchmarks.md`` from the newest
+record of each benchmark per machine. No trio, no mlx.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import os
+import platform
+import shlex
+import sys
+from pathlib import Path
+from typing import Any
+
+RESULTS = Path(__file__).resolve().parent.parent / "docs" / "results"
+
+
+def machine() -> str:
+    """A short description of this machine: OS, CPU architecture and cores; ``MLXD_MACHINE``
+    (e.g. ``"NVIDIA H100 80GB, CUDA"``) overrides it where the accelerator matters."""
+    named = os.environ.get("MLXD_MACHINE")
+    if named:
+        return named
+    return f"{platform.system()} {platform.machine()}, {os.cpu_count()} cores, CPU backend"
+
+
+def command(argv: list[str] | None = None, module: str | None = None) -> str:
+    """The command line that ran this benchmark (``python -m MODULE ARGS`` when given a module)."""
+    args = sys.argv[1:] if argv is None else argv
+    head = f"python -m {module}" if module else shlex.quote(sys.argv[0])
+    return " ".join([head, *(shlex.quote(a) for a in args)])
+
+
+def write(
+    name: str,
+    *,
+    command: str,
+    figures: dict[str, Any] | None = None,
+    rows: list[dict[str, Any]] | None = None,
+    peer: str | None = None,
+    notes: str = "",
+    machine_name: str | None = None,
+    results: Path | None = None,
+) -> Path:
+    """Append one record for benchmark ``name``; returns the results file."""
+    record = {
+        "name": name,
+        "command": command,
+        "date": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
+        "machine": machine_name or machine(),
+        "peer": peer,
+        "figures": figures or {},
+        "rows": rows or [],
+        "notes": notes,
+    }
+    folder = results or Path(os.environ.get("MLXD_RESULTS_DIR", RESULTS))
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"{name}.jsonl"
+    with path.open("a", encoding="utf-8") as f:
+        f.write(json.dumps(record, ensure_ascii=False, sort_keys=True) + "\n")
+    return path
+
+
+def read(path: Path) -> list[dict[str, Any]]:
+    """Every record in one results file, oldest first."""
+    lines = path.read_text(encoding="utf-8").splitlines()
+    return [json.loads(line) for line in lines if line.strip()]
