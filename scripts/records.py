@@ -68,6 +68,29 @@ def write(
     return path
 
 
+def compared(
+    workload: str,
+    metric: str,
+    *,
+    better: str,
+    mlxd: float | None = None,
+    peer: float | None = None,
+    ratio: float | None = None,
+    unit: str = "",
+) -> dict[str, Any]:
+    """A row comparing mlxd with the record's peer on one metric of one workload: both
+    values, or only ``ratio`` (mlxd's over the peer's); ``better`` is "lower" or "higher".
+    ``scripts/render_benchmarks.py`` charts these rows and lists their ratios."""
+    row: dict[str, Any] = {"workload": workload, "metric": metric, "better": better}
+    if unit:
+        row["unit"] = unit
+    if ratio is not None:
+        row["ratio"] = ratio
+    else:
+        row["mlxd"], row["peer"] = mlxd, peer
+    return row
+
+
 def read(path: Path) -> list[dict[str, Any]]:
     """Every record in one results file, oldest first."""
     lines = path.read_text(encoding="utf-8").splitlines()
