@@ -14,7 +14,18 @@ client, and mlxd passes the template copies of its own data.
 
 The contract checked: transformers' ``apply_chat_template`` raises Jinja's
 ``SecurityError`` naming the refused method. Any other error is the template's
-own and is raised as is. No trio, no mlx.
+own and is raised as is.
+
+The template's own defaults for reasoning: mlx-lm's tokenizer wrapper passes
+``enable_thinking`` (its value: whether the vocabulary has ``<think>``) whenever
+the caller passes nothing, so a template whose default is off (DeepSeek V3.1 /
+V3.2 / V4) would open a ``<think>`` block no client asked for. Where the
+template reads ``enable_thinking`` and the request sets no reasoning variable,
+``render`` passes the value the template itself falls back to when the variable
+is undefined, found once per template by rendering a probe conversation without
+it and with each value (``thinking_default``). A template that tells "undefined"
+apart from both values (MiniCPM 5: the model decides) cannot be given its
+default through the wrapper; it gets the wrapper's. No trio, no mlx.
 """
 
 from __future__ import annotations
@@ -27,6 +38,7 @@ from typing import Any
 import jinja2
 import jinja2.ext
 import jinja2.sandbox
+from mlxd.actors.families.reasoning import controls
 
 # The mutating methods the immutable sandbox refuses and the mutable one allows.
 _MUTATIONS = ("append", "extend", "insert", "pop", "remove", "update", "setdefault", "clear")
@@ -87,8 +99,52 @@ def _special_tokens(tokenizer: Any) -> dict[str, str]:
     return {k: v for k, v in tokens.items() if isinstance(v, str)}
 
 
+# The switch mlx-lm's wrapper sets when the caller does not, and the variables that, when the
+# request sets them, already say what the client asked for.
+_WRAPPER_SWITCH = "enable_thinking"
+_REASONING_VARIABLES = ("enable_thinking", "thinking")
+_PROBE = [{"role": "user", "content": "Hi"}]
+
+
+def _probe(source: str, variables: dict) -> str | None:
+    try:
+        return _compiled(source).render(
+            messages=_PROBE, add_generation_prompt=True, bos_token="", eos_token="", **variables
+        )
+    except (jinja2.TemplateError, ValueError, TypeError, KeyError):
+        return None  # a template that needs more than one user turn: no default known
+
+
+@functools.lru_cache(maxsize=8)
+def thinking_default(source: str) -> bool | None:
+    """The value ``source`` gives ``enable_thinking`` when it is undefined: the one of
+    True / False whose rendering matches the rendering without it. None where the template
+    does not read it, tells undefined apart from both, or does not render the probe."""
+    if _WRAPPER_SWITCH not in controls(source).switches:
+        return None
+    unset = _probe(source, {})
+    matches = [v for v in (True, False) if _probe(source, {_WRAPPER_SWITCH: v}) == unset]
+    return matches[0] if unset is not None and len(matches) == 1 else None
+
+
+def _template_text(tokenizer: Any) -> str:
+    source = getattr(tokenizer, "chat_template", None)
+    return source if isinstance(source, str) else ""
+
+
+def with_template_defaults(tokenizer: Any, extra: dict) -> dict:
+    """``extra`` and, where it sets no reasoning variable, the template's own default for the
+    switch mlx-lm's wrapper would otherwise set."""
+    if any(name in extra for name in _REASONING_VARIABLES):
+        return extra
+    default = thinking_default(_template_text(tokenizer))
+    return extra if default is None else {**extra, _WRAPPER_SWITCH: default}
+
+
 def render(tokenizer: Any, messages: list[dict], generation_prompt: bool, **extra: Any) -> str:
-    """The conversation rendered with the tokenizer's chat template."""
+    """The conversation rendered with the tokenizer's chat template (its own reasoning
+    defaults kept where the request names no effort)."""
+    extra = with_template_defaults(tokenizer, extra)
     try:
         return tokenizer.apply_chat_template(
             messages, add_generation_prompt=generation_prompt, tokenize=False, **extra
