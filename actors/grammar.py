@@ -22,6 +22,7 @@ from typing import Any
 import llguidance
 import llguidance.hf
 from mlxd.actors.families import forced
+from mlxd.actors.lazy_calls import LazyGrammar
 from mlxd.protocol.messages import Constraint, Tool
 
 # The layout of JSON answers: one space after ``,`` and ``:`` as ``json.dumps`` writes it (the
@@ -44,17 +45,26 @@ class CompiledGrammar:
     eos_ids: tuple[int, ...]
 
 
-def tool_call_schema(tools: tuple[Tool, ...], names: tuple[str, ...]) -> dict:
+def tool_call_schema(
+    tools: tuple[Tool, ...], names: tuple[str, ...], loose: frozenset[str] = frozenset()
+) -> dict:
     """JSON schema of one call ``{"name": …, "arguments": {…}}`` to one of ``names``.
 
     Forced calls are compact (no free whitespace) and strict, so that even a
-    small model cannot wander off into extra keys before closing the call.
+    small model cannot wander off into extra keys before closing the call. A tool
+    with ``strict: true`` has a schema that passed OpenAI's strict rules
+    (``strict_schema_error``): it is used as it is. Tools named in ``loose`` take any
+    object (a ``strict: false`` tool offered beside a strict one, in auto mode).
     """
     options = []
     for tool in tools:
         if tool.name not in names:
             continue
-        params = forced.strict(tool.parameters or {"type": "object"})
+        params = tool.parameters or {"type": "object"}
+        if tool.name in loose:
+            params = {"type": "object"}
+        elif not tool.strict:
+            params = forced.strict(params)
         options.append(
             {
                 "type": "object",
@@ -123,6 +133,63 @@ def _resolve(root: dict, ref: str) -> Any:
     return node
 
 
+def strict_schema_error(schema: dict) -> str | None:
+    """Why ``strict: true`` cannot take this parameters schema, in OpenAI's words, or None.
+
+    OpenAI's rules: the root is an object; every object, at every nesting level
+    (``properties``, ``items``, ``anyOf`` / ``allOf`` / ``oneOf``, ``$defs``), sets
+    ``additionalProperties: false`` and lists every one of its properties in ``required``.
+    ``context`` is the path to the object that breaks a rule, as OpenAI writes it.
+    """
+    if not _is_object(schema):
+        return f"schema must be a JSON Schema of 'type: \"object\"', got 'type: \"{schema.get('type')}\"'."
+    stack: list[tuple[Any, tuple[str, ...]]] = [(schema, ())]
+    while stack:
+        node, path = stack.pop()
+        if not isinstance(node, dict):
+            continue
+        if _is_object(node):
+            problem = _strict_object(node)
+            if problem:
+                return f"In context={path!r}, {problem}"
+        stack += reversed(list(_children(node, path)))
+    return None
+
+
+def _is_object(node: dict) -> bool:
+    kind = node.get("type")
+    return kind == "object" or (isinstance(kind, list) and "object" in kind)
+
+
+def _strict_object(node: dict) -> str | None:
+    if node.get("additionalProperties") is not False:
+        return "'additionalProperties' is required to be supplied and to be false."
+    props = node.get("properties") or {}
+    required = node.get("required")
+    missing = [k for k in props if not isinstance(required, list) or k not in required]
+    if missing:
+        return (
+            "'required' is required to be supplied and to be an array including every key in "
+            f"properties. Missing '{missing[0]}'."
+        )
+    return None
+
+
+def _children(node: dict, path: tuple[str, ...]):
+    """The subschemas of ``node`` with their paths."""
+    for key in ("properties", "$defs", "definitions"):
+        if isinstance(node.get(key), dict):
+            for name, sub in node[key].items():
+                yield sub, (*path, key, name)
+    for key in ("anyOf", "allOf", "oneOf", "prefixItems"):
+        if isinstance(node.get(key), list):
+            for i, sub in enumerate(node[key]):
+                yield sub, (*path, key, str(i))
+    for key in ("items", "additionalProperties", "not"):
+        if isinstance(node.get(key), dict):
+            yield node[key], (*path, key)
+
+
 class GrammarCompiler:
     """Compiles constraints against one tokenizer.
 
@@ -182,6 +249,40 @@ class GrammarCompiler:
         if self._llt is None:
             return None
         return CompiledGrammar(matcher, llt.vocab_size, tuple(llt.eos_tokens))
+
+    def compile_lazy(
+        self,
+        tools: tuple[Tool, ...],
+        fmt: str,
+        reasoning: tuple[str, str] | None = None,
+        in_reasoning: bool = False,
+        loose: frozenset[str] = frozenset(),
+    ) -> LazyGrammar | None:
+        """The grammar of a call to one of ``tools`` that waits for the format's opener
+        (``actors/lazy_calls.py``); None where the format has no opener or no builder, or
+        the tokenizer is not one llguidance reads (a test double's: check only)."""
+        openers = forced.OPENERS.get(fmt)
+        if not openers or fmt not in forced.BUILDERS or not tools:
+            return None
+        for tool in tools:
+            check_refs(tool.parameters)
+        schema = tool_call_schema(tools, tuple(t.name for t in tools), loose)
+        grammar = llguidance.LLMatcher.grammar_from_lark(tool_call_lark(schema, fmt, self._split))
+        self.validate(grammar)
+        if self._llt is None:
+            return None
+        matcher = llguidance.LLMatcher(self._llt, grammar, log_level=0)
+        _check_first_step(matcher)
+        return LazyGrammar(
+            matcher=matcher,
+            tokenizer=self._llt,
+            vocab_size=self._llt.vocab_size,
+            eos_ids=tuple(self._llt.eos_tokens),
+            openers=tuple(o.encode() for o in openers),
+            leading=fmt in forced.LEADING,
+            reasoning=(reasoning[0].encode(), reasoning[1].encode()) if reasoning else None,
+            in_reasoning=in_reasoning,
+        )
 
 
 def _check_first_step(matcher: Any) -> None:

@@ -38,6 +38,7 @@ from mlxd.actors.engine.scheduler.types import ModelInfo
 from mlxd.actors.families.reasoning import EffortError
 from mlxd.actors.grammar import CompiledGrammar, GrammarCompiler, GrammarError
 from mlxd.actors.mailbox import Mailboxes
+from mlxd.actors.lazy_calls import LazyGrammar
 from mlxd.actors.normalize import NormalizeError, normalize_messages
 from mlxd.actors.tools import (
     TemplateTraits,
@@ -122,6 +123,8 @@ class TokenizerOptions:
 
 
 def use_chat_template(info: ModelInfo, template: str) -> None:
+    # tool_choice auto: a call is held to its grammar from the family's opener on
+    constrain_auto_calls: bool = True
     """The server's chat template in place of the model's, wherever one is read: the
     tokenizer's (text models, template traits) and the processor's (vision models)."""
     info.tokenizer.chat_template = template
@@ -157,6 +160,7 @@ class PromptBuilder:
         )
 
     def __init__(
+            constrain_auto_calls=o.constrain_auto_calls,
         self,
         tokenizer: Any,
         context_length: int,
@@ -175,8 +179,10 @@ class PromptBuilder:
     ):
         self.tokenizer = tokenizer
         self.want_checkpoints = checkpoints
+        constrain_auto_calls: bool = True,
         self.max_breakpoints = max_breakpoints
         self.vision = VisionProcessor(processor) if processor is not None else None
+        self.constrain_auto_calls = constrain_auto_calls
         self.image_limits = image_limits
         self.default_max_tokens = default_max_tokens
         self.clamp_max_tokens = clamp_max_tokens
@@ -365,12 +371,12 @@ class PromptBuilder:
         )
 
     def grammar(
-        self, request: AdmittedRequest, spec: OutputSpec | None = None
-    ) -> CompiledGrammar | None:
+        self, request: AdmittedRequest, spec: OutputSpec | None = None, prompt: str = ""
+    ) -> CompiledGrammar | LazyGrammar | None:
         """The request's constraint compiled; where the prompt opened a reasoning block
         (``spec.in_reasoning``), the constrained answer first closes it."""
         if request.constraint is None:
-            return None
+            return self.lazy_grammar(request, prompt) if isinstance(request, ChatRequest) else None
         tools = request.tools if isinstance(request, ChatRequest) else ()
         prefix = spec.reasoning[1] + "\n" if spec and spec.in_reasoning and spec.reasoning else ""
         try:
@@ -395,7 +401,27 @@ class PromptBuilder:
             vision=p.vision,
             priority=request.priority,
             output=output,
-            grammar=self.grammar(request, output),
+            grammar=self.grammar(request, output, p.text),
+    def lazy_grammar(self, request: ChatRequest, prompt: str) -> LazyGrammar | None:
+        """``tool_choice: auto``: the grammar a call is held to once the model opens one
+        (``actors/lazy_calls.py``). On where the server says so (``constrain_auto_calls``)
+        and no tool says ``strict: false``, or wherever a tool says ``strict: true``; a
+        ``strict: false`` tool offered beside a strict one takes any arguments."""
+        if request.tool_choice != "auto" or not request.tools:
+            return None
+        strict = any(t.strict for t in request.tools)
+        free = frozenset(t.name for t in request.tools if t.strict is False)
+        if not strict and (free or not self.constrain_auto_calls):
+            return None
+        tags = self.traits.reasoning
+        opened = bool(tags) and prompt.rstrip().endswith(tags[0])  # type: ignore[index]
+        try:
+            return self.grammars.compile_lazy(
+                request.tools, self.traits.tool_format, tags, opened, free
+            )
+        except GrammarError as exc:
+            raise PromptError(str(exc), "tools") from exc
+
         )
 
     def _max_tokens(self, prompt: int, asked: int | None) -> int:

@@ -43,6 +43,8 @@ class ServerSettings(_Section):
     # a request body still incomplete this long after the request began: cut off
     body_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 60.0
     backlog: Positive = 1024
+    idle_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 5.0
+    max_connections: NonNegative = 512
     cors_origins: list[str] = []
     allowed_hosts: list[str] = []
     max_json_depth: Annotated[int, msgspec.Meta(ge=2, le=512)] = 64
@@ -118,6 +120,7 @@ class TokenizerSettings(_Section):
     max_tools: Positive = 128
     max_tool_chars: Positive = 65_536
     count_tokens_max_waiting: NonNegative = 8
+    constrain_auto_calls: bool = True
 
     def __post_init__(self) -> None:
         _check_output_formats(self.tool_format, self.reasoning_tags, "tokenizer.")

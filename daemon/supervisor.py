@@ -37,7 +37,6 @@ import msgspec
 import trio
 from hypercorn.config import Config as HypercornConfig
 from hypercorn.config import Sockets
-from hypercorn.trio import serve as hypercorn_serve
 from mlxd.actors import admission, streamer, tokenizer
 from mlxd.actors.admission import AdmissionOptions, AdmissionPolicy
 from mlxd.actors.engine import actor as engine
@@ -64,6 +63,8 @@ from mlxd.actors.tokenizer import TokenizerOptions
 from mlxd.actors.vision import ImageLimits
 from mlxd.daemon.app import DRAIN_NOTICE, create_app, reload_api_keys
 from mlxd.daemon.history import History
+from mlxd.daemon.hypercorn_serve import Connections
+from mlxd.daemon.hypercorn_serve import serve as http_serve
 from mlxd.daemon.pipeline import Pipeline, ServerState, Timeouts
 from mlxd.daemon.settings import (
     ModelEntry,
@@ -279,6 +280,11 @@ def tokenizer_options(s: Settings, entry: ModelEntry | None = None) -> Tokenizer
         reasoning_tags=entry.reasoning_tags or s.tokenizer.reasoning_tags,
         image_limits=options_from(s.vision, ImageLimits),
         chat_template=entry.chat_template_text(s.model.chat_template_text()),
+        # a lazy call grammar rides on the runner's logits processors, which neither the
+        # drafting runner nor the other ranks of a group run
+        constrain_auto_calls=s.tokenizer.constrain_auto_calls
+        and not _speculates(s, entry)
+        and s.distributed.parallel == "off",
     )
 
 
@@ -413,14 +419,17 @@ def _cut_off(request_id: str, deadline_s: float) -> Failed:
 
 async def _serve_http(
     app,
-    config: HypercornConfig,
+    config: HttpConfig,
     stop: trio.Event,
     done: trio.Event,
     *,
     task_status=trio.TASK_STATUS_IGNORED,
 ) -> None:
+    connections = Connections(config.max_connections)
     try:
-        await hypercorn_serve(app, config, shutdown_trigger=stop.wait, task_status=task_status)
+        await http_serve(
+            app, config, connections, shutdown_trigger=stop.wait, task_status=task_status
+        )
     finally:
         done.set()
 
@@ -436,6 +445,7 @@ class HttpConfig(HypercornConfig):
     """
 
     send_timeout_s: float = 0.0
+    max_connections: int = 0  # server.max_connections (daemon/hypercorn_serve.py)
 
     def create_sockets(self) -> Sockets:
         sockets = super().create_sockets()
@@ -454,6 +464,8 @@ def http_config(s: Settings) -> HttpConfig:
     config.graceful_timeout = s.server.flush_timeout_s
     config.backlog = s.server.backlog
     config.send_timeout_s = s.server.send_timeout_s
+    config.keep_alive_timeout = s.server.idle_timeout_s  # HTTP/2 ones too: hypercorn_serve.py
+    config.max_connections = s.server.max_connections
     # No HTTP/2 stream is accepted (cleartext h2 is only ever a probe here, e.g. a router's
     # gRPC health check): a response streamed to an h2 client that hangs up at once can
     # race hypercorn's close of the socket and end the server (BusyResourceError).

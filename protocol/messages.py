@@ -97,6 +97,10 @@ class Tool(msgspec.Struct, frozen=True, kw_only=True):
     name: str
     description: str = ""
     parameters: dict = {}
+    # The API's ``strict``: True, the arguments match the schema exactly, also in auto mode
+    # (the schema passed OpenAI's strict rules); False, calls in auto mode are left free;
+    # None, the server's ``tokenizer.constrain_auto_calls``.
+    strict: bool | None = None
 
 
 class Constraint(msgspec.Struct, frozen=True, kw_only=True):

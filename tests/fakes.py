@@ -238,3 +238,151 @@ def fake_factory(runner: FakeRunner, context_length: int = 4096, memory: MemoryM
         return runner, info
 
     return factory
+
+
+# ---- a scripted model under a grammar (tool calls constrained in auto mode) ----------------
+
+# Where the script has nothing the grammar allows, a scripted model closes what is open.
+_CLOSERS = '"}]\n'
+
+
+class ScriptedModel:
+    """A model that means to write ``script`` (token ids), masked as a real one would be.
+
+    It writes its next script token where the grammar allows it (free text: always),
+    skips blanks the grammar's layout has no room for, takes a token the grammar forces,
+    else jumps to the next script token the grammar allows, else closes what is open
+    (``"``, ``}``, ``]``, a newline), else takes the lowest allowed id. So a wrong key, a
+    string for an integer or a call that never closes comes out repaired under a mask,
+    and as scripted without one. Deterministic: no randomness.
+    """
+
+    def __init__(self, script: list[int], constraint, tokenizer, vocab: int):
+        self._script, self._p = script, 0
+        self._constraint = constraint  # lazy_calls.LazyCalls, a _Forced matcher, or None
+        self._tok = tokenizer
+        self._vocab = vocab
+
+    def next(self) -> int:
+        allowed = self._constraint.allowed(self._vocab) if self._constraint else None
+        token = self._choose(allowed)
+        if self._constraint is not None:
+            self._constraint.consume([token])
+        return token
+
+    def _want(self, k: int) -> int:
+        return self._script[min(k, len(self._script) - 1)]
+
+    def _choose(self, allowed) -> int:
+        import numpy as np
+
+        if allowed is None:
+            self._p += 1
+            return self._want(self._p - 1)
+        s = self._script
+        while self._p < len(s) and not allowed[s[self._p]] and self._blank(s[self._p]):
+            self._p += 1
+        if self._p < len(s) and allowed[s[self._p]]:
+            self._p += 1
+            return s[self._p - 1]
+        ids = np.flatnonzero(allowed)
+        if len(ids) == 1:
+            return int(ids[0])
+        later = [k for k in range(self._p, len(s)) if allowed[s[k]]]
+        if later:
+            self._p = later[0] + 1
+            return s[later[0]]
+        for ch in _CLOSERS:
+            ids_of = self._tok.encode(ch, add_special_tokens=False)
+            if len(ids_of) == 1 and allowed[ids_of[0]]:
+                return ids_of[0]
+        return int(ids[0])
+
+    def _blank(self, token: int) -> bool:
+        text = self._tok.decode([token])
+        return bool(text) and text.isspace()
+
+
+class _Forced:
+    """A forced grammar's matcher in the shape of ``LazyCalls``: on from the first token,
+    only an end of sequence once the call is complete."""
+
+    def __init__(self, grammar):
+        from llguidance.numpy import allocate_token_bitmask
+
+        self._g = grammar
+        self._bitmask = allocate_token_bitmask(1, grammar.vocab_size)
+
+    def allowed(self, width: int):
+        import numpy as np
+        from llguidance.numpy import fill_next_token_bitmask
+
+        allowed = np.zeros(width, dtype=bool)
+        matcher = self._g.matcher
+        if matcher.is_stopped():
+            allowed[list(self._g.eos_ids)] = True
+            return allowed
+        fill_next_token_bitmask(matcher, self._bitmask)
+        bits = np.unpackbits(self._bitmask.view(np.uint8), bitorder="little")
+        allowed[: self._g.vocab_size] = bits[: self._g.vocab_size]
+        return allowed
+
+    def consume(self, tokens: list[int]) -> None:
+        for t in tokens:
+            if not self._g.matcher.is_stopped():
+                self._g.matcher.consume_token(t)
+
+
+@dataclass
+class GrammarRunner(FakeRunner):
+    """A fake runner whose model writes the text between ``<<`` and ``>>`` in its prompt
+    (else ``OK``) in an HF tokenizer's ids, under the request's grammar (forced or lazy),
+    through ``ScriptedModel``. Each row is masked on its own, as the real runner's
+    logits processors are."""
+
+    tokenizer: object = None
+    models: dict = field(default_factory=dict)
+
+    def start(self, request: TokenizedRequest) -> int:
+        from mlxd.actors.lazy_calls import LazyCalls, LazyGrammar
+
+        tok = self.tokenizer
+        text = tok.decode(list(request.prompt_tokens), skip_special_tokens=False)  # type: ignore[attr-defined]
+        script = text.rsplit("<<", 1)[-1].split(">>", 1)[0] if "<<" in text else "OK"
+        reply = tok.encode(script, add_special_tokens=False) + [tok.eos_token_id]  # type: ignore[attr-defined]
+        g = request.grammar
+        constraint = LazyCalls(g) if isinstance(g, LazyGrammar) else (_Forced(g) if g else None)
+        self.models[request.request_id] = ScriptedModel(reply, constraint, tok, len(tok))  # type: ignore[arg-type]
+        self.replies[request.request_id] = (request.prompt_tokens, reply)
+        self.prefilling[request.request_id] = _Seq(request, reply)
+        return 0
+
+    def decode(self) -> list[Decoded]:
+        self.decode_steps += 1
+        self.batch_sizes.append(len(self.running))
+        out = []
+        for rid, seq in list(self.running.items()):
+            token = self.models[rid].next()
+            seq.emitted += 1
+            reason = "stop" if token == self.tokenizer.eos_token_id else None  # type: ignore[attr-defined]
+            if reason is None and seq.emitted >= seq.request.sampling.max_tokens:
+                reason = "length"
+            out.append(Decoded(rid, token, reason, None))
+            if reason:
+                del self.running[rid]
+        return out
+
+
+def grammar_factory(runner: GrammarRunner, context_length: int = 8192):
+    def factory():
+        info = ModelInfo(
+            model_id="fake-model",
+            model_dir=Path("."),
+            context_length=context_length,
+            vocab_size=len(runner.tokenizer),  # type: ignore[arg-type]
+            tokenizer=runner.tokenizer,
+            backend="fake",
+        )
+        return runner, info
+
+    return factory

@@ -11,6 +11,7 @@ a slow machine does not.
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import trio
@@ -137,3 +138,77 @@ async def test_a_stalled_body_is_cut_off_at_body_timeout_s(name):
     assert response.startswith(status), response[:200]
     if status == b"HTTP/1.1 408":
         assert json.loads(response.partition(b"\r\n\r\n")[2])["error"]["type"]
+
+
+# ---- HTTP/2, which mlxd refuses, and the connection cap (daemon/hypercorn_serve.py) ----------
+
+H2_OPENING = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + bytes.fromhex("000000040000000000")  # + SETTINGS
+IDLE_S = 0.5
+
+
+def open_descriptors() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+async def refused_http2(url: str) -> bytes:
+    """An HTTP/2 connection that sends its preface and an empty SETTINGS, then nothing:
+    what the server sends until it closes it (a hang fails)."""
+    stream = await connect(url)
+    try:
+        await stream.send_all(H2_OPENING)
+        return await read_until_closed(stream)
+    finally:
+        await stream.aclose()
+
+
+async def test_an_http2_connection_is_closed_at_the_idle_timeout():
+    """It used to stay open for ever: hypercorn starts no idle timer on an HTTP/2
+    connection without a stream, and mlxd allows none."""
+    settings = settings_with(server={"idle_timeout_s": IDLE_S})
+    async with real_server(settings) as (url, _, _):
+        start = trio.current_time()
+        answer = await refused_http2(url)
+        waited = trio.current_time() - start
+    assert answer[3] == 4  # the server's SETTINGS frame (max concurrent streams 0)
+    assert waited >= IDLE_S  # closed by the timeout, not at once
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="counts /proc/self/fd")
+async def test_500_refused_http2_connections_leave_the_descriptor_count_where_it_was():
+    settings = settings_with(server={"idle_timeout_s": IDLE_S, "max_connections": 0})
+    async with real_server(settings) as (url, _, _):
+        before = open_descriptors()
+        async with trio.open_nursery() as nursery:
+            for _ in range(500):
+                nursery.start_soon(refused_http2, url)
+        with trio.fail_after(WAIT_S):  # the server closes its ends right after their EOF
+            while open_descriptors() > before:
+                await trio.sleep(0.01)
+
+
+async def test_a_connection_past_max_connections_gets_a_503_and_http2_ones_count():
+    settings = settings_with(server={"idle_timeout_s": WAIT_S, "max_connections": 2})
+    async with real_server(settings) as (url, _, _):
+        held = [await connect(url) for _ in range(2)]
+        for stream in held:
+            await stream.send_all(H2_OPENING)
+            with trio.fail_after(WAIT_S):  # the server's SETTINGS: it has taken the connection
+                await stream.receive_some(65536)
+        extra = await connect(url)
+        await extra.send_all(request("GET", "/health", "Host: localhost"))
+        refused = await read_until_closed(extra)
+        for stream in held:
+            await stream.aclose()
+        with trio.fail_after(WAIT_S):  # the server notices the closes
+            while (answer := await health(url)).startswith(b"HTTP/1.1 503"):
+                await trio.sleep(0.01)
+    assert refused.startswith(b"HTTP/1.1 503") and b"Retry-After: 1" in refused
+    error = json.loads(refused.partition(b"\r\n\r\n")[2])["error"]
+    assert error["code"] == "too_many_connections" and "server.max_connections" in error["message"]
+    assert answer.startswith(b"HTTP/1.1 200")
+
+
+async def health(url: str) -> bytes:
+    stream = await connect(url)
+    await stream.send_all(request("GET", "/health", "Host: localhost", "Connection: close"))
+    return await read_until_closed(stream)

@@ -17,7 +17,8 @@ schema; a string is free text that cannot hold its closing tag or the call's
 end marker, with its ``enum`` enforced but not ``pattern``, ``format`` or
 lengths. Gemma 4's nested objects and arrays follow Gemma's syntax, not their
 schema. Formats without a builder get the bare JSON object. The call starts at
-the answer's first token: no reasoning comes before it.
+the answer's first token: no reasoning comes before it. In ``tool_choice: auto`` the
+same grammar holds a call from its opener on (``OPENERS``, ``actors/lazy_calls.py``).
 Pure Python: no trio, no mlx.
 """
 
@@ -519,6 +520,44 @@ BUILDERS: dict[str, Builder] = {
     "functionary_v3_2": _functionary_v3_2,
     "command_r_plus": _command_r_plus,
 }
+
+
+# Where each format's call starts: the text (or special token) that opens it, which is also
+# where its grammar begins. In ``tool_choice: auto`` the grammar waits for one of these in the
+# answer (``actors/lazy_calls.py``). Formats missing here stay free in auto mode: no builder
+# (MiniMax-M3, FunctionGemma, Kimi K3, Muse), or no opener in the answer (Functionary v3.2:
+# the prompt's ``>>>`` opens every message, a call or text alike).
+OPENERS: dict[str, tuple[str, ...]] = {
+    "hermes": ("<tool_call>",),
+    "mistral": ("[TOOL_CALLS]",),
+    "llama3": ("{",),
+    "json": ("{",),
+    "qwen3_coder": ("<tool_call>",),
+    "seed_oss": ("<seed:tool_call>",),
+    "glm47": ("<tool_call>",),
+    "hy3": ("<tool_calls:opensource>",),
+    "minimax_m2": ("<minimax:tool_call>",),
+    "minicpm5": ('<function name="',),
+    "deepseek_dsml": ("<｜DSML｜function_calls>", "<｜DSML｜tool_calls>"),
+    "gemma4": ("<|tool_call>",),
+    "kimi_k2": ("<|tool_calls_section_begin|>",),
+    "deepseek_v3": ("<｜tool▁calls▁begin｜>",),
+    "harmony": ("<|channel|>commentary to=functions.",),
+    "pythonic": ("<|tool_call_start|>",),
+    "apriel": ("<tool_calls>",),
+    "nemotron_v2": ("<TOOLCALL>",),
+    "command_r": ("<|START_ACTION|>",),
+    "apertus": ("<|tools_prefix|>",),
+    "gigachat": ("<|function_call|>",),
+    "gigachat3": ("<|message_sep|>\n\nfunction call<|role_sep|>",),
+    "granite": ("<|tool_call|>",),
+    "firefunction": ("functools[",),
+    "solar": ("<|tool_calls|>",),
+    "functionary": ("<function=",),
+    "command_r_plus": ("Action:",),
+}
+# Formats whose call is a JSON object that starts the answer: the opener counts only there.
+LEADING = frozenset({"llama3", "json"})
 
 
 def lark(fmt: str, schema: dict, split: Split = as_text, prefix: str = "") -> str:

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 import msgspec
 import trio
+from mlxd.actors.grammar import strict_schema_error
 from mlxd.actors.mailbox import Bell
 from mlxd.actors.tokenizer import RESERVED_TEMPLATE_KWARGS
 from mlxd.daemon.api.body import json_depth, valid_utf8
@@ -350,6 +351,16 @@ def tool_choice(choice: str | None, tools: tuple[Tool, ...], named: str | None, 
         check(bool(tools), param, "tool_choice 'required' needs tools")
         return choice, Constraint(kind="tool_call", tool_names=names, param=param)
     return choice, None
+
+
+def strict_flag(name: str, parameters: dict | None, strict: bool | None, param: str) -> bool | None:
+    """A tool's ``strict``; ``true`` needs a schema OpenAI's strict mode takes: every object
+    sets ``additionalProperties: false`` and requires all its properties, at every level
+    (else a 400 naming the rule and where, as OpenAI words it)."""
+    if strict and parameters:
+        problem = strict_schema_error(parameters)
+        check(problem is None, param, f"Invalid schema for function '{name}': {problem}")
+    return strict
 
 
 def check_tools(tools: tuple[Tool, ...], param: str = "tools") -> tuple[Tool, ...]:

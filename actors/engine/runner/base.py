@@ -38,13 +38,14 @@ from mlxd.actors.engine.runner import caches
 from mlxd.actors.engine.runner.caches import check_batchable, layer_kinds
 from mlxd.actors.engine.runner.disk_codec import DiskReads
 from mlxd.actors.engine.runner.guards import RowGuard, bias_processor
-from mlxd.actors.engine.runner.logits import GrammarProcessor, token_logprobs
+from mlxd.actors.engine.runner.logits import GrammarProcessor, LazyCallProcessor, token_logprobs
 from mlxd.actors.engine.runner.prefix_cache import PrefixCache
 from mlxd.actors.engine.runner.sampling import scaled_logits
 from mlxd.actors.engine.scheduler.memory import AttentionLayer, Layer, StateLayer
 from mlxd.actors.engine.scheduler.types import Decoded
 from mlxd.actors.engine.speculative.spec_prefill import SpecPrefill, positioned, set_position
 from mlxd.actors.grammar import CompiledGrammar
+from mlxd.actors.lazy_calls import LazyGrammar
 from mlxd.protocol.messages import (
     RunnerCounters,
     SamplingParams,
@@ -81,8 +82,11 @@ def make_sampler(params: SamplingParams, drawn: int = 0):
     return sample
 
 
-def make_processors(params: SamplingParams, grammar: object | None = None) -> list:
-    """A bounds-checked bias, penalties from mlx-lm; a grammar mask last, so nothing can undo it."""
+def make_processors(
+    params: SamplingParams, grammar: object | None = None, resumed: int = 0
+) -> list:
+    """A bounds-checked bias, penalties from mlx-lm; a grammar mask last, so nothing can undo it
+    (``resumed``: a lazy call grammar replays the row's last tokens, its own)."""
     processors = [bias_processor(params.logit_bias)] if params.logit_bias else []
     processors += make_logits_processors(
         repetition_penalty=params.repetition_penalty if params.repetition_penalty != 1.0 else None,
@@ -94,6 +98,8 @@ def make_processors(params: SamplingParams, grammar: object | None = None) -> li
     )
     if isinstance(grammar, CompiledGrammar):
         processors.append(GrammarProcessor(grammar))
+    elif isinstance(grammar, LazyGrammar):
+        processors.append(LazyCallProcessor(grammar, resumed))
     return processors
 
 
@@ -589,7 +595,7 @@ class MlxRunner:
             # depend on where the row's last step left the shared matcher
             request.grammar.matcher.reset()
             request.grammar.matcher.consume_tokens(list(request.prompt_tokens[-request.resumed :]))
-        processors = make_processors(request.sampling, request.grammar)
+        processors = make_processors(request.sampling, request.grammar, request.resumed)
         return [self._guard.processor(request.request_id, p) for p in processors]
 
     def faults(self) -> dict[str, Exception]:

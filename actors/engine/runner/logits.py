@@ -3,7 +3,8 @@
 ``GrammarProcessor`` is an mlx-lm logits processor (one per constrained
 request): before each sample it advances the request's llguidance matcher by
 the tokens sampled since its last call, then masks every token the grammar
-forbids. ``token_logprobs`` turns the log-softmax rows that mlx-lm's
+forbids. ``LazyCallProcessor`` does the same only while a tool call is open
+(auto mode). ``token_logprobs`` turns the log-softmax rows that mlx-lm's
 ``BatchGenerator`` returns into the sampled token's logprob and the top
 alternatives, in one batched ``argpartition`` for the requests that asked.
 Engine thread only (MLX).
@@ -18,6 +19,7 @@ import mlx.core as mx
 import numpy as np
 from llguidance.numpy import allocate_token_bitmask, fill_next_token_bitmask
 from mlxd.actors.grammar import CompiledGrammar
+from mlxd.actors.lazy_calls import LazyCalls, LazyGrammar
 from mlxd.protocol.messages import TokenLogprob
 
 log = logging.getLogger("mlxd.grammar")
@@ -55,6 +57,28 @@ class GrammarProcessor:
         n = min(width, self._grammar.vocab_size)
         allowed[:n] = bits[:n]
         return mx.array(allowed)
+
+
+class LazyCallProcessor:
+    """Free logits until the answer opens a tool call, then its call grammar's mask
+    (``actors/lazy_calls.py``; ``tool_choice: auto``). ``resumed``: the context's last
+    tokens were emitted by this row before a preemption, so they are replayed first."""
+
+    def __init__(self, grammar: LazyGrammar, resumed: int = 0):
+        self._calls = LazyCalls(grammar)
+        self._resumed = resumed
+        self._seen: int | None = None
+
+    def __call__(self, tokens: mx.array, logits: mx.array) -> mx.array:
+        n = tokens.shape[0]
+        if self._seen is None:
+            self._seen = n - self._resumed  # the first call sees the prompt (and the replay)
+        if n > self._seen:
+            # sync: the opener is looked for in the sampled tokens before this step's mask
+            self._calls.consume(tokens[self._seen :].tolist())
+        self._seen = n
+        allowed = self._calls.allowed(logits.shape[-1])
+        return logits if allowed is None else mx.where(mx.array(allowed), logits, -math.inf)
 
 
 def token_logprobs(rows: list[mx.array], tokens: list[int], tops: list[int]) -> list[TokenLogprob]:
