@@ -17,6 +17,7 @@ that may never read gets round to reading it.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import msgspec
@@ -86,6 +87,7 @@ class Mailbox:
         bell: Bell | None = None,
         on_final: Callable[[Mailbox], None] | None = None,
         max_unread: int = 0,
+        on_moved: Callable[[], None] | None = None,
     ):
         self.request_id = request_id
         # Set once the engine's sequence is over: it ended it itself, or the streamer
@@ -98,6 +100,7 @@ class Mailbox:
         self._closed = False
         self._bell = bell or Bell()
         self._on_final = on_final
+        self._on_moved = on_moved  # the queue moved: this request started, or ended after it
         self._max_unread = max_unread  # 0: no cap
         self._unread = 0
 
@@ -112,6 +115,8 @@ class Mailbox:
         match event:
             case Started():
                 self._started = event
+                if not self.began and self._on_moved is not None:
+                    self._on_moved()
                 self.began = True
             case TextDelta():
                 self._deltas.append(event)
@@ -127,6 +132,8 @@ class Mailbox:
                 self._closed = True
                 if self._on_final is not None:
                     self._on_final(self)
+                if self.began and self._on_moved is not None:
+                    self._on_moved()
         self._bell.ring()
 
     def _not_reading(self) -> Failed:
@@ -171,6 +178,9 @@ class Mailboxes:
         self._emptied = trio.Event()
         self._ended: list[Mailbox] = []
         self._ended_bell = Bell()
+        # when the queue last moved: a request started, or one that had started ended
+        # (what ``admission.queue_timeout_s`` counts from, ``daemon/pipeline.py``)
+        self.moved_at = -math.inf
 
     def __len__(self) -> int:
         return len(self._open)
@@ -188,9 +198,15 @@ class Mailboxes:
     def register(self, request_id: str, bell: Bell | None = None) -> Mailbox:
         if request_id in self._open:
             raise KeyError(f"duplicate request id {request_id}")
-        box = Mailbox(request_id, bell, self._ended_one, self._max_unread)
+        box = Mailbox(request_id, bell, self._ended_one, self._max_unread, self._moved)
         self._open[request_id] = box
         return box
+
+    def _moved(self) -> None:
+        try:
+            self.moved_at = trio.current_time()
+        except RuntimeError:  # outside trio.run (a sync unit test): no timer to tell
+            pass
 
     def _ended_one(self, box: Mailbox) -> None:
         self._ended.append(box)

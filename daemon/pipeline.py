@@ -11,11 +11,13 @@ mailbox, so a client that stops reading holds neither.
 
 Both timeouts live here, in one timer (``Pipeline.expire``), and nowhere else:
 a request that has not started (no ``Started`` yet: queued for a slot,
-tokenizing, or waiting in the engine for memory or a batch place) within
-``admission.queue_timeout_s`` of its arrival gets a 503 ``queue_timeout`` with
-``Retry-After``; one still open ``admission.request_timeout_s`` after its arrival
-gets a 504 ``request_timeout`` (an error event once streaming), whether or not
-its client reads. The failure is put in its mailbox, so ``release_ended`` frees
+tokenizing, or waiting in the engine for memory or a batch place) gets a 503
+``queue_timeout`` with ``Retry-After`` once the queue has not moved for
+``admission.queue_timeout_s``: its wait counts from its arrival or from the
+last time any request started or any started request ended, whichever is later,
+so a queue that moves behind a slow batch never refuses. A request still open
+``admission.request_timeout_s`` after its arrival gets a 504 ``request_timeout`` (an
+error event once streaming), whether or not its client reads. The failure is put in its mailbox, so ``release_ended`` frees
 its slot and aborts whatever the admission queue, tokenizer or engine still
 holds of it, as for any other failure. Each session keeps a ``RequestTrace``
 that it hands to the telemetry when it closes.
@@ -127,19 +129,22 @@ class Session:
 class Timeouts:
     """When each open request's queue timeout and deadline fall (trio clock, seconds).
 
-    Every request gets the same two delays from its arrival, so arrival order is
-    expiry order: each kind is an insertion-ordered dict read from its oldest entry.
-    A delay of 0 turns that timeout off.
+    A deadline falls ``request_timeout_s`` after the request's arrival. A queue timeout
+    falls ``queue_timeout_s`` after the later of its arrival and ``moved_at`` (when the
+    queue last moved: a request started, or a started one ended), so progress restarts
+    every waiting request's clock. Both keep arrival order as expiry order: each kind
+    is an insertion-ordered dict read from its oldest entry. A delay of 0 turns that
+    timeout off.
     """
 
     def __init__(self, queue_timeout_s: float = 0.0, request_timeout_s: float = 0.0):
         self.queue_timeout_s, self.request_timeout_s = queue_timeout_s, request_timeout_s
-        self._queue: dict[str, float] = {}
+        self._queue: dict[str, float] = {}  # arrival times
         self._deadline: dict[str, float] = {}
 
     def add(self, request_id: str, now: float) -> None:
         if self.queue_timeout_s > 0:
-            self._queue[request_id] = now + self.queue_timeout_s
+            self._queue[request_id] = now
         if self.request_timeout_s > 0:
             self._deadline[request_id] = now + self.request_timeout_s
 
@@ -147,13 +152,21 @@ class Timeouts:
         self._queue.pop(request_id, None)
         self._deadline.pop(request_id, None)
 
-    def next_at(self) -> float:
+    def next_at(self, moved_at: float = -math.inf) -> float:
         """The earliest expiry (``inf``: none pending)."""
-        return min(_first(self._queue), _first(self._deadline))
+        return min(self._queue_due(_first(self._queue), moved_at), _first(self._deadline))
 
-    def due(self, now: float) -> tuple[list[str], list[str]]:
+    def due(self, now: float, moved_at: float = -math.inf) -> tuple[list[str], list[str]]:
         """Pop and return the requests whose queue timeout, and whose deadline, has come."""
-        return _pop_due(self._queue, now), _pop_due(self._deadline, now)
+        queued = []
+        while self._queue and self._queue_due(_first(self._queue), moved_at) <= now:
+            request_id = next(iter(self._queue))
+            del self._queue[request_id]
+            queued.append(request_id)
+        return queued, _pop_due(self._deadline, now)
+
+    def _queue_due(self, arrival: float, moved_at: float) -> float:
+        return max(arrival, moved_at) + self.queue_timeout_s
 
 
 def _first(times: dict[str, float]) -> float:
@@ -359,7 +372,8 @@ class Pipeline:
         task_status.started()
         while True:
             self._timer.reset()
-            queued, late = self.timeouts.due(trio.current_time())
+            moved_at = self.mailboxes.moved_at  # progress restarts the queue timeouts
+            queued, late = self.timeouts.due(trio.current_time(), moved_at)
             for request_id in queued:
                 box = self.mailboxes.get(request_id)
                 if box is not None and not box.began and not box.ended:
@@ -367,7 +381,8 @@ class Pipeline:
                     box.put(self._queue_timeout(request_id))
             for request_id in late:
                 self.mailboxes.deliver(self._deadline_passed(request_id))
-            with trio.move_on_at(self.timeouts.next_at()):
+            # a wake-up before a timeout that progress moved later finds nothing due
+            with trio.move_on_at(self.timeouts.next_at(moved_at)):
                 await self._timer.wait()  # rung when a request arrives
 
     def _queue_timeout(self, request_id: str) -> Failed:
@@ -375,8 +390,9 @@ class Pipeline:
             request_id=request_id,
             reason="queue_timeout",
             message=(
-                f"waited over {self.timeouts.queue_timeout_s:g}s for a slot, memory or a "
-                "batch place (admission.queue_timeout_s); retry later"
+                f"waited {self.timeouts.queue_timeout_s:g}s for a slot, memory or a batch "
+                "place while no request started or finished (admission.queue_timeout_s); "
+                "retry later"
             ),
             retry_after=self.retry_after_s,
         )
