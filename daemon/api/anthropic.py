@@ -74,6 +74,7 @@ from mlxd.daemon.api.common import (
     no_chat_template,
     start,
     tool_choice,
+    strict_flag,
     usage_of,
 )
 from mlxd.daemon.api.errors import ApiError, ErrorFormat, ErrorReason, OnError, install_errors
@@ -336,11 +337,16 @@ def _tools(w: wire.CountTokensRequest, v: Validator):
             f"tools[{i}]",
             f"tool type {t.type!r} is an Anthropic server tool; mlxd runs custom tools only",
         )
-    offered = [t for t in defs if not t.defer_loading]
+    offered = [(i, t) for i, t in enumerate(defs) if not t.defer_loading]
     tools = v.tools(
         tuple(
-            Tool(name=t.name, description=_description(t), parameters=t.input_schema)
-            for t in offered
+            Tool(
+                name=t.name,
+                description=_description(t),
+                parameters=t.input_schema,
+                strict=strict_flag(t.name, t.input_schema, t.strict, f"tools[{i}].input_schema"),
+            )
+            for i, t in offered
         )
     )
     c = w.tool_choice

@@ -30,6 +30,7 @@ from mlxd.daemon.api.common import (
     no_chat_template,
     reasoning_kwargs,
     start,
+    strict_flag,
     template_kwargs,
     tool_choice,
     usage_of,
@@ -200,10 +201,16 @@ def _tools(w: wire.ChatCompletionRequest, v: Validator):
     )
     defs = list(w.functions or ()) if legacy else [t.function for t in w.tools or ()]
     param = "functions" if legacy else "tools"
+    where = "{}[{}].parameters" if legacy else "{}[{}].function.parameters"
     tools = v.tools(
         tuple(
-            Tool(name=f.name, description=f.description, parameters=f.parameters or {})
-            for f in defs
+            Tool(
+                name=f.name,
+                description=f.description,
+                parameters=f.parameters or {},
+                strict=strict_flag(f.name, f.parameters, f.strict, where.format(param, i)),
+            )
+            for i, f in enumerate(defs)
         ),
         param,
     )

@@ -38,6 +38,7 @@ from mlxd.daemon.api.common import (
     no_chat_template,
     reasoning_kwargs,
     start,
+    strict_flag,
     tool_choice,
 )
 from mlxd.daemon.api.errors import ApiError, OnError, install_errors
@@ -171,38 +172,58 @@ class ToolSet:
     """
 
     def __init__(self, raw: list[dict[str, Any]], strict_hosted: bool):
-        declared: list[tuple[Target, str, dict]] = []  # (target, description, parameters)
+        # (target, description, parameters, strict)
+        declared: list[tuple[Target, str, dict, bool | None]] = []
         self.hosted: list[str] = []
         for i, t in enumerate(raw):
             declared += self._read(t, f"tools[{i}]", strict_hosted)
-        counts = Counter(target.name for target, _, _ in declared)
+        counts = Counter(target.name for target, *_ in declared)
         self.targets: dict[str, Target] = {}
         self.names: dict[tuple[str | None, str], str] = {}  # (namespace, name) → offered
         tools = []
-        for target, description, parameters in declared:
+        for target, description, parameters, strict in declared:
             offered = target.name
             if target.namespace is not None and counts[target.name] > 1:
                 offered = qualified(target.namespace, target.name)
             self.targets[offered] = target
             self.names[(target.namespace, target.name)] = offered
-            tools.append(Tool(name=offered, description=description, parameters=parameters))
+            tools.append(
+                Tool(name=offered, description=description, parameters=parameters, strict=strict)
+            )
         self.tools = tuple(tools)
 
-    def _read(self, t: dict, param: str, strict_hosted: bool) -> list[tuple[Target, str, dict]]:
+    def _read(
+        self, t: dict, param: str, strict_hosted: bool
+    ) -> list[tuple[Target, str, dict, bool | None]]:
         kind = t.get("type")
         if kind == "function":
             f = _convert(t, wire.FunctionTool, param)
-            return [(Target(f.name), f.description or "", f.parameters or {})]
+            strict = strict_flag(f.name, f.parameters, f.strict, f"{param}.parameters")
+            return [(Target(f.name), f.description or "", f.parameters or {}, strict)]
         if kind == "namespace":
             ns = _convert(t, wire.NamespaceTool, param)
             for j, f in enumerate(ns.tools):
                 check(f.type == "function", f"{param}.tools[{j}]", "a namespace holds functions")
+            where = f"{param}.tools[{{}}].parameters"
             return [
-                (Target(f.name, ns.name), f.description or "", f.parameters or {}) for f in ns.tools
+                (
+                    Target(f.name, ns.name),
+                    f.description or "",
+                    f.parameters or {},
+                    strict_flag(f.name, f.parameters, f.strict, where.format(j)),
+                )
+                for j, f in enumerate(ns.tools)
             ]
         if kind == "custom":
             c = _convert(t, wire.CustomTool, param)
-            return [(Target(c.name, custom=True), _custom_description(c, param), CUSTOM_PARAMETERS)]
+            return [
+                (
+                    Target(c.name, custom=True),
+                    _custom_description(c, param),
+                    CUSTOM_PARAMETERS,
+                    None,
+                )
+            ]
         check(isinstance(kind, str) and kind in HOSTED_TOOLS, param, f"unknown tool type {kind!r}")
         check(
             not strict_hosted,
