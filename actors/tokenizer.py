@@ -37,8 +37,8 @@ from mlxd.actors.engine.scheduler.memory import MemoryModel
 from mlxd.actors.engine.scheduler.types import ModelInfo
 from mlxd.actors.families.reasoning import EffortError
 from mlxd.actors.grammar import CompiledGrammar, GrammarCompiler, GrammarError
-from mlxd.actors.mailbox import Mailboxes
 from mlxd.actors.lazy_calls import LazyGrammar
+from mlxd.actors.mailbox import Mailboxes
 from mlxd.actors.normalize import NormalizeError, normalize_messages
 from mlxd.actors.tools import (
     TemplateTraits,
@@ -120,11 +120,11 @@ class TokenizerOptions:
     reasoning_tags: str = "auto"  # "auto", "none" or "<open>,<close>"
     image_limits: ImageLimits | None = None  # None: a text model's (no images)
     chat_template: str = ""  # the server's template, used instead of the model's; "": the model's
+    # tool_choice auto: a call is held to its grammar from the family's opener on
+    constrain_auto_calls: bool = True
 
 
 def use_chat_template(info: ModelInfo, template: str) -> None:
-    # tool_choice auto: a call is held to its grammar from the family's opener on
-    constrain_auto_calls: bool = True
     """The server's chat template in place of the model's, wherever one is read: the
     tokenizer's (text models, template traits) and the processor's (vision models)."""
     info.tokenizer.chat_template = template
@@ -157,10 +157,10 @@ class PromptBuilder:
             memory=info.memory,
             traits=template_traits(info.tokenizer, o.tool_format, o.reasoning_tags),
             grammars=grammars,
+            constrain_auto_calls=o.constrain_auto_calls,
         )
 
     def __init__(
-            constrain_auto_calls=o.constrain_auto_calls,
         self,
         tokenizer: Any,
         context_length: int,
@@ -176,13 +176,13 @@ class PromptBuilder:
         memory: MemoryModel | None = None,
         traits: TemplateTraits | None = None,
         grammars: GrammarCompiler | None = None,
+        constrain_auto_calls: bool = True,
     ):
         self.tokenizer = tokenizer
+        self.constrain_auto_calls = constrain_auto_calls
         self.want_checkpoints = checkpoints
-        constrain_auto_calls: bool = True,
         self.max_breakpoints = max_breakpoints
         self.vision = VisionProcessor(processor) if processor is not None else None
-        self.constrain_auto_calls = constrain_auto_calls
         self.image_limits = image_limits
         self.default_max_tokens = default_max_tokens
         self.clamp_max_tokens = clamp_max_tokens
@@ -384,24 +384,6 @@ class PromptBuilder:
         except GrammarError as exc:
             raise PromptError(str(exc), request.constraint.param) from exc
 
-    def build(self, request: AdmittedRequest) -> TokenizedRequest:
-        p = self.prompt(request)
-        if not p.tokens:
-            raise PromptError("the prompt is empty", "prompt")
-        sampling = request.sampling
-        max_tokens = self._max_tokens(len(p.tokens), sampling.max_tokens)
-        self._check_memory(len(p.tokens), max_tokens)
-        output = self.output_spec(request, p.text)
-        return TokenizedRequest(
-            request_id=request.request_id,
-            prompt_tokens=tuple(p.tokens),
-            sampling=msgspec.structs.replace(sampling, max_tokens=max_tokens),
-            checkpoints=p.checkpoints,
-            cache_key=request.cache_key if isinstance(request, ChatRequest) else "",
-            vision=p.vision,
-            priority=request.priority,
-            output=output,
-            grammar=self.grammar(request, output, p.text),
     def lazy_grammar(self, request: ChatRequest, prompt: str) -> LazyGrammar | None:
         """``tool_choice: auto``: the grammar a call is held to once the model opens one
         (``actors/lazy_calls.py``). On where the server says so (``constrain_auto_calls``)
@@ -422,6 +404,24 @@ class PromptBuilder:
         except GrammarError as exc:
             raise PromptError(str(exc), "tools") from exc
 
+    def build(self, request: AdmittedRequest) -> TokenizedRequest:
+        p = self.prompt(request)
+        if not p.tokens:
+            raise PromptError("the prompt is empty", "prompt")
+        sampling = request.sampling
+        max_tokens = self._max_tokens(len(p.tokens), sampling.max_tokens)
+        self._check_memory(len(p.tokens), max_tokens)
+        output = self.output_spec(request, p.text)
+        return TokenizedRequest(
+            request_id=request.request_id,
+            prompt_tokens=tuple(p.tokens),
+            sampling=msgspec.structs.replace(sampling, max_tokens=max_tokens),
+            checkpoints=p.checkpoints,
+            cache_key=request.cache_key if isinstance(request, ChatRequest) else "",
+            vision=p.vision,
+            priority=request.priority,
+            output=output,
+            grammar=self.grammar(request, output, p.text),
         )
 
     def _max_tokens(self, prompt: int, asked: int | None) -> int:
