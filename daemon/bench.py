@@ -365,7 +365,11 @@ def _levels(text: str) -> list[int]:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="mlxd bench", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(
+        prog="mlxd bench",
+        description=__doc__.splitlines()[0],
+        epilog="docs: docs/development.md#benchmarks",
+    )
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--engine", action="store_true", help="in-process engine only, no HTTP")
     mode.add_argument("--both", action="store_true", help="engine, then the server at --url")

@@ -90,8 +90,30 @@ def _settings_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--trust-remote-code", action="store_true", help="not supported")
 
 
+# The page each command's --help ends with: a path in the repository (the site's source,
+# `mkdocs serve -f docs/mkdocs.yml`), stable across where the site is published.
+DOCS = {
+    "mlxd": "docs/index.md",
+    "serve": "docs/operations.md#settings",
+    "config": "docs/operations.md#every-setting",
+    "bench": "docs/development.md#benchmarks",
+    "status": "docs/operations.md#dashboard-and-mlxd-status",
+    "launchd": "docs/operations.md#running-as-a-service",
+    "systemd": "docs/operations.md#running-as-a-service",
+    "cluster": "docs/scaling.md#several-daemons-behind-a-router",
+    "parse": "docs/families.md#mlxd-parse",
+}
+
+
+def docs_epilog(command: str) -> str:
+    """The last line of a command's help: the documentation page to read."""
+    return f"docs: {DOCS.get(command, DOCS['mlxd'])}"
+
+
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="mlxd", description="MLX serving daemon")
+    parser = argparse.ArgumentParser(
+        prog="mlxd", description="MLX serving daemon", epilog=docs_epilog("mlxd")
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     serve = sub.add_parser("serve", help="serve a model over HTTP (OpenAI API)")
     _settings_options(serve)
@@ -102,6 +124,8 @@ def _parser() -> argparse.ArgumentParser:
     service.add_parsers(sub)
     cluster.add_parser(sub)
     parse_cmd.add_parser(sub)
+    for name, command in sub.choices.items():
+        command.epilog = docs_epilog(name)
     return parser
 
 

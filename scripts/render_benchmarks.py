@@ -171,6 +171,8 @@ def rows_table(rows: list[dict[str, Any]]) -> str:
     columns: list[str] = []
     for row in rows:
         columns += [key for key in row if key not in columns]
+    # the labels (text) first, then the numbers (a record's keys come back sorted)
+    columns.sort(key=lambda c: not all(isinstance(r.get(c), str) for r in rows))
     return table(columns, ([number(row.get(c)) for c in columns] for row in rows))
 
 
