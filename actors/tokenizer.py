@@ -444,7 +444,8 @@ class PromptBuilder:
         if prompt + max_tokens > self.context_length:
             raise PromptError(
                 f"this model's context is {self.context_length} tokens; the request needs "
-                f"{prompt + max_tokens} ({prompt} in the prompt, {max_tokens} for the completion)",
+                f"{prompt + max_tokens} ({prompt} in the prompt, {max_tokens} for the completion); "
+                'engine.max_tokens_overflow = "clamp" would lower max_tokens to fit',
                 "max_tokens",
             )
         return max_tokens

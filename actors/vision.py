@@ -82,7 +82,9 @@ def _data_url_bytes(url: str, limits: ImageLimits) -> bytes:
     if not sep or not header.endswith(";base64"):
         raise VisionError("data: image URLs must be base64 (data:image/...;base64,...)")
     if len(payload) * 3 // 4 > limits.max_image_bytes + 3:
-        raise VisionError(f"image is larger than {limits.max_image_bytes} bytes")
+        raise VisionError(
+            f"image is larger than {limits.max_image_bytes} bytes (vision.max_image_bytes)"
+        )
     try:
         return base64.b64decode(payload, validate=True)
     except (binascii.Error, ValueError) as exc:
@@ -108,7 +110,9 @@ def image_bytes(url: str, limits: ImageLimits) -> bytes:
     else:
         raise VisionError("image URLs must be data: or http(s) URLs")
     if len(data) > limits.max_image_bytes:
-        raise VisionError(f"image is larger than {limits.max_image_bytes} bytes")
+        raise VisionError(
+            f"image is larger than {limits.max_image_bytes} bytes (vision.max_image_bytes)"
+        )
     return data
 
 
@@ -123,7 +127,8 @@ def decode_image(data: bytes, limits: ImageLimits) -> Any:
             width, height = image.size
             if width * height > limits.max_image_pixels:
                 raise VisionError(
-                    f"image is {width}x{height}; the limit is {limits.max_image_pixels} pixels"
+                    f"image is {width}x{height}; the limit is {limits.max_image_pixels} pixels "
+                    "(vision.max_image_pixels)"
                 )
             image.load()
             return image.convert("RGB")
@@ -145,7 +150,10 @@ def load_image(url: str, limits: ImageLimits) -> Any:
 
 def load_images(sources: list[str], limits: ImageLimits) -> list[Any]:
     if len(sources) > limits.max_images:
-        raise VisionError(f"at most {limits.max_images} images per request ({len(sources)} given)")
+        raise VisionError(
+            f"at most {limits.max_images} images per request (vision.max_images; "
+            f"{len(sources)} given)"
+        )
     images = []
     for i, url in enumerate(sources, 1):
         try:

@@ -220,7 +220,11 @@ class Validator:
         return max(top_k, 0)
 
     def n(self, n: int) -> int:
-        check(1 <= n <= self.engine.max_n, "n", f"n must be between 1 and {self.engine.max_n}")
+        check(
+            1 <= n <= self.engine.max_n,
+            "n",
+            f"n must be between 1 and {self.engine.max_n} (engine.max_n)",
+        )
         return n
 
     def stops(self, stop: str | list[str] | None, param: str = "stop") -> tuple[str, ...]:
