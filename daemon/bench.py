@@ -21,6 +21,7 @@ import json
 import math
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -388,7 +389,9 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, record: Callable[..., None] | None = None) -> int:
+    """``record(results, both, argv)``, when given, keeps the run (``scripts/bench.py``
+    writes it to docs/results; the daemon's layer imports no scripts)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     # ``mlxd bench -- --engine``: argparse's REMAINDER keeps the separator.
     args = _parser().parse_args(argv[1:] if argv[:1] == ["--"] else argv)
@@ -398,6 +401,8 @@ def main(argv: list[str] | None = None) -> int:
     if not args.engine:
         results += run_server(args.url, args.concurrency, args.max_tokens, args.timeout, args.body)
     print(as_json(results) if args.json else report(results))
+    if record is not None:
+        record(results, args.both, argv)
     failed = sum(len(r.requests) - len(r.ok) for r in results)
     return 1 if failed else 0
 

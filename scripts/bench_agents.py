@@ -605,7 +605,30 @@ def main(argv: list[str] | None = None) -> int:
         for r in results:
             print("\n" + report(_title(r, args), r["runs"]))
     failed = sum(s["failed"] for r in results for s in (run.summary() for run in r["runs"]))
+    _record(results, args, argv)
     return 1 if failed else 0
+
+
+def _record(results: list[dict], args: argparse.Namespace, argv: list[str] | None) -> None:
+    """The run as a record in docs/results (docs/benchmarks.md is rendered from them)."""
+    from mlxd.scripts import records
+
+    rows, figures = [], {}
+    for r in results:
+        by = {run.server: run.summary() for run in r["runs"]}
+        figures |= records.numbers({r["model"]: by})
+        if {"mlxd", "mlx_lm"} <= by.keys():
+            for metric, key in (("wall time", "wall_s"), ("TTFT p50", "ttft_p50_s")):
+                mlxd, peer = by["mlxd"][key], by["mlx_lm"][key]
+                rows.append(records.compared(r["model"], metric, better="lower", unit="s",
+                                             mlxd=mlxd, peer=peer))  # fmt: skip
+    notes = (
+        f"{args.agents} agents x {args.turns} turns sharing a prefix, {args.max_tokens}-token "
+        "replies, greedy."
+    )
+    command = records.command(argv, module="mlxd.scripts.bench_agents")
+    records.write("bench_agents", command=command, peer="mlx_lm.server", rows=rows,
+                  figures=figures, notes=notes)  # fmt: skip
 
 
 if __name__ == "__main__":

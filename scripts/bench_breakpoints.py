@@ -89,11 +89,17 @@ def main() -> None:
         (f"+ breakpoints {breakpoints}", builder(True), request(breakpoints)),
     ]
     base = None
+    figures = {}
     print(f"{'render_chat':<34} {'ms':>8} {'+ms':>8}  tokens  marks")
     for name, b, r in rows:
         ms, count, marks = timed(b, r, args.reps)
         base = ms if base is None else base
         print(f"{name:<34} {ms * 1e3:8.1f} {(ms - base) * 1e3:8.1f}  {count:6d}  {marks}")
+        figures[f"{name} (ms)"] = ms * 1e3
+    from mlxd.scripts import records  # docs/benchmarks.md is rendered from the records
+
+    command = records.command(module="mlxd.scripts.bench_breakpoints")
+    records.write("bench_breakpoints", command=command, figures=figures)
 
 
 if __name__ == "__main__":

@@ -190,7 +190,30 @@ def main(argv: list[str] | None = None) -> int:
     print(report(turns, servers))
     if args.json:
         print(json.dumps([t.__dict__ for t in turns], indent=1))
+    _record(turns, servers, argv)
     return 1 if any(s["failed"] for t in turns for s in t.cells.values()) else 0
+
+
+def _record(turns: list[Turn], servers: list[Server], argv: list[str] | None) -> None:
+    """The run as a record in docs/results: each mlxd's median tok/s ratio per cell."""
+    from mlxd.scripts import records
+
+    rows = [
+        records.compared(
+            f"{s.name}: {cell}", "tok/s", better="higher", ratio=statistics.median(values)
+        )  # fmt: skip
+        for s in servers
+        if s.kind == "mlxd"
+        for cell, values in ratios(turns, s.name).items()
+    ]
+    figures = {
+        f"round {t.round} {t.server} {cell} {key}": s[key]
+        for t in turns
+        for cell, s in t.cells.items()
+        for key in ("tok_s", "ttft_p50_ms")
+    }
+    command = records.command(argv, module="mlxd.scripts.bench_chat")
+    records.write("bench_chat", command=command, peer="mlx_lm.server", rows=rows, figures=figures)
 
 
 if __name__ == "__main__":

@@ -347,6 +347,12 @@ def main(argv: list[str] | None = None) -> int:
             out[server] = {"walls": walls, "requests": [asdict(r) for r in recorder.records]}
     if args.json:
         print(json.dumps(out, indent=2))
+    from mlxd.scripts import records  # docs/benchmarks.md is rendered from the records
+
+    figures = records.numbers({f"{server} turn walls (s)": o["walls"] for server, o in out.items()})
+    command = records.command(argv, module="mlxd.scripts.bench_clients")
+    records.write("bench_clients", command=command, peer="vllm-mlx" if args.vllm_mlx else None,
+                  figures=figures)  # fmt: skip
     return 0
 
 

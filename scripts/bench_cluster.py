@@ -164,6 +164,18 @@ def main(argv: list[str] | None = None) -> int:
     print(report(results))
     if args.json:
         print(json.dumps(results, indent=1))
+    from mlxd.scripts import records  # docs/benchmarks.md is rendered from the records
+
+    one = results[0]
+    rows = [
+        records.compared(r["run"], metric, better=better, mlxd=r[key], peer=one[key])
+        for r in results[1:]
+        for metric, key, better in (("cached-token share", "cached_share", "higher"),
+                                    ("wall time (s)", "wall_s", "lower"))
+    ]  # fmt: skip
+    command = records.command(argv, module="mlxd.scripts.bench_cluster")
+    records.write("bench_cluster", command=command, peer="one daemon", rows=rows,
+                  figures=records.numbers(results))  # fmt: skip
     return 0
 
 

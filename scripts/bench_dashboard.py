@@ -213,6 +213,14 @@ def main(argv: list[str] | None = None) -> int:
         f"median open / closed over {len(ratios)} rounds: tok/s {statistics.median(ratios):.3f}, "
         f"daemon CPU per token {statistics.median(cpu_ratios):.3f}"
     )
+    from mlxd.scripts import records  # docs/benchmarks.md is rendered from the records
+
+    rows = [records.compared(f"page open ({args.client})", "decode tok/s, median",
+                             better="higher", ratio=statistics.median(ratios))]  # fmt: skip
+    figures = {"daemon CPU per token, open / closed, median": statistics.median(cpu_ratios)}
+    command = records.command(argv, module="mlxd.scripts.bench_dashboard")
+    records.write("bench_dashboard", command=command, peer="the page closed", rows=rows,
+                  figures=figures)  # fmt: skip
     return 1 if failed else 0
 
 

@@ -85,6 +85,7 @@ def main() -> None:
     parser.add_argument("--turns", type=int, default=8)
     parser.add_argument("--block-tokens", type=int, default=256)
     args = parser.parse_args()
+    figures = {}
     with tempfile.TemporaryDirectory() as tmp_dir:
         tmp = Path(tmp_dir)
         for name in args.model.split(","):
@@ -100,6 +101,12 @@ def main() -> None:
                     f"  {how:>18}: {written / new / 1024:8.1f} KiB written per new token "
                     f"({written / 2**20:.1f} MiB for {new} tokens; RAM holds ~{kv / 1024:.1f} KiB/token)"
                 )
+                figures[f"{label}, {how}: KiB written per new token"] = written / new / 1024
+                figures[f"{label}: RAM KV per token (KiB)"] = kv / 1024
+    from mlxd.scripts import records  # docs/benchmarks.md is rendered from the records
+
+    command = records.command(module="mlxd.scripts.bench_disk_writes")
+    records.write("bench_disk_writes", command=command, figures=figures)
 
 
 if __name__ == "__main__":

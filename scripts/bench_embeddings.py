@@ -82,7 +82,7 @@ def settings_for(model_dir: Path, cache_dir: Path, max_batch_inputs: int):
     return msgspec.convert(raw, type=type(load_settings()))
 
 
-async def bench(model_dir: Path, cache_dir: Path, args) -> None:
+async def bench(model_dir: Path, cache_dir: Path, args) -> list[tuple[int, float, float]]:
     settings = settings_for(model_dir, cache_dir, max(BATCHES))
     graph = open_graph(settings)
     async with trio.open_nursery() as nursery:
@@ -98,6 +98,7 @@ async def bench(model_dir: Path, cache_dir: Path, args) -> None:
             f"  {apart:>9.1f} in/s x{apart / base:4.1f}"
         )
     print(f"(ratios against batch 1, one request; load average {os.getloadavg()[0]:.2f})")
+    return rows
 
 
 def main() -> None:
@@ -112,7 +113,15 @@ def main() -> None:
         root = Path(tmp)
         tokenizer = convert_gguf(default_model_path(), root / "gguf", lambda _: None)
         model = build_embedding_model(tokenizer, root / "embed")
-        trio.run(bench, model, root, args)
+        rows = trio.run(bench, model, root, args)
+    from mlxd.scripts import records  # docs/benchmarks.md is rendered from the records
+
+    figures = {}
+    for n, together, apart in rows:
+        figures[f"one request of {n} inputs (inputs/s)"] = together
+        figures[f"{n} one-input clients (inputs/s)"] = apart
+    command = records.command(module="mlxd.scripts.bench_embeddings")
+    records.write("bench_embeddings", command=command, figures=figures)
 
 
 if __name__ == "__main__":

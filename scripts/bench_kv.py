@@ -278,6 +278,11 @@ def main(argv: list[str] | None = None) -> int:
         results = [bench_model(name, args, Path(tmp)) for name in args.model.split(",")]
     if args.json:
         print(json.dumps(results, indent=2, default=str))
+    from mlxd.scripts import records  # docs/benchmarks.md is rendered from the records
+
+    command = records.command(argv, module="mlxd.scripts.bench_kv")
+    records.write("bench_kv", command=command, peer="kv_bits 0 (full precision)",
+                  figures=records.numbers(results))  # fmt: skip
     return 0
 
 

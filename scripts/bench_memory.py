@@ -137,6 +137,11 @@ def main() -> None:
                     report[f"{mix}/{admission}"] = result
                 print(mix, admission, json.dumps(result), flush=True)
         print(json.dumps(report, indent=2))
+    from mlxd.scripts import records  # docs/benchmarks.md is rendered from the records
+
+    command = records.command(module="mlxd.scripts.bench_memory")
+    records.write("bench_memory", command=command, peer='memory.admission = "reserve"',
+                  figures=records.numbers(report))  # fmt: skip
 
 
 if __name__ == "__main__":

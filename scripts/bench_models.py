@@ -182,6 +182,12 @@ def main(argv: list[str] | None = None) -> None:
         rows = trio.run(run, path, args.rounds)
     report(rows, label)
     sys.stdout.flush()
+    from mlxd.scripts import records  # docs/benchmarks.md is rendered from the records
+
+    figures = records.numbers({f"round {r['round']} {r['model']}": r for r in rows})
+    command = records.command(argv, module="mlxd.scripts.bench_models")
+    records.write("bench_models", command=command, figures=figures,
+                  notes=f"second model: {label}; model_pool.max_loaded = 1")  # fmt: skip
 
 
 if __name__ == "__main__":

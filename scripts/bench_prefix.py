@@ -116,6 +116,14 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"  turns 2-5 total: off {later_off:.2f}s, on {later_on:.2f}s, {later_off / later_on:.1f}x"
     )
+    from mlxd.scripts import records  # docs/benchmarks.md is rendered from the records
+
+    rows = [records.compared("turns 2-5 of a conversation", "TTFT, total", better="lower",
+                             unit="s", mlxd=later_on, peer=later_off)]  # fmt: skip
+    figures = records.numbers({"cache off, turn": off["conv"], "cache on, turn": on["conv"]})
+    command = records.command(argv, module="mlxd.scripts.bench_prefix")
+    records.write("bench_prefix", command=command, peer="the prefix cache off", rows=rows,
+                  figures=figures, notes="\n".join(on["system"]))  # fmt: skip
     return 0
 
 

@@ -273,6 +273,17 @@ def main(argv: list[str] | None = None) -> int:
             shutil.rmtree(tmp, ignore_errors=True)
     if args.json:
         print(json.dumps(results, indent=2))
+    from mlxd.scripts import records  # docs/benchmarks.md is rendered from the records
+
+    rows = [
+        records.compared(f"{r['model']}, turn 4 after a restart", "TTFT", better="lower",
+                         unit="s", mlxd=r["restart_ttft_s"], peer=r["mlx_lm_restart_ttft_s"])
+        for r in results
+        if "mlx_lm_restart_ttft_s" in r
+    ]  # fmt: skip
+    command = records.command(argv, module="mlxd.scripts.bench_restart")
+    records.write("bench_restart", command=command, peer="mlx_lm.server", rows=rows,
+                  figures=records.numbers(results))  # fmt: skip
     return 0
 
 

@@ -123,7 +123,7 @@ def _first_layers(model, n: int):
     return draft
 
 
-def verify_cost(args) -> None:
+def verify_cost(args) -> dict[str, float]:
     """What verification costs per batch size: the time of one forward pass over k+1
     tokens per row against one token per row, on a batch with ``--context`` tokens of
     history per row. With acceptance rate a a step emits E = (1 - a^(k+1)) / (1 - a)
@@ -152,6 +152,7 @@ def verify_cost(args) -> None:
                 c.trim(width)
         return (time.perf_counter() - start) / reps
 
+    figures = {}
     for n in (int(c) for c in args.concurrency.split(",")):
         rows = []
         for i in range(n):
@@ -170,12 +171,15 @@ def verify_cost(args) -> None:
             f"batch {n:3d}: step {one * 1000:7.1f} ms, verify {verify * 1000:7.1f} ms"
             f" (ratio {ratio:.2f}) | speed-up " + ", ".join(gains)
         )
+        figures[f"batch {n}: a verify pass / a step"] = ratio
+    return figures
 
 
-def bench(args) -> None:
+def bench(args) -> list[dict]:
     from mlxd.actors.engine.loading.load import load_model, load_runner
     from mlxd.actors.engine.speculative.lookup import LookupDrafter
     from mlxd.actors.engine.speculative.runner import SpeculativeRunner
+    from mlxd.scripts import records
 
     cache_dir = Path(args.cache_dir).expanduser()
     counts = [int(c) for c in args.concurrency.split(",")]
@@ -194,6 +198,7 @@ def bench(args) -> None:
         )
     stops = sorted(info.tokenizer.eos_token_ids)
     print(f"model {info.model_id} ({info.backend}), draft {name}, k={args.k}, {args.workload}")
+    rows = []
     for n in counts:
         spec = SpeculativeRunner(
             plain.model, draft, stops, width, num_draft=args.k, spec_max_batch=width
@@ -217,6 +222,9 @@ def bench(args) -> None:
             f" {stats.drafted / args.repeat / row_steps:.2f} drafted and"
             f" {spec_tokens / row_steps:.2f} emitted per request per step"
         )
+        workload = f"draft {name}, k = {args.k}, {args.workload}, {n} at once"
+        rows.append(records.compared(workload, "tok/s", better="higher", mlxd=fast, peer=base))
+    return rows
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -242,7 +250,13 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     print(blas.status())
-    (verify_cost if args.verify_cost else bench)(args)
+    from mlxd.scripts import records  # docs/benchmarks.md is rendered from the records
+
+    command = records.command(argv, module="mlxd.scripts.bench_spec")
+    if args.verify_cost:
+        records.write("bench_spec_verify", command=command, figures=verify_cost(args))
+    else:
+        records.write("bench_spec", command=command, peer="plain decoding", rows=bench(args))
     return 0
 
 

@@ -54,7 +54,7 @@ def _ttft(runner, request, chunk: int) -> tuple[float, float]:
     return end - start, (scored_at - start)
 
 
-def bench(args) -> None:
+def bench(args) -> list[dict]:
     from mlxd.actors.engine.loading.load import load_model, load_runner, make_spec_prefill
     from mlxd.actors.engine.runner.base import MlxRunner
     from mlxd.actors.engine.scheduler.options import SpecPrefillOptions
@@ -76,6 +76,7 @@ def bench(args) -> None:
     )
     _ttft(plain, _request(info.tokenizer, 512, "w0"), args.prefill_chunk)  # warm-up
     _ttft(sparse, _request(info.tokenizer, 512, "w1"), args.prefill_chunk)
+    rows = []
     for length in args.lengths:
         full, _ = _ttft(plain, _request(info.tokenizer, length, f"p{length}"), args.prefill_chunk)
         before = sp.stats.skipped_tokens
@@ -88,6 +89,9 @@ def bench(args) -> None:
             f" (x{full / ttft:.2f}; scoring {scoring:.2f}s, prefill only {ttft - scoring:.2f}s,"
             f" x{full / (ttft - scoring):.2f}) | prefilled {length - skipped} of {length}"
         )
+        rows.append({"workload": f"{length}-token prompt", "metric": "TTFT", "unit": "s",
+                     "better": "lower", "mlxd": ttft, "peer": full})  # fmt: skip
+    return rows
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -102,7 +106,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     print(blas.status())
-    bench(args)
+    rows = bench(args)
+    from mlxd.scripts import records  # docs/benchmarks.md is rendered from the records
+
+    command = records.command(argv, module="mlxd.scripts.bench_spec_prefill")
+    records.write("bench_spec_prefill", command=command, peer="full prefill", rows=rows)
     return 0
 
 

@@ -254,6 +254,7 @@ def main(argv: list[str] | None = None) -> None:
     rows = decode_table(runner, args) + prefill_table(runner, args)
     if args.json:
         print(json.dumps(rows))
+    _record("bench_step", rows, argv)
 
 
 def tiny(args, threads: str) -> None:
@@ -271,6 +272,23 @@ def tiny(args, threads: str) -> None:
     rows = decode_table(runner, args)  # each row's first run warms its shapes up
     if args.json:
         print(json.dumps(rows))
+    _record("bench_step_tiny", rows, None)
+
+
+def _record(name: str, rows: list[dict], argv: list[str] | None) -> None:
+    """The run as a record in docs/results: decode steps against BatchGenerator.next()."""
+    from mlxd.scripts import records
+
+    compared = [
+        records.compared(f"context {r['context']}, batch {r['batch']}", "step time",
+                         better="lower", unit="ms", mlxd=r["mlxd_ms"], peer=r["mlx_lm_ms"])
+        for r in rows
+        if "mlxd_ms" in r
+    ]  # fmt: skip
+    figures = records.numbers([r for r in rows if "mlxd_ms" not in r])
+    command = records.command(argv, module="mlxd.scripts.bench_step")
+    records.write(name, command=command, peer="mlx-lm's BatchGenerator.next()", rows=compared,
+                  figures=figures)  # fmt: skip
 
 
 if __name__ == "__main__":

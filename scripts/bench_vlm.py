@@ -53,7 +53,7 @@ def _decode_rate(runner, requests) -> tuple[int, float]:
     return tokens, elapsed
 
 
-def bench(model_dir: Path, n: int, max_tokens: int) -> None:
+def bench(model_dir: Path, n: int, max_tokens: int) -> dict:
     from mlxd.actors.engine.loading.load import load_runner
     from mlxd.actors.tokenizer import PromptBuilder
     from mlxd.actors.vision import ImageLimits
@@ -80,6 +80,8 @@ def bench(model_dir: Path, n: int, max_tokens: int) -> None:
         f" | speed-up x{(batch_tokens / batch_s) / (one_tokens / one_s):.2f}"
         f" ({batch_tokens} tokens each way)"
     )
+    return {"workload": f"{model_dir.name}, {n} requests", "metric": "tok/s", "better": "higher",
+            "mlxd": batch_tokens / batch_s, "peer": one_tokens / one_s}  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -94,12 +96,17 @@ def main(argv: list[str] | None = None) -> int:
     from mlxd.scripts import tiny_models as tm
 
     configs = {"qwen2_vl": tm.qwen2_vl_config, "qwen3_5_vl": tm.qwen3_5_vl_config}
+    rows = []
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         tokenizer = convert_gguf(default_model_path(), root / "gguf", lambda _: None)
         for name in args.models.split(","):
             model_dir = tm.build_vlm(configs[name](), tokenizer, root / name)
-            bench(model_dir, args.requests, args.max_tokens)
+            rows.append(bench(model_dir, args.requests, args.max_tokens))
+    from mlxd.scripts import records  # docs/benchmarks.md is rendered from the records
+
+    command = records.command(argv, module="mlxd.scripts.bench_vlm")
+    records.write("bench_vlm", command=command, peer="one request at a time", rows=rows)
     return 0
 
 

@@ -115,6 +115,10 @@ def main(argv: list[str] | None = None) -> int:
     url = args.url.rstrip("/")
     result = trio.run(flood, url, args.n, args.max_tokens, args.pid, args.settle)
     print(json.dumps(result, indent=2))
+    from mlxd.scripts import records  # docs/benchmarks.md is rendered from the records
+
+    command = records.command(argv, module="mlxd.scripts.flood")
+    records.write("flood", command=command, figures=records.numbers(result))
     return 0
 
 

@@ -91,6 +91,35 @@ def compared(
     return row
 
 
+_LABELS = ("model", "run", "server", "name", "label")
+
+
+def numbers(tree: Any, prefix: str = "") -> dict[str, float]:
+    """Every number in a benchmark's result (nested dicts and lists) as flat figures,
+    labelled by its path: a list item by its ``model`` / ``run`` / ``server`` / ``name``
+    where it has one, else by its index. Strings and booleans are left out."""
+    if isinstance(tree, bool):
+        return {}
+    if isinstance(tree, int | float):
+        return {prefix or "value": tree}
+    if isinstance(tree, dict):
+        items = tree.items()
+    elif isinstance(tree, list | tuple):
+        items = ((_label(item, i), item) for i, item in enumerate(tree))
+    else:
+        return {}
+    out: dict[str, float] = {}
+    for key, value in items:
+        out |= numbers(value, f"{prefix} {key}".strip())
+    return out
+
+
+def _label(item: Any, index: int) -> str:
+    if isinstance(item, dict):
+        return next((str(item[k]) for k in _LABELS if isinstance(item.get(k), str)), str(index))
+    return str(index)
+
+
 def read(path: Path) -> list[dict[str, Any]]:
     """Every record in one results file, oldest first."""
     lines = path.read_text(encoding="utf-8").splitlines()
