@@ -335,7 +335,7 @@ class _Forced:
 
 @dataclass
 class GrammarRunner(FakeRunner):
-    """A fake runner whose model writes the text between ``<<`` and ``>>`` in its prompt
+    """A fake runner whose model writes the text between the last two ``@@`` of its prompt
     (else ``OK``) in an HF tokenizer's ids, under the request's grammar (forced or lazy),
     through ``ScriptedModel``. Each row is masked on its own, as the real runner's
     logits processors are."""
@@ -348,7 +348,7 @@ class GrammarRunner(FakeRunner):
 
         tok = self.tokenizer
         text = tok.decode(list(request.prompt_tokens), skip_special_tokens=False)  # type: ignore[attr-defined]
-        script = text.rsplit("<<", 1)[-1].split(">>", 1)[0] if "<<" in text else "OK"
+        script = text.split("@@")[-2] if text.count("@@") >= 2 else "OK"
         reply = tok.encode(script, add_special_tokens=False) + [tok.eos_token_id]  # type: ignore[attr-defined]
         g = request.grammar
         constraint = LazyCalls(g) if isinstance(g, LazyGrammar) else (_Forced(g) if g else None)

@@ -26,9 +26,11 @@ from mlxd.protocol.messages import Tool
 from tests import templates
 from tests.conftest import running_graph, settings_with
 from tests.fakes import GrammarRunner, ScriptedModel, grammar_factory
+from tests.test_anthropic import events as anthropic_events
 from tests.test_forced_calls import HIDDEN, SAMPLES, _hf_tokenizer
 from tests.test_http import sse_events
 from tests.test_openai_features import post_json, read_stream
+from tests.test_responses import events as responses_events
 
 PARAMS = {
     "type": "object",
@@ -72,7 +74,11 @@ def _malformed(fmt: str) -> str:
     """The family's sample call with a wrong key and a string for the integer."""
     sample = SAMPLES[fmt]
     bad = sample.replace("city", "cty").replace('"nights":3', '"nights":"3"')
-    return bad.replace(">3<", ">three<").replace("\n3\n", "\nthree\n").replace("nights=3", "nights='3'")
+    return (
+        bad.replace(">3<", ">three<")
+        .replace("\n3\n", "\nthree\n")
+        .replace("nights=3", "nights='3'")
+    )
 
 
 LAZY = sorted(forced.OPENERS)
@@ -169,3 +175,258 @@ def test_formats_without_a_grammar_stay_free():
     compiler = GrammarCompiler(hf)
     for fmt in ("minimax_m3", "functionary_v3_2", "kimi_k3", "function_gemma", "muse_spark"):
         assert compiler.compile_lazy((BOOK,), fmt) is None
+
+
+# ---- through the whole daemon, every API -------------------------------------------------
+
+WEATHER = {
+    "type": "object",
+    "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
+    "required": ["city", "days"],
+}
+SAID = "Let me check."
+# Qwen3's template: Hermes markup, <tool_call> a special token of its vocabulary
+BAD_CALL = (
+    '<tool_call>\n{"name": "get_weather", "arguments": {"cty": "Paris", "days": "3"}}\n</tool_call>'
+)
+WANT = {"city": "Paris", "days": 3}
+AS_WRITTEN = {"cty": "Paris", "days": "3"}
+QWEN3 = ("Qwen-Qwen3-0.6B", ["<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>"])
+
+
+def family_tokenizer(template: str, specials: list[str]):
+    hf = _hf_tokenizer(specials)
+    hf.chat_template = templates.source(template)
+    return hf
+
+
+@asynccontextmanager
+async def lazy_client(family=QWEN3, **tokenizer_settings):
+    runner = GrammarRunner(tokenizer=family_tokenizer(*family))
+    settings = settings_with(tokenizer=tokenizer_settings) if tokenizer_settings else None
+    async with running_graph(settings or load_settings(), factory=grammar_factory(runner)) as (
+        pipeline,
+        _,
+    ):
+        yield create_app(pipeline, settings or load_settings()).test_client()
+
+
+def _chat_tools(strict=None):
+    function = {"name": "get_weather", "parameters": WEATHER}
+    if strict is not None:
+        function["strict"] = strict
+    return [{"type": "function", "function": function}]
+
+
+def _chat(script: str, strict=None) -> dict:
+    return {
+        "messages": [{"role": "user", "content": f"@@{script}@@"}],
+        "tools": _chat_tools(strict),
+        "max_tokens": 300,
+    }
+
+
+def _streamed_chat(frames: list[str]) -> tuple[str, list[tuple[str, dict]]]:
+    deltas = [json.loads(f)["choices"][0]["delta"] for f in frames if '"delta"' in f]
+    pieces: dict[int, list[str]] = {}
+    for d in deltas:
+        for t in d.get("tool_calls") or ():
+            entry = pieces.setdefault(t["index"], ["", ""])
+            entry[0] += t["function"].get("name") or ""
+            entry[1] += t["function"].get("arguments") or ""
+    content = "".join(d.get("content") or "" for d in deltas)
+    return content, [(n, json.loads(a)) for n, a in pieces.values()]
+
+
+async def _every_api(c, script: str) -> dict[str, tuple[str, list[tuple[str, dict]]]]:
+    """(content, calls) from each API, whole and streamed."""
+    out = {}
+    whole = (await post_json(c, "/v1/chat/completions", _chat(script)))["choices"][0]["message"]
+    out["chat"] = (
+        whole["content"] or "",
+        [
+            (t["function"]["name"], json.loads(t["function"]["arguments"]))
+            for t in whole["tool_calls"] or ()
+        ],
+    )
+    out["chat stream"] = _streamed_chat(
+        sse_events(await read_stream(c, "/v1/chat/completions", _chat(script)))
+    )
+    tool = {"type": "function", "name": "get_weather", "parameters": WEATHER}
+    body = {"input": f"@@{script}@@", "tools": [tool], "max_output_tokens": 300}
+    r = await post_json(c, "/v1/responses", body)
+    out["responses"] = _responses(r["output"])
+    done = responses_events(await read_stream(c, "/v1/responses", body))[-1]
+    out["responses stream"] = _responses(done["response"]["output"])
+    body = {
+        "model": "m",
+        "max_tokens": 300,
+        "messages": [{"role": "user", "content": f"@@{script}@@"}],
+        "tools": [{"name": "get_weather", "input_schema": WEATHER}],
+    }
+    out["anthropic"] = _anthropic((await post_json(c, "/v1/messages", body))["content"])
+    out["anthropic stream"] = _anthropic_stream(
+        anthropic_events(await read_stream(c, "/v1/messages", body))
+    )
+    body = {
+        "model": "m",
+        "stream": False,
+        "messages": [{"role": "user", "content": f"@@{script}@@"}],
+        "tools": _chat_tools(),
+    }
+    message = (await post_json(c, "/api/chat", body))["message"]
+    calls = [
+        (t["function"]["name"], t["function"]["arguments"]) for t in message.get("tool_calls") or ()
+    ]
+    out["ollama"] = (message["content"], calls)
+    return out
+
+
+def _responses(items: list[dict]) -> tuple[str, list[tuple[str, dict]]]:
+    text = "".join(
+        p["text"] for i in items if i["type"] == "message" for p in i["content"] if "text" in p
+    )
+    calls = [(i["name"], json.loads(i["arguments"])) for i in items if i["type"] == "function_call"]
+    return text, calls
+
+
+def _anthropic(blocks: list[dict]) -> tuple[str, list[tuple[str, dict]]]:
+    text = "".join(b["text"] for b in blocks if b["type"] == "text")
+    return text, [(b["name"], b["input"]) for b in blocks if b["type"] == "tool_use"]
+
+
+def _anthropic_stream(events: list[dict]) -> tuple[str, list[tuple[str, dict]]]:
+    blocks: dict[int, dict] = {}
+    for e in events:
+        if e.get("type") == "content_block_start":
+            blocks[e["index"]] = {**e["content_block"], "partial": ""}
+        elif e.get("type") == "content_block_delta":
+            d, b = e["delta"], blocks[e["index"]]
+            b["text"] = b.get("text", "") + d.get("text", "")
+            b["partial"] += d.get("partial_json", "")
+    for b in blocks.values():
+        if b["type"] == "tool_use":
+            b["input"] = json.loads(b["partial"] or "{}")
+    return _anthropic(list(blocks.values()))
+
+
+async def test_every_api_gets_the_call_valid_and_the_text_before_it():
+    async with lazy_client() as c:
+        got = await _every_api(c, f"{SAID} {BAD_CALL}")
+    for api, (content, calls) in got.items():
+        assert content.strip() == SAID, api
+        assert calls == [("get_weather", WANT)], api
+
+
+async def test_with_the_setting_off_the_call_is_as_written():
+    async with lazy_client(constrain_auto_calls=False) as c:
+        got = await _every_api(c, f"{SAID} {BAD_CALL}")
+    for api, (content, calls) in got.items():
+        assert content.strip() == SAID, api
+        assert calls == [("get_weather", AS_WRITTEN)], api
+
+
+async def test_strict_false_on_a_tool_leaves_its_calls_free_and_true_holds_them():
+    async with lazy_client() as c:
+        free = await post_json(c, "/v1/chat/completions", _chat(f"{SAID} {BAD_CALL}", strict=False))
+    call = free["choices"][0]["message"]["tool_calls"][0]["function"]
+    assert json.loads(call["arguments"]) == AS_WRITTEN
+    strict_schema = {**WEATHER, "additionalProperties": False}
+    body = _chat(f"{SAID} {BAD_CALL}", strict=True)
+    body["tools"][0]["function"]["parameters"] = strict_schema
+    async with lazy_client(constrain_auto_calls=False) as c:  # strict: true wins
+        held = await post_json(c, "/v1/chat/completions", body)
+    call = held["choices"][0]["message"]["tool_calls"][0]["function"]
+    assert json.loads(call["arguments"]) == WANT
+
+
+QWEN35 = (
+    "Qwen3.5-4B",
+    ["<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>", "<think>", "</think>"],
+)
+DEVSTRAL = ("unsloth-mistral-Devstral-Small-2507", ["[INST]", "[/INST]", "[TOOL_CALLS]", "[ARGS]"])
+# (family, what the model writes, the reasoning before the answer)
+OTHERS = {
+    # the prompt opens <think>: an opener inside the reasoning is not a call
+    "qwen3_coder": (
+        QWEN35,
+        "Maybe <tool_call> or not.</think>\n\nLet me check. <tool_call>\n<function=get_weather>\n"
+        '<parameter=cty>\nParis\n</parameter>\n<parameter=days>\n"3"\n</parameter>\n'
+        "</function>\n</tool_call>",
+        "Maybe <tool_call> or not.",
+    ),
+    "mistral": (DEVSTRAL, 'Let me check. [TOOL_CALLS]get_weather[ARGS]{"cty": "Paris"}', None),
+}
+
+
+@pytest.mark.parametrize("fmt", sorted(OTHERS))
+async def test_other_families_through_the_daemon(fmt):
+    family, script, reasoning = OTHERS[fmt]
+    body = _chat(script)
+    async with lazy_client(family) as c:
+        whole = (await post_json(c, "/v1/chat/completions", body))["choices"][0]["message"]
+        content, calls = _streamed_chat(
+            sse_events(await read_stream(c, "/v1/chat/completions", body))
+        )
+    assert whole["content"].strip() == content.strip() == SAID
+    assert whole.get("reasoning_content") == reasoning
+    got = [
+        (t["function"]["name"], json.loads(t["function"]["arguments"])) for t in whole["tool_calls"]
+    ]
+    assert got == calls
+    assert got[0][0] == "get_weather"
+    jsonschema.validate(got[0][1], {**WEATHER, "additionalProperties": False})
+
+
+# ---- the real runner: a constrained row beside a free one ------------------------------------
+
+FLAGS = {
+    "type": "object",
+    "properties": {"unit": {"type": "string", "enum": ["C", "F"]}, "exact": {"type": "boolean"}},
+    "required": ["unit", "exact"],
+}
+
+
+@pytest.mark.mlx
+async def test_a_constrained_row_and_a_free_row_batched_equal_each_alone(
+    real_tokenizer_model, tmp_path
+):
+    """Qwen3.5's real vocabulary on random weights, pushed into ``<tool_call>`` (its own
+    added token) by ``logit_bias``: what follows is random but for the grammar, so only
+    the lazy grammar makes it a call; the free row beside it is not masked by it."""
+    import trio
+    from mlxd.daemon.supervisor import mlx_runner_factory
+    from transformers import AutoTokenizer
+
+    model = real_tokenizer_model("qwen35")
+    opener = AutoTokenizer.from_pretrained(model).convert_tokens_to_ids("<tool_call>")
+    settings = settings_with(model={"path": str(model), "cache_dir": str(tmp_path)})
+    ask = [{"role": "user", "content": "What is the weather?"}]
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": FLAGS}}]
+    common = {"messages": ask, "temperature": 0, "max_tokens": 40, "reasoning_effort": "none"}
+    called = {**common, "tools": tools, "logit_bias": {str(opener): 100}}
+    free = {**common, "seed": 1}
+
+    def answer(r: dict) -> tuple:
+        m = r["choices"][0]["message"]
+        calls = [
+            (t["function"]["name"], t["function"]["arguments"]) for t in m.get("tool_calls") or ()
+        ]
+        return m["content"], calls
+
+    async with running_graph(settings, factory=mlx_runner_factory(settings)) as (pipeline, _):
+        c = create_app(pipeline, settings).test_client()
+        alone = [answer(await post_json(c, "/v1/chat/completions", b)) for b in (called, free)]
+        together: list = [None, None]
+
+        async def one(i: int, body: dict) -> None:
+            together[i] = answer(await post_json(c, "/v1/chat/completions", body))
+
+        async with trio.open_nursery() as nursery:
+            for i, body in enumerate((called, free)):
+                nursery.start_soon(one, i, body)
+    assert together == alone
+    name, arguments = alone[0][1][0]
+    assert name == "get_weather"
+    jsonschema.validate(json.loads(arguments), {**FLAGS, "additionalProperties": False})
+    assert "<tool_call>" not in (alone[1][0] or "")  # the free row is not pushed into a call
