@@ -147,7 +147,7 @@ def ratio_table(recs: list[dict[str, Any]]) -> str:
             cells = [f"[{record['name']}](#{anchor(record['name'])})"]
             cells += [number(record["machine"])] if machines else []
             cells += [number(record.get("peer") or "–"), number(metric),
-                      "; ".join(number(r["workload"]) for r in rows), f"**{span}**"]  # fmt: skip
+                      _workloads(rows), f"**{span}**"]  # fmt: skip
             body.append(cells)
     header = ["benchmark", *(["machine"] if machines else []), "peer", "metric", "workloads"]
     intro = (
@@ -156,6 +156,12 @@ def ratio_table(recs: list[dict[str, Any]]) -> str:
         "above ×1 mlxd was better; a range spans the workloads.\n\n"
     )
     return intro + table([*header, "mlxd's advantage"], body) if body else ""
+
+
+def _workloads(rows: list[dict[str, Any]]) -> str:
+    if len(rows) > 3:
+        return f"{len(rows)} workloads"
+    return "; ".join(number(r["workload"]) for r in rows)
 
 
 def figures_table(record: dict[str, Any]) -> str:
