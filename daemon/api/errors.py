@@ -113,6 +113,8 @@ class ApiError(Exception):
         reason = _BY_STATUS.get(status, "invalid_request" if status < 500 else "internal_error")
         if status == 413:
             message = f"request body is larger than {max_body_bytes} bytes (server.max_body_bytes)"
+        elif status == 408:
+            message = "the request body did not arrive in time (server.body_timeout_s)"
         else:
             message = exc.description or exc.name
         return cls(reason, message, status=status)
