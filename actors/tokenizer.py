@@ -42,10 +42,8 @@ from mlxd.actors.mailbox import Mailboxes
 from mlxd.actors.normalize import NormalizeError, normalize_messages
 from mlxd.actors.tools import (
     TemplateTraits,
-    history_as_text,
     template_traits,
     tool_dicts,
-    tool_system_prompt,
     with_call_ids,
 )
 from mlxd.actors.vision import ImageLimits, VisionError, VisionProcessor, load_images, split_images
@@ -54,7 +52,6 @@ from mlxd.protocol.messages import (
     AdmittedRequest,
     ChatRequest,
     Failed,
-    Message,
     OutputSpec,
     Reason,
     Submit,
@@ -205,10 +202,9 @@ class PromptBuilder:
             if self.traits.tools_in_template:
                 extra["tools"] = tool_dicts(request.tools)
             else:
-                system = Message(role="system", content=tool_system_prompt(request.tools))
-                messages = (*messages, system)
-        if not self.traits.tools_in_template:
-            messages = history_as_text(messages)
+                messages = self.traits.tool_prompt.offer(messages, request.tools)
+        if not self.traits.tools_in_template:  # in the markup the tool prompt asks for
+            messages = self.traits.tool_prompt.history(messages)
         elif self.traits.history_id is not None:
             messages = with_call_ids(messages, self.traits.history_id)
         if isinstance(request, ChatRequest) and request.reasoning_effort is not None:

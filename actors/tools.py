@@ -3,10 +3,12 @@
 ``template_traits`` reads the model's chat template once: which tool-call
 format its output uses (``auto``: from the markers in the template), whether the
 template renders ``tools`` itself, and which reasoning tags it uses. A
-template without tool support (SmolLM2's, for one) gets a system-prompt
-description of the tools instead, asking for Hermes-style ``<tool_call>``
-markup, and earlier calls and results are written into the history as that
-markup. Pure functions: no trio, no mlx.
+template without tool support gets a system-prompt description of the tools
+instead, in the markup its format's parser reads (``families/tool_prompts.py``:
+DeepSeek's documented prompt for DeepSeek's templates, Hermes-style
+``<tool_call>`` for the rest, SmolLM2's for one), and earlier calls and results
+the template does not write are written into the history in that markup.
+Pure functions: no trio, no mlx.
 """
 
 from __future__ import annotations
@@ -15,8 +17,8 @@ import json
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from mlxd.actors.families import formats, reasoning
-from mlxd.protocol.messages import ContentPart, Message, TextPart, Tool, ToolCall
+from mlxd.actors.families import formats, reasoning, tool_prompts
+from mlxd.protocol.messages import Message, Tool, ToolCall
 
 
 @dataclass(frozen=True)
@@ -31,6 +33,8 @@ class TemplateTraits:
     controls: reasoning.Controls = reasoning.Controls((), False, None)
     why_format: str = ""
     why_reasoning: str = ""
+    # where the template does not render tools: the prompt mlxd describes them in
+    tool_prompt: tool_prompts.ToolPrompt = tool_prompts.HERMES
 
 
 def template_source(tokenizer: object) -> str:
@@ -78,15 +82,19 @@ def traits_of(
         open_tag, _, close_tag = tags.partition(",")
         pair = (open_tag.strip(), close_tag.strip())
         why_reasoning = f"setting: tokenizer.reasoning_tags = {tags!r}"
+    tools_in_template = "tools" in source
     return TemplateTraits(
         tool_format=fmt.name,
-        tools_in_template="tools" in source,
+        tools_in_template=tools_in_template,
         reasoning=pair,
         reasoning_in_parser=fmt.reasoning,
         history_id=fmt.history_id,
         controls=reasoning.controls(source),
         why_format=why_format,
         why_reasoning=why_reasoning,
+        tool_prompt=tool_prompts.HERMES
+        if tools_in_template
+        else tool_prompts.for_template(source, fmt.name),
     )
 
 
@@ -106,16 +114,8 @@ def tool_dicts(tools: tuple[Tool, ...]) -> list[dict]:
 
 
 def tool_system_prompt(tools: tuple[Tool, ...]) -> str:
-    """The tools described in a system prompt, for templates that cannot render them."""
-    specs = "\n".join(json.dumps(d["function"], ensure_ascii=False) for d in tool_dicts(tools))
-    return (
-        "You may call one or more functions to assist with the user query.\n"
-        "You are provided with function signatures within <tools></tools> XML tags:\n"
-        f"<tools>\n{specs}\n</tools>\n"
-        "For each function call, return a json object with function name and arguments "
-        "within <tool_call></tool_call> XML tags:\n"
-        '<tool_call>\n{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>'
-    )
+    """The tools described in a Hermes system prompt (``tool_prompts.HERMES``)."""
+    return tool_prompts.hermes_prompt(tools)
 
 
 def _arguments(call: ToolCall) -> object:
@@ -126,35 +126,13 @@ def _arguments(call: ToolCall) -> object:
 
 
 def call_markup(call: ToolCall) -> str:
-    body = json.dumps({"name": call.name, "arguments": _arguments(call)}, ensure_ascii=False)
-    return f"<tool_call>\n{body}\n</tool_call>"
-
-
-def _tool_response(content: str | tuple[ContentPart, ...] | None) -> str | tuple[ContentPart, ...]:
-    """A tool result in ``<tool_response>`` markup; image parts stay parts (vision models)."""
-    if not isinstance(content, tuple):
-        text = content if isinstance(content, str) else json.dumps(content)
-        return f"<tool_response>\n{text}\n</tool_response>"
-    texts = [p.text for p in content if isinstance(p, TextPart)]
-    if len(texts) == len(content):
-        return _tool_response("\n".join(texts))
-    opening, closing = TextPart(text="<tool_response>\n"), TextPart(text="\n</tool_response>")
-    return (opening, *content, closing)
+    """A call in Hermes ``<tool_call>`` markup."""
+    return tool_prompts.hermes_call(call)
 
 
 def history_as_text(messages: tuple[Message, ...]) -> tuple[Message, ...]:
     """Tool calls and results written as Hermes markup, for templates without tool support."""
-    out = []
-    for m in messages:
-        if m.role == "tool":
-            out.append(Message(role="user", content=_tool_response(m.content)))
-        elif m.tool_calls:
-            parts = [m.content] if isinstance(m.content, str) and m.content else []
-            parts += [call_markup(c) for c in m.tool_calls]
-            out.append(Message(role=m.role, content="\n".join(parts), name=m.name))
-        else:
-            out.append(m)
-    return tuple(out)
+    return tool_prompts.HERMES.history(messages)
 
 
 def template_tool_calls(calls: tuple[ToolCall, ...]) -> list[dict]:
