@@ -14,7 +14,7 @@ from mlxd.daemon.app import create_app
 from mlxd.daemon.hypercorn_serve import Connections, serve
 from mlxd.daemon.settings import load_settings
 from mlxd.daemon.supervisor import http_config, open_graph, run_actors
-from mlxd.protocol.messages import ChatRequest, Message, SamplingParams, TextDelta
+from mlxd.protocol.messages import Abort, ChatRequest, Message, SamplingParams, TextDelta
 
 from tests.fakes import FakeRunner, fake_factory
 
@@ -64,6 +64,29 @@ async def assert_idle(pipeline, runner, timeout=60.0):
     while len(pipeline.mailboxes) or pipeline.sessions or _busy(runner) or _engine_busy(pipeline):
         assert time.monotonic() < give_up, f"not idle after {timeout:g}s"
         await trio.sleep(0.01)
+
+
+async def wait_until(condition, timeout=60.0):
+    """Poll ``condition()`` until it holds; bounded in real time (a test may run on trio's
+    MockClock, with autojump on for this): a hang fails, a slow machine does not."""
+    give_up = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < give_up, f"still not so after {timeout:g}s"
+        await trio.sleep(0.01)
+
+
+class AbortSent:
+    """Stands in for ``pipeline.engine``: notes how many steps the runner had taken when
+    the first ``Abort`` was sent, so a test counts the steps after it (the step then
+    under way may finish) and not after some moment that depends on the machine's speed."""
+
+    def __init__(self, channel, runner):
+        self.channel, self.runner, self.steps_at_abort = channel, runner, None
+
+    async def send(self, message) -> None:
+        if isinstance(message, Abort) and self.steps_at_abort is None:
+            self.steps_at_abort = self.runner.decode_steps
+        await self.channel.send(message)
 
 
 def _engine_busy(pipeline) -> bool:
@@ -117,6 +140,18 @@ async def real_server(settings=None, factory=None, runner=None, memory=None):
         # hypercorn reports the bound address; tests talk to it over loopback
         yield binds[0].replace("0.0.0.0", "127.0.0.1"), pipeline, runner
         nursery.cancel_scope.cancel()
+
+
+# ---- tiers ---------------------------------------------------------------------------------
+
+_NOT_QUICK = ("mlx", "clients", "slow")
+
+
+def pytest_collection_modifyitems(config, items):
+    """The quick tier (``scripts/test -m quick``): every test not marked mlx, clients or slow."""
+    for item in items:
+        if not any(item.get_closest_marker(name) for name in _NOT_QUICK):
+            item.add_marker(pytest.mark.quick)
 
 
 # ---- tiny random-weight models (the `mlx` tier) ------------------------------------------

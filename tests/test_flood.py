@@ -49,9 +49,10 @@ async def _stream(http: httpx.AsyncClient, i: int) -> dict:
 
 
 async def test_flood_every_request_gets_its_answer_or_a_retryable_refusal():
+    # No short queue timeout: it counts only while the queue stands still, and it used to
+    # refuse all 200 on a busy machine (0 served). Refusals here are the full queue's 429s.
     settings = settings_with(
-        admission={"max_running": 8, "max_waiting": 16, "queue_timeout_s": 0.5},
-        engine={"max_batch": 8},
+        admission={"max_running": 8, "max_waiting": 16}, engine={"max_batch": 8}
     )
     # the memory gate binds below max_running: about four sequences fit at once
     memory = fake_memory(budget_bytes=4 * 80 * 1024)

@@ -3,13 +3,13 @@ waits behind a batch that keeps finishing rows and starting new ones is never re
 one behind a queue that does not move is, after ``queue_timeout_s``.
 
 The engine tests run on trio's ``MockClock`` with no real time in it: each decode step
-of the fake runner jumps the clock by ``STEP_S``, so "slow" is a count of steps and the
-outcome does not depend on the machine's speed.
+of the fake runner jumps the clock by 0.1 s (``tests/clocked.py``), so "slow" is a count
+of steps and the outcome does not depend on the machine's speed.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import trio
 from mlxd.actors import admission
@@ -24,25 +24,10 @@ from mlxd.protocol.messages import (
     SamplingParams,
     Started,
 )
-from trio.testing import MockClock
 
+from tests.clocked import ClockedRunner
 from tests.conftest import chat, collect, running_graph, settings_with, text_of
-from tests.fakes import FakeRunner, fake_memory
-
-STEP_S = 0.1  # mock seconds per decode step
-
-
-@dataclass
-class ClockedRunner(FakeRunner):
-    """A fake runner whose every decode step takes ``STEP_S`` of trio's mock clock."""
-
-    clock: MockClock | None = None
-
-    def decode(self):
-        assert self.clock is not None
-        trio.from_thread.run_sync(self.clock.jump, STEP_S)
-        return super().decode()
-
+from tests.fakes import fake_memory
 
 # ---- the sync core --------------------------------------------------------------------------
 
@@ -114,7 +99,7 @@ async def test_a_slot_queue_that_moves_never_refuses(autojump_clock):
 async def test_sixteen_requests_behind_a_two_row_memory_budget_all_complete(mock_clock):
     """Each row decodes 32 steps (3.2 s); two fit in memory at once: the last request
     waits about 25 s in all, over twice the 10 s queue timeout, and is served."""
-    runner = ClockedRunner(step_delay=0.0, clock=mock_clock)
+    runner = ClockedRunner(clock=mock_clock, step_s=0.1)
     memory = fake_memory(budget_bytes=2 * 90 * 1024)  # a row holds 48 + 40 tokens
     settings = settings_with(admission={"queue_timeout_s": 10.0})
     async with running_graph(settings, runner=runner, memory=memory) as (pipeline, _):
@@ -136,7 +121,7 @@ async def test_sixteen_requests_behind_a_two_row_memory_budget_all_complete(mock
 async def test_a_queue_that_does_not_move_still_refuses_after_queue_timeout_s(mock_clock):
     """The blocker decodes 300 steps (30 s) holding the memory; nothing else starts or
     ends: the patient request is refused 5 s after it arrived, mid-way through."""
-    runner = ClockedRunner(step_delay=0.0, clock=mock_clock)
+    runner = ClockedRunner(clock=mock_clock, step_s=0.1)
     # each row counted for its whole prompt + max_tokens: the blocker's 617 tokens fit, not 29 more
     memory = replace(fake_memory(budget_bytes=630 * 1024), admission="reserve")
     settings = settings_with(admission={"queue_timeout_s": 5.0})

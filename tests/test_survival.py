@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import socket
-import time
+import threading
 from contextlib import asynccontextmanager
 
 import httpx
@@ -18,6 +18,7 @@ import mlxd.actors.streamer as streamer_module
 import msgspec
 import pytest
 import trio
+import trio.testing
 from hypercorn.trio import serve
 from mlxd.actors.families.output import OutputParser
 from mlxd.actors.mailbox import Mailbox, merge_deltas
@@ -27,6 +28,8 @@ from mlxd.daemon.supervisor import drain, http_config
 from mlxd.protocol.messages import Failed, Finished, OutputSpec, TextDelta
 
 from tests.conftest import chat, collect, real_server, running_graph, settings_with, text_of
+
+WAIT_S = 60.0  # a hang, not a slow machine
 
 _NEST = "[" * 5000 + "]" * 5000
 
@@ -81,18 +84,22 @@ async def test_a_request_whose_client_left_while_queued_is_never_built(monkeypat
     async with running_graph(settings) as (pipeline, _):
         build, built = pipeline.builder.build, []
 
+        entered, release = threading.Event(), threading.Event()
+
         def slow_build(request):
             built.append(request.request_id)
             if request.request_id == "slow":
-                time.sleep(0.3)  # holds the only worker
+                entered.set()
+                release.wait(WAIT_S)  # holds the only worker
             return build(request)
 
         monkeypatch.setattr(pipeline.builder, "build", slow_build)
         slow = await pipeline.submit(chat("slow", "a"))
-        await trio.sleep(0.05)
+        await trio.to_thread.run_sync(entered.wait, WAIT_S)
         gone = await pipeline.submit(chat("gone", "b"))
-        await trio.sleep(0.05)
+        await trio.testing.wait_all_tasks_blocked()  # "gone" waits for the worker
         await gone.close()  # the client leaves while waiting for the worker
+        release.set()
         assert text_of(await collect(slow)) == "A"
         assert text_of(await collect(await pipeline.submit(chat("next", "c")))) == "C"
     assert built == ["slow", "next"]
@@ -148,7 +155,7 @@ async def test_unread_request_frees_its_slot_when_generation_ends():
     settings = settings_with(admission={"max_running": 1, "max_waiting": 4})
     async with running_graph(settings) as (pipeline, _):
         unread = await pipeline.submit(chat("unread", "abc"))  # nobody reads it
-        with trio.fail_after(5):
+        with trio.fail_after(WAIT_S):
             assert text_of(await collect(await pipeline.submit(chat("next", "def")))) == "DEF"
         assert unread.mailbox.take()[-1].finish_reason == "stop"
         await unread.close()
@@ -210,17 +217,18 @@ async def test_a_client_that_reads_nothing_gives_its_slots_back():
     """hypercorn's write to the client blocks (the handler with it), yet the slots come
     back when the generation ends (here at the request's deadline)."""
     settings = settings_with(
-        admission={"max_running": 8, "max_waiting": 0, "request_timeout_s": 1.0}
+        # the deadline ends the unread generations: long enough for all 8 to be running first
+        admission={"max_running": 8, "max_waiting": 0, "request_timeout_s": 3.0}
     )
     hi = {"messages": [{"role": "user", "content": "hi"}]}
     async with real_server(settings) as (url, pipeline, runner):
         runner.step_delay = 0.0
-        async with unread_stream(url), httpx.AsyncClient(base_url=url, timeout=10) as http:
-            with trio.fail_after(5):
+        async with unread_stream(url), httpx.AsyncClient(base_url=url, timeout=WAIT_S) as http:
+            with trio.fail_after(WAIT_S):
                 while (await _status(http))["admission"]["running"] < 8:
                     await trio.sleep(0.02)
             assert (await http.post("/v1/chat/completions", json=hi)).status_code == 429
-            with trio.fail_after(10):
+            with trio.fail_after(WAIT_S):
                 while (await _status(http))["admission"]["running"]:
                     await trio.sleep(0.05)
             # The handler is still stuck writing to the client: its sessions are open.
@@ -237,11 +245,11 @@ async def test_a_client_that_reads_nothing_is_stopped_past_max_unread_bytes():
     )
     async with real_server(settings) as (url, pipeline, runner):
         runner.step_delay = 0.005  # 1500 steps: longer than the test waits
-        async with unread_stream(url), httpx.AsyncClient(base_url=url, timeout=10) as http:
-            with trio.fail_after(5):
+        async with unread_stream(url), httpx.AsyncClient(base_url=url, timeout=WAIT_S) as http:
+            with trio.fail_after(WAIT_S):
                 while (await _status(http))["admission"]["running"] < 8:
                     await trio.sleep(0.02)
-            with trio.fail_after(5):  # each choice fails once 64 KiB wait unread
+            with trio.fail_after(WAIT_S):  # each choice fails once 64 KiB wait unread
                 while (await _status(http))["engine"]["decoding"]:
                     await trio.sleep(0.05)
             assert (await _status(http))["admission"]["running"] == 0
@@ -256,10 +264,10 @@ async def test_a_client_that_reads_nothing_is_cut_off_after_send_timeout_s():
         runner.step_delay = 0.0
         binds = await nursery.start(serve, create_app(pipeline, settings), http_config(settings))
         async with unread_stream(binds[0]):
-            with trio.fail_after(5):
+            with trio.fail_after(WAIT_S):
                 while len(pipeline.sessions) < 8:
                     await trio.sleep(0.02)
-            with trio.fail_after(10):  # the kernel aborts the connection; the handler ends
+            with trio.fail_after(WAIT_S):  # the kernel aborts the connection; the handler ends
                 while pipeline.sessions:
                     await trio.sleep(0.05)
         nursery.cancel_scope.cancel()
@@ -317,7 +325,7 @@ async def test_drain_cut_off_ends_open_streams_with_an_error_event():
     ends: dict[str, str] = {}
     async with real_server(settings) as (url, pipeline, runner):
         runner.step_delay = 0.01
-        async with httpx.AsyncClient(base_url=url, timeout=10) as http:
+        async with httpx.AsyncClient(base_url=url, timeout=WAIT_S) as http:
 
             async def stream(name, started):
                 path, body = STREAMS[name]
@@ -335,9 +343,9 @@ async def test_drain_cut_off_ends_open_streams_with_an_error_event():
                     started = trio.Event()
                     nursery.start_soon(stream, name, started)
                     await started.wait()
-                with trio.fail_after(5):
+                with trio.fail_after(WAIT_S):
                     await drain(pipeline, deadline_s=0.1)
-        with trio.fail_after(5):  # each handler closes its session after its last frame
+        with trio.fail_after(WAIT_S):  # each handler closes its session after its last frame
             while len(pipeline.mailboxes):
                 await trio.sleep(0.01)
     # One code for the cut-off in every API: chat's error ``code`` is everyone's.
@@ -355,7 +363,7 @@ async def test_drain_cut_off_before_the_first_token_is_a_503():
     async with running_graph() as (pipeline, runner):
         runner.step_delay = 0.01
         busy = await pipeline.submit(chat("busy", "q" * 3000))
-        with trio.fail_after(5):
+        with trio.fail_after(WAIT_S):
             await drain(pipeline, deadline_s=0.05)
         events = await collect(busy)
     assert isinstance(events[-1], Failed) and events[-1].reason == "shutting_down"
@@ -365,16 +373,23 @@ async def test_drain_cut_off_before_the_first_token_is_a_503():
 async def test_a_request_cut_off_while_tokenizing_never_reaches_the_engine(monkeypatch):
     async with running_graph() as (pipeline, runner):
         build = pipeline.builder.build
+        entered, release, built = threading.Event(), threading.Event(), threading.Event()
 
         def slow_build(request):
-            time.sleep(0.3)
-            return build(request)
+            entered.set()
+            release.wait(WAIT_S)
+            try:
+                return build(request)
+            finally:
+                built.set()
 
         monkeypatch.setattr(pipeline.builder, "build", slow_build)
         session = await pipeline.submit(chat("slow", "a"))
-        await trio.sleep(0.05)
+        await trio.to_thread.run_sync(entered.wait, WAIT_S)  # tokenizing
         await drain(pipeline, deadline_s=0)
-        await trio.sleep(0.4)  # the build finishes while the session is still open
+        release.set()  # the build finishes while the session is still open
+        await trio.to_thread.run_sync(built.wait, WAIT_S)
+        await trio.testing.wait_all_tasks_blocked()  # the tokenizer has handed it on, or not
         events = await collect(session)
     assert isinstance(events[-1], Failed) and events[-1].reason == "shutting_down"
     assert "slow" not in {rid for rid, _ in runner.prefill_log}
