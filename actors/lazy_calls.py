@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 from llguidance.numpy import allocate_token_bitmask, fill_next_token_bitmask
@@ -58,6 +58,9 @@ class LazyGrammar:
     leading: bool = False  # the opener counts only as the answer's first non-blank bytes
     reasoning: tuple[bytes, bytes] | None = None  # the reasoning block's tags
     in_reasoning: bool = False  # the prompt opened the reasoning block
+    # A replayed row (after a failed step) rebuilds it from the tokens it emitted: its
+    # processor looks for the opener in them again (``runner/logits.LazyCallProcessor``).
+    replayable: ClassVar[bool] = True
 
 
 class Scanner:

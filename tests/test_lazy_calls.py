@@ -430,3 +430,39 @@ async def test_a_constrained_row_and_a_free_row_batched_equal_each_alone(
     assert name == "get_weather"
     jsonschema.validate(json.loads(arguments), {**FLAGS, "additionalProperties": False})
     assert "<tool_call>" not in (alone[1][0] or "")  # the free row is not pushed into a call
+
+
+def test_a_resumed_row_finds_where_its_call_stands():
+    """A row replayed after a preemption or a failed step: its processor reads the tokens it
+    emitted and masks as the processor that saw them one by one."""
+    import mlx.core as mx
+    from mlxd.actors.engine.runner.logits import LazyCallProcessor
+
+    hf = _hf_tokenizer(["<tool_call>", "</tool_call>"])
+    compiler = GrammarCompiler(hf)
+    prompt = hf.encode("Q: book it", add_special_tokens=False)
+    emitted = hf.encode('Hi <tool_call>\n{"name":"book","arguments":{"ci', add_special_tokens=False)
+    context, logits = prompt + emitted, mx.zeros((1, len(hf)))
+    stepwise = LazyCallProcessor(compiler.compile_lazy((BOOK,), "hermes"))
+    for n in range(len(prompt), len(context) + 1):
+        seen = stepwise(mx.array(context[:n]), logits)
+    resumed = LazyCallProcessor(compiler.compile_lazy((BOOK,), "hermes"), resumed=len(emitted))
+    replayed = resumed(mx.array(context), logits)
+    assert mx.array_equal(seen, replayed)
+    allowed = [i for i, v in enumerate(replayed[0].tolist()) if v > -1e30]
+    assert hf.decode(allowed) == "t"  # "ci" can only go on as "city"
+
+
+def test_off_where_the_runner_cannot_carry_it():
+    """Speculative decoding's runner and the other ranks of a group run no per-row
+    logits processor: there the setting is off (the calls stay free)."""
+    from mlxd.daemon.supervisor import tokenizer_options
+
+    assert tokenizer_options(load_settings()).constrain_auto_calls
+    assert not tokenizer_options(
+        settings_with(tokenizer={"constrain_auto_calls": False})
+    ).constrain_auto_calls
+    assert not tokenizer_options(settings_with(speculative={"enabled": True})).constrain_auto_calls
+    assert not tokenizer_options(
+        settings_with(distributed={"parallel": "tensor"})
+    ).constrain_auto_calls

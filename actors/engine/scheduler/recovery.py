@@ -22,7 +22,8 @@ decides what happens to the rows that were in it:
   decoding, whose draws per token vary, a replayed seeded row restarts its key
   from the seed. A row with a grammar or images cannot be rebuilt that way
   (the grammar's state, the image inputs); the engine fails it with a message
-  that says so.
+  that says so. A lazy tool-call grammar (``tool_choice: auto``) can: its
+  processor replays the emitted tokens to find where the call stands.
 
 While a trial runs, the engine admits and prefills nothing but replays, so a
 trial step holds only rows it can blame. Allocation failures are no row's
@@ -92,7 +93,11 @@ class Recovery:
 
     def resumable(self, request_id: str) -> bool:
         origin = self.origins.get(request_id)
-        return origin is not None and origin.grammar is None and origin.vision is None
+        # a lazy call grammar (tool_choice auto) is rebuilt from the emitted tokens
+        free = origin is not None and (
+            origin.grammar is None or getattr(origin.grammar, "replayable", False)
+        )
+        return free and origin.vision is None  # type: ignore[union-attr]
 
     def failed_step(self, rows: list[str]) -> list[str]:
         """A decode step of ``rows`` (all resumable) raised; returns the guilty rows.
