@@ -32,6 +32,7 @@ def mlxd(*args, **kw):
     )
 
 
+@pytest.mark.slow  # runs mlxd as a process
 def test_missing_model_exits_nonzero_with_one_clear_line():
     proc = mlxd("serve", "/nonexistent/model.gguf", "--port", str(free_port()))
     out, _ = proc.communicate(timeout=120)
@@ -42,6 +43,7 @@ def test_missing_model_exits_nonzero_with_one_clear_line():
     assert "Traceback" not in out
 
 
+@pytest.mark.slow  # runs mlxd as a process
 def test_bad_config_exits_nonzero(tmp_path):
     config = tmp_path / "bad.toml"
     config.write_text("[server]\nprot = 1\n")
@@ -114,6 +116,7 @@ def test_sigterm_drains_in_flight_request_then_exits_zero(tmp_path):
         proc.kill()
 
 
+@pytest.mark.slow  # runs mlxd as a process
 def test_unreadable_api_key_file_exits_nonzero_with_one_clear_line(tmp_path):
     config = tmp_path / "c.toml"
     config.write_text(f'[auth]\napi_key_file = "{tmp_path}/missing-keys"\n')

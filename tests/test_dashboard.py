@@ -384,6 +384,7 @@ def tab(browser, daemon):
     tab.close()
 
 
+@pytest.mark.slow  # a browser on a real mlxd serve
 def test_the_page_asks_for_the_key_and_loads_nothing_from_elsewhere(tab, daemon, screenshots):
     assert httpx.get(f"{daemon}/v1/dashboard", timeout=WAIT_S).status_code == 401
     page = tab.open(key=None)
@@ -420,6 +421,7 @@ def _load(url: str, requests: int = 8) -> list[int]:
     return statuses
 
 
+@pytest.mark.slow  # a browser on a real mlxd serve
 def test_the_charts_get_points_while_a_load_runs(tab, daemon, screenshots):
     from playwright.sync_api import expect
 
@@ -438,6 +440,7 @@ def test_the_charts_get_points_while_a_load_runs(tab, daemon, screenshots):
     page.screenshot(path=str(screenshots / "dashboard.png"), full_page=True)
 
 
+@pytest.mark.slow  # a browser on a real mlxd serve
 def test_a_playground_message_streams_an_answer(tab, daemon, screenshots):
     from playwright.sync_api import expect
 
@@ -457,6 +460,7 @@ def test_a_playground_message_streams_an_answer(tab, daemon, screenshots):
     page.screenshot(path=str(screenshots / "dashboard-playground.png"), full_page=True)
 
 
+@pytest.mark.slow  # a browser on a real mlxd serve
 def test_the_unload_button_unloads_a_models_entry(tab, daemon):
     r = httpx.post(f"{daemon}/v1/models/spare/load", json={}, headers=AUTH, timeout=WAIT_S)
     assert r.status_code == 200 and r.json()["state"] == "loaded"

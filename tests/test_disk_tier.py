@@ -323,6 +323,7 @@ _WRITER = textwrap.dedent(
 )
 
 
+@pytest.mark.slow  # 20 processes killed
 def test_kill_9_at_20_random_moments_loses_only_the_file_being_written(tmp_path):
     """A subprocess running the real store writer (fsync and all) is killed with SIGKILL
     at 20 random moments (a daemon per kill would take minutes); afterwards the files stay

@@ -438,6 +438,7 @@ async def run_tier(url: str, tier: Tier, canary: Canary, strategy: st.SearchStra
     assert growth_mb < tier.mb_bound
 
 
+@pytest.mark.slow  # hundreds of generated requests
 @pytest.mark.parametrize("path", list(ROUTES))
 async def test_fuzz_fake_runner(path):
     corners = corner_cases(path) + http_corner_cases(path)
@@ -448,6 +449,7 @@ async def test_fuzz_fake_runner(path):
     # leaving real_server asserted the engine idle: nothing held, nothing running
 
 
+@pytest.mark.slow  # hundreds of generated requests
 async def test_fuzz_fake_runner_bursts():
     """Probes for every route, up to three at once."""
     tier = Tier("fake bursts, all routes", list(ROUTES), BURST_EXAMPLES, [], 20.0, True, 300)
@@ -510,6 +512,7 @@ def output_corner_cases(tool_format: str) -> list[Probe]:
     return [Probe(path, said(path, t, i % 2 == 1), JSON, None) for i, t in enumerate(texts)]
 
 
+@pytest.mark.slow  # hundreds of generated requests
 @pytest.mark.parametrize("tool_format", list(MARKUP))
 async def test_fuzz_fake_output_parsers(tool_format):
     """What the model says is the client's to choose (prompt injection; here, the fake's

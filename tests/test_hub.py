@@ -151,6 +151,7 @@ def resolve_logged(env: dict[str, str], *paths: str) -> tuple[list[list[str]], s
     return json.loads(proc.stdout.splitlines()[-1]), proc.stderr
 
 
+@pytest.mark.slow  # runs Python or mlxd as a process
 def test_hub_ids_resolve_from_the_hf_cache_offline(tmp_path, placeholder_model):
     home = fake_hf_home(tmp_path / "hf", placeholder_model)
     (broken := tmp_path / "broken").mkdir()
@@ -171,6 +172,7 @@ def test_hub_ids_resolve_from_the_hf_cache_offline(tmp_path, placeholder_model):
                       "file or Hugging Face id ORG/NAME)"]  # fmt: skip
 
 
+@pytest.mark.slow  # runs Python or mlxd as a process
 def test_a_cached_id_never_touches_the_network_and_a_missing_one_asks_the_hub(
     tmp_path, placeholder_model, hub
 ):
@@ -184,6 +186,7 @@ def test_a_cached_id_never_touches_the_network_and_a_missing_one_asks_the_hub(
     assert not any("tiny" in r for r in requests)  # online, yet the cached id asked nothing
 
 
+@pytest.mark.slow  # runs Python or mlxd as a process
 def test_an_uncached_id_downloads_once_with_progress_then_comes_from_the_cache(
     tmp_path, placeholder_model, hub
 ):
@@ -253,6 +256,7 @@ def test_serve_stays_offline_unless_a_model_is_a_hub_id(monkeypatch, overrides, 
     assert os.environ.get("HF_HUB_OFFLINE") == ("1" if offline else None)
 
 
+@pytest.mark.slow  # runs Python or mlxd as a process
 def test_serve_with_a_missing_hub_id_offline_is_one_line(tmp_path):
     env = hub_env(tmp_path / "empty-hf-home")
     proc = subprocess.run(

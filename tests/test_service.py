@@ -44,6 +44,7 @@ def test_plist_parses_and_runs_this_venv_serving_with_the_given_options(capsys, 
     assert plist["WorkingDirectory"] == str(Path.home())
 
 
+@pytest.mark.slow  # runs mlxd as a process
 def test_the_rendered_command_starts_the_cli(capsys):
     plist = plistlib.loads(render(capsys, "launchd", "install", "--print").encode())
     args = plist["ProgramArguments"]

@@ -53,6 +53,7 @@ def one_error_line(stderr: str) -> str:
         ('[auth]\napi_keys = ["  "]\n', "auth.api_keys"),
     ],
 )
+@pytest.mark.slow  # runs mlxd as a process
 def test_bad_settings_exit_2_with_one_line_before_the_model_loads(tmp_path, config, field):
     code, stderr = serve(tmp_path, config)
     assert code == 2
@@ -60,6 +61,7 @@ def test_bad_settings_exit_2_with_one_line_before_the_model_loads(tmp_path, conf
     assert "reading" not in stderr and "loading" not in stderr  # the model was never touched
 
 
+@pytest.mark.slow  # runs mlxd as a process
 def test_a_key_file_with_no_key_exits_1_before_the_model_loads(tmp_path):
     keys = tmp_path / "keys"
     keys.write_text("# only a comment\n\n")
@@ -69,6 +71,7 @@ def test_a_key_file_with_no_key_exits_1_before_the_model_loads(tmp_path):
     assert "reading" not in stderr and "loading" not in stderr
 
 
+@pytest.mark.slow  # runs mlxd as a process
 def test_a_corrupt_gguf_exits_1_with_one_line(tmp_path):
     model = tmp_path / "broken.gguf"
     model.write_bytes(b"GGUF\x03\x00\x00\x00" + b"\x00garbage" * 64)
@@ -77,6 +80,7 @@ def test_a_corrupt_gguf_exits_1_with_one_line(tmp_path):
     assert "not a readable GGUF file" in one_error_line(stderr)
 
 
+@pytest.mark.slow  # runs mlxd as a process
 def test_a_corrupt_safetensors_file_exits_1_with_one_line(tmp_path):
     model = tmp_path / "model"
     model.mkdir()
