@@ -53,17 +53,30 @@ def partial_suffix(buffer: str, markers: tuple[str, ...]) -> int:
 class CallPiece:
     """A tool call or a piece of one: ``id`` and ``name`` are set on a call's first piece.
 
-    ``index`` numbers the calls of a request (set by ``OutputParser``).
+    ``index`` numbers the calls of a request (set by ``OutputParser``). ``incomplete``: the
+    token limit cut this call (``families/cut.py``); set on its last piece.
     """
 
     arguments: str
     id: str | None = None
     name: str | None = None
     index: int = -1
+    incomplete: bool = False
 
 
 def whole(call: ToolCall) -> CallPiece:
     return CallPiece(arguments=call.arguments, id=call.id, name=call.name)
+
+
+# The calls of a call section the token limit cut (``families/cut.py``): (the section's text
+# so far, its body parser or None) → whole calls, then the cut one. Unset: no call is read
+# from a cut section and its markup is dropped.
+CutReader = Callable[[str, Callable[[str], list[ToolCall] | None] | None], list[CallPiece]]
+
+
+def cut_pieces(reader: CutReader | None, held: str, parse=None) -> Parsed:
+    """A cut call section's calls: never its markup as content."""
+    return Parsed(calls=reader(held, parse)) if reader is not None else Parsed()
 
 
 @dataclass
@@ -227,6 +240,8 @@ class LeadingToolParser:
     Output that starts with anything else streams through as content.
     """
 
+    read_cut: CutReader | None = None
+
     def __init__(self, prefixes: tuple[str, ...], parse: Callable[[str], list[ToolCall] | None]):
         self._prefixes = prefixes
         self._parse = parse
@@ -250,12 +265,16 @@ class LeadingToolParser:
         self._state, self._held = "content", ""
         return Parsed(content=buffer)
 
-    def flush(self) -> Parsed:
+    def flush(self, cut: bool = False) -> Parsed:
         held, self._held = self._held, ""
         if self._state == "call":
             calls = self._parse(held)
             if calls is not None:
                 return Parsed(calls=[whole(c) for c in calls])
+            # no marker here: output that only looks like a call stays content
+            cut_calls = cut_pieces(self.read_cut, held) if cut else Parsed()
+            if cut_calls.calls:
+                return cut_calls
         return Parsed(content=held)
 
 
@@ -265,6 +284,8 @@ class MarkerToolParser:
     The calls are parsed whole when the output ends; if they do not parse, the
     text from the marker on is content after all.
     """
+
+    read_cut: CutReader | None = None
 
     def __init__(self, marker: str, parse: Callable[[str], list[ToolCall] | None]):
         self._marker = marker
@@ -285,9 +306,11 @@ class MarkerToolParser:
         self._held = buffer[len(buffer) - keep :]
         return Parsed(content=buffer[: len(buffer) - keep])
 
-    def flush(self) -> Parsed:
+    def flush(self, cut: bool = False) -> Parsed:
         held, self._held = self._held, ""
         calls = self._parse(held) if self._calls else None
+        if calls is None and cut and self._calls:
+            return cut_pieces(self.read_cut, held)
         if calls is None:
             return Parsed(content=held)
         return Parsed(calls=[whole(c) for c in calls])

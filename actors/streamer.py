@@ -158,7 +158,8 @@ class StreamState:
             shown += req.matcher.flush()
         parsed = req.parser.feed(shown) if shown else Parsed()
         if req.matcher.stopped or ending:
-            parsed.extend(req.parser.flush())
+            cut = step.finish_reason == "length" and not req.matcher.stopped
+            parsed.extend(req.parser.flush(cut=cut))
         self._deliver_parsed(rid, req, parsed, step)
         if req.matcher.stopped:
             self._abort(rid)  # the engine would go on decoding it
@@ -207,6 +208,7 @@ class StreamState:
             cached_tokens=req.cached_tokens,
             prefilled_tokens=req.prefilled_tokens,
             stop_string=req.matcher.matched,
+            cut_call=req.parser.cut_call,
         )
         self._deliver(request_id, finished)
 

@@ -577,6 +577,8 @@ class Finished(msgspec.Struct, frozen=True, kw_only=True):
     cached_tokens: int = 0
     prefilled_tokens: int = -1  # as in ``Started``
     stop_string: str | None = None
+    # The index of the tool call the token limit cut (its arguments as far as written).
+    cut_call: int | None = None
 
 
 class Embedded(Finished, frozen=True, kw_only=True):

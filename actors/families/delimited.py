@@ -19,11 +19,13 @@ from collections.abc import Callable, Mapping
 
 from mlxd.actors.parsers import (
     CallPiece,
+    CutReader,
     IdFactory,
     Parsed,
     _json_string,
     _json_values,
     calls_from_values,
+    cut_pieces,
     partial_suffix,
     whole,
 )
@@ -36,6 +38,8 @@ BodyParser = Callable[[str], list[ToolCall] | None]
 class DelimitedToolParser:
     """Calls in sections: ``sections`` maps each start marker to (end marker, body parser);
     an end marker "" runs to the end of the output."""
+
+    read_cut: CutReader | None = None
 
     def __init__(self, sections: Mapping[str, tuple[str, BodyParser]], *, trim_before=False):
         self._sections = dict(sections)
@@ -95,12 +99,14 @@ class DelimitedToolParser:
         out.calls.extend(whole(c) for c in calls)
         self._called, self._space = True, ""
 
-    def flush(self) -> Parsed:
+    def flush(self, cut: bool = False) -> Parsed:
         out = Parsed()
         held, self._held = self._held, ""
-        if self._open:
+        if self._open and cut:
+            self._cut_call(held, out)
+        elif self._open:
             self._flush_call(held, out)
-        elif held:
+        elif held and not cut:  # cut, a held tail was the start of a call marker: dropped
             self._emit(held, out)
         if self._trim_before and not self._called:
             out.content += self._space  # no call followed it: it was content after all
@@ -110,6 +116,20 @@ class DelimitedToolParser:
     def _flush_call(self, held: str, out: Parsed) -> None:
         """The output ended inside a section: what it holds is parsed as it is."""
         self._finish(held, "", out)
+
+    def _cut_call(self, held: str, out: Parsed) -> None:
+        """The token limit ended the output inside a section: a section that runs to the
+        end of the output may be whole; else its calls so far, the last one incomplete."""
+        start, self._open = self._open or "", None
+        end, parse = self._sections[start]
+        calls = None if end else parse(held)
+        found = (
+            Parsed(calls=[whole(c) for c in calls])
+            if calls
+            else cut_pieces(self.read_cut, held, parse)
+        )
+        out.extend(found)
+        self._called = self._called or bool(found.calls)
 
 
 def one_section(start: str, end: str, parse_body: BodyParser) -> DelimitedToolParser:
@@ -136,6 +156,7 @@ class HermesToolParser(DelimitedToolParser):
         super().__init__({self.START: (self.END, whole_calls)})
         self._make_id = make_id
         self._streaming = False  # inside a call whose arguments are streaming
+        self._streamed = ""  # the arguments streamed so far (for a cut call)
 
     def _in_call(self, buffer: str, out: Parsed) -> str:
         if self._streaming:
@@ -147,6 +168,7 @@ class HermesToolParser(DelimitedToolParser):
         name = _json_string(header.group(1))
         out.calls.append(CallPiece(arguments="", id=self._make_id(), name=name))
         self._streaming, self._called, self._space = True, True, ""
+        self._streamed = ""
         return buffer[header.end() :]
 
     def _in_args(self, buffer: str, out: Parsed) -> str:
@@ -158,6 +180,7 @@ class HermesToolParser(DelimitedToolParser):
         cut = _ARGS_TAIL.search(body).start()  # type: ignore[union-attr]
         if cut:
             out.calls.append(CallPiece(arguments=body[:cut]))
+            self._streamed += body[:cut]
         self._held = buffer[cut:]
         return ""
 
@@ -174,3 +197,14 @@ class HermesToolParser(DelimitedToolParser):
             self._end_args(held, out)
         else:
             super()._flush_call(held, out)
+
+    def _cut_call(self, held: str, out: Parsed) -> None:
+        """Cut while its arguments streamed: the rest as written, the call incomplete."""
+        if not self._streaming:
+            return super()._cut_call(held, out)
+        from mlxd.actors.families.cut import json_arguments
+
+        written = json_arguments(self._streamed + held)  # a whole object ends there
+        rest = written[len(self._streamed) :] if written.startswith(self._streamed) else held
+        out.calls.append(CallPiece(arguments=rest, incomplete=True))
+        self._open, self._streaming = None, False

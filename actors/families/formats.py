@@ -16,6 +16,7 @@ Pure Python: no trio, no mlx.
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
@@ -44,7 +45,9 @@ class ToolStream(Protocol):
 
     def feed(self, text: str) -> Parsed: ...
 
-    def flush(self) -> Parsed: ...
+    def flush(self, cut: bool = False) -> Parsed:
+        """The rest of the output; ``cut``: the token limit ended it (``cut.py``)."""
+        ...
 
 
 # (make_id, the request's tools) → a parser for one request's output
@@ -522,5 +525,12 @@ def named(name: str) -> ToolFormat:
 def make_tool_parser(
     name: str, make_id: IdFactory = new_call_id, tools: tuple[Tool, ...] = ()
 ) -> ToolStream:
-    """The incremental parser for the format ``name``."""
-    return named(name).build(make_id, tools)
+    """The incremental parser for the format ``name``; it reads a call the token limit cut
+    by the format's ``cut.RULES`` entry (none: the cut call's markup is dropped)."""
+    from mlxd.actors.families import cut
+
+    parser = named(name).build(make_id, tools)
+    rule = cut.RULES.get(name)
+    if rule is not None and hasattr(parser, "read_cut"):
+        parser.read_cut = functools.partial(cut.cut_calls, rule=rule, make_id=make_id)  # type: ignore[attr-defined]
+    return parser

@@ -92,12 +92,23 @@ class FunctionaryParser(StateParser):
             return
         out.calls.append(whole(ToolCall(id=self._make_id(), name=self._name, arguments=text)))
 
-    def flush(self) -> Parsed:
+    def flush(self, cut: bool = False) -> Parsed:
         out = Parsed()
         held, self._held = self._held, ""
-        if self._state == "call":
+        if self._state == "call" and cut and not _whole(held):
+            from mlxd.actors.families.cut import incomplete, json_arguments
+
+            # the call as far as written (``cut.py``)
+            out.calls.append(incomplete(self._name, json_arguments(held), self._make_id))
+        elif self._state == "call":
             self._finish(held, out)
         else:
             out.content += held
         self._state = "header"
         return out
+
+
+def _whole(body: str) -> bool:
+    """The body is one whole JSON object (a call ends at the next message or the output's end)."""
+    values = _json_values(body.strip())
+    return bool(values) and len(values) == 1 and isinstance(values[0], dict)

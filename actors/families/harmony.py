@@ -83,6 +83,7 @@ class HarmonyParser(StateParser):
     BODY_MARKERS = _BODY_MARKERS
     NEXT = _NEXT
     OPENERS = _OPENERS
+    JSON_BODY = True  # a call's body is its JSON arguments (a cut one is read as far as written)
 
     def __init__(self, make_id: IdFactory):
         self._make_id = make_id
@@ -149,6 +150,14 @@ class HarmonyParser(StateParser):
         self._close(buffer[: stop.start()], buffer[stop.start() : end], out)
         return buffer[end:]
 
+    def _cut(self, body: str, out: Parsed) -> None:
+        """The token limit cut a call's body: the call as far as written (``cut.py``)."""
+        from mlxd.actors.families.cut import incomplete, json_arguments
+
+        self._state = "between"
+        if self.JSON_BODY and self._name:
+            out.calls.append(incomplete(self._name, json_arguments(body), self._make_id))
+
     def _put(self, text: str, out: Parsed) -> None:
         if self._route == "reasoning":
             out.reasoning += text
@@ -167,13 +176,15 @@ class HarmonyParser(StateParser):
         else:
             out.calls.extend(whole(c) for c in calls)
 
-    def flush(self) -> Parsed:
+    def flush(self, cut: bool = False) -> Parsed:
         out = Parsed()
         held, self._held = self._held, ""
-        if self._state == "body":
+        if cut and self._state == "body" and self._route == "call":
+            self._cut(held, out)
+        elif self._state == "body":
             self._close(held, "", out)
-        elif self._state == "header":
-            out.content += held
+        elif self._state == "header":  # cut, a header is dropped: it is markup
+            out.content += "" if cut else held
         else:
             out.content += held.lstrip()
         self._state = "between"

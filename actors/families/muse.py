@@ -43,6 +43,7 @@ class MuseParser(HarmonyParser):
     BODY_MARKERS = ("<|eom|>", "<|eot|>", _START)
     NEXT = (_START,)
     OPENERS = (_START, _MESSAGE, "to=")
+    JSON_BODY = False  # ATEM markup: a cut call is dropped
 
     def __init__(self, make_id: IdFactory, tools: tuple[Tool, ...]):
         super().__init__(make_id)

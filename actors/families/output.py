@@ -70,6 +70,7 @@ class OutputParser:
         )
         self._single = spec.single_tool_call
         self.calls = 0
+        self.cut_call: int | None = None  # the call the token limit cut, if one was
 
     @property
     def active(self) -> bool:
@@ -79,9 +80,11 @@ class OutputParser:
         stage = self._reasoning.feed(text) if self._reasoning else Parsed(content=text)
         return self._tool_stage(self._answer_stage(stage, final=False), final=False)
 
-    def flush(self) -> Parsed:
+    def flush(self, cut: bool = False) -> Parsed:
+        """The rest of the output; ``cut``: the token limit ended it, so a call it cut comes
+        back incomplete (``cut.py``), never as markup in the content."""
         stage = self._reasoning.flush() if self._reasoning else Parsed()
-        return self._tool_stage(self._answer_stage(stage, final=True), final=True)
+        return self._tool_stage(self._answer_stage(stage, final=True), final=True, cut=cut)
 
     def _answer_stage(self, stage: Parsed, *, final: bool) -> Parsed:
         if self._answer is None:
@@ -91,14 +94,17 @@ class OutputParser:
             stage.content += self._answer.flush()
         return stage
 
-    def _tool_stage(self, stage: Parsed, *, final: bool) -> Parsed:
+    def _tool_stage(self, stage: Parsed, *, final: bool, cut: bool = False) -> Parsed:
         if self._tools is None:
             return stage
         out = Parsed(reasoning=stage.reasoning)
         out.extend(self._tools.feed(stage.content) if stage.content else Parsed())
         if final:
-            out.extend(self._tools.flush())
+            out.extend(self._tools.flush(cut=cut))
         out.calls = [p for p in map(self._number, out.calls) if not (self._single and p.index)]
+        for piece in out.calls:
+            if piece.incomplete:
+                self.cut_call = piece.index
         return out
 
     def _number(self, piece: CallPiece) -> CallPiece:

@@ -60,6 +60,7 @@ from dataclasses import dataclass, field
 
 import msgspec
 import trio
+from mlxd.actors.families.cut import close_json, complete_fields
 from mlxd.actors.tokenizer import ModelUnavailable, PromptError
 from mlxd.daemon.api import sse
 from mlxd.daemon.api.common import (
@@ -612,8 +613,11 @@ def stop_reason(f: Finished) -> str:
     return "stop_sequence" if f.stop_string is not None else "end_turn"
 
 
-def _input(arguments: str) -> dict:
-    """The call's arguments as an object (streamed arguments that went wrong: under ``_raw``)."""
+def _input(arguments: str, cut: bool = False) -> dict:
+    """The call's arguments as an object (streamed arguments that went wrong: under ``_raw``;
+    a call the token limit cut: the fields written whole)."""
+    if cut:
+        return complete_fields(arguments)
     try:
         value = json.loads(arguments)
     except ValueError:
@@ -670,11 +674,13 @@ def message_body(rid: str, shaping: Shaping, c: Choice) -> wire.Message:
         content.append(wire.OutThinking(thinking=shown, signature=signature(c.reasoning)))
     if c.text:
         content.append(wire.OutText(text=c.text))
-    content += [
-        wire.OutToolUse(id=tool_use_id(t.id), name=t.name, input=_input(t.arguments))
-        for t in c.calls
-    ]
     f = c.finished
+    content += [
+        wire.OutToolUse(
+            id=tool_use_id(t.id), name=t.name, input=_input(t.arguments, k == f.cut_call)
+        )
+        for k, t in enumerate(c.calls)
+    ]
     return wire.Message(
         id=rid,
         type="message",
@@ -704,6 +710,7 @@ class MessageStream:
         self.index = -1
         self.open: str | None = None  # kind of the open block
         self.thought = hashlib.sha256()  # the open thinking block's text so far
+        self.arguments = ""  # the open tool_use block's partial JSON so far
         self.end: Finished | None = None
 
     def opening(self) -> list[bytes]:
@@ -769,12 +776,19 @@ class MessageStream:
             if c.id is not None:
                 block = wire.OutToolUse(id=tool_use_id(c.id), name=c.name, input={})
                 out += self._block("tool_use", block)
+                self.arguments = ""
             if c.arguments:
+                self.arguments += c.arguments
                 out.append(self._delta({"type": "input_json_delta", "partial_json": c.arguments}))
         return out
 
     def finished(self, i: int, f: Finished) -> list[bytes]:
         self.end = f
+        if f.cut_call is not None and self.open == "tool_use":
+            # the limit cut the call: its partial JSON closed, so that the client can parse it
+            if closing := close_json(self.arguments):
+                out = [self._delta({"type": "input_json_delta", "partial_json": closing})]
+                return out + self._close()
         return self._close()
 
     def closing(self, u: Usage) -> list[bytes]:

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
 import msgspec
+from mlxd.actors.families.cut import complete_fields
 from mlxd.actors.tokenizer import ModelUnavailable, PromptError
 from mlxd.daemon.api import ollama_models as listings
 from mlxd.daemon.api.common import (
@@ -262,8 +263,11 @@ def generate_request(w: wire.GenerateRequest, rid: str, v: Validator):
 # ---- output -----------------------------------------------------------------------------
 
 
-def _arguments(arguments: str) -> object:
-    """A call's arguments as an object (arguments that are no JSON object: under ``_raw``)."""
+def _arguments(arguments: str, cut: bool = False) -> object:
+    """A call's arguments as an object (arguments that are no JSON object: under ``_raw``;
+    a call the token limit cut: the fields written whole)."""
+    if cut:
+        return complete_fields(arguments)
     try:
         value = json.loads(arguments)
     except json.JSONDecodeError:
@@ -271,14 +275,19 @@ def _arguments(arguments: str) -> object:
     return value if isinstance(value, dict) else {"_raw": arguments}
 
 
-def _out_calls(calls: list[ToolCall], first_index: int = 0) -> list[wire.OutToolCall] | None:
+def _out_calls(
+    calls: list[ToolCall], first_index: int = 0, cut: int | None = None
+) -> list[wire.OutToolCall] | None:
+    """``cut``: the index of the call the token limit cut, if one was."""
     if not calls:
         return None
     return [
         wire.OutToolCall(
             id=c.id,
             function=wire.OutFunctionCall(
-                name=c.name, arguments=_arguments(c.arguments), index=first_index + k
+                name=c.name,
+                arguments=_arguments(c.arguments, first_index + k == cut),
+                index=first_index + k,
             ),
         )
         for k, c in enumerate(calls)
@@ -399,7 +408,7 @@ class Shape:
                 clock.timings(c.finished),
                 text=c.text,
                 thinking=c.reasoning,
-                calls=_out_calls(c.calls),
+                calls=_out_calls(c.calls, cut=c.finished.cut_call),
                 logprobs=_logprobs(c.logprobs) if self.logprobs else None,
             )
         )
@@ -450,7 +459,8 @@ async def _ndjson(
                         sent = calls.flush()
                         if sent:
                             index = calls.sent - len(sent)
-                            yield _line(shape.piece(calls=_out_calls(sent, index)))
+                            out = _out_calls(sent, index, event.cut_call)
+                            yield _line(shape.piece(calls=out))
                         timings = clock.timings(event)
                         yield _line(shape.last(done_reason(event.finish_reason), timings))
                     case Failed():
