@@ -50,8 +50,9 @@ def tool_call_schema(
 ) -> dict:
     """JSON schema of one call ``{"name": …, "arguments": {…}}`` to one of ``names``.
 
-    Forced calls are compact (no free whitespace) and strict, so that even a
-    small model cannot wander off into extra keys before closing the call. A tool
+    Calls are strict and take at most one space between JSON tokens
+    (``forced.CALL_LAYOUT``), so that even a small model cannot wander off into extra
+    keys or blanks before closing the call. A tool
     with ``strict: true`` has a schema that passed OpenAI's strict rules
     (``strict_schema_error``): it is used as it is. Tools named in ``loose`` take any
     object (a ``strict: false`` tool offered beside a strict one, in auto mode).
@@ -74,7 +75,7 @@ def tool_call_schema(
             }
         )
     schema = options[0] if len(options) == 1 else {"anyOf": options}
-    return {**schema, "x-guidance": {"whitespace_flexible": False}}
+    return {**schema, "x-guidance": forced.CALL_LAYOUT}
 
 
 def tool_call_lark(

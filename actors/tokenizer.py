@@ -119,6 +119,9 @@ class TokenizerOptions:
     chat_template: str = ""  # the server's template, used instead of the model's; "": the model's
     # tool_choice auto: a call is held to its grammar from the family's opener on
     constrain_auto_calls: bool = True
+    # the runner can hold one (not a drafting runner, not a group of ranks): else calls in
+    # auto mode stay free, even for strict tools
+    auto_call_grammars: bool = True
 
 
 def use_chat_template(info: ModelInfo, template: str) -> None:
@@ -154,7 +157,8 @@ class PromptBuilder:
             memory=info.memory,
             traits=template_traits(info.tokenizer, o.tool_format, o.reasoning_tags),
             grammars=grammars,
-            constrain_auto_calls=o.constrain_auto_calls,
+            constrain_auto_calls=o.constrain_auto_calls and o.auto_call_grammars,
+            auto_call_grammars=o.auto_call_grammars,
         )
 
     def __init__(
@@ -174,9 +178,11 @@ class PromptBuilder:
         traits: TemplateTraits | None = None,
         grammars: GrammarCompiler | None = None,
         constrain_auto_calls: bool = True,
+        auto_call_grammars: bool = True,
     ):
         self.tokenizer = tokenizer
         self.constrain_auto_calls = constrain_auto_calls
+        self.auto_call_grammars = auto_call_grammars
         self.want_checkpoints = checkpoints
         self.max_breakpoints = max_breakpoints
         self.vision = VisionProcessor(processor) if processor is not None else None
@@ -385,7 +391,7 @@ class PromptBuilder:
         (``actors/lazy_calls.py``). On where the server says so (``constrain_auto_calls``)
         and no tool says ``strict: false``, or wherever a tool says ``strict: true``; a
         ``strict: false`` tool offered beside a strict one takes any arguments."""
-        if request.tool_choice != "auto" or not request.tools:
+        if request.tool_choice != "auto" or not request.tools or not self.auto_call_grammars:
             return None
         strict = any(t.strict for t in request.tools)
         free = frozenset(t.name for t in request.tools if t.strict is False)

@@ -280,11 +280,10 @@ def tokenizer_options(s: Settings, entry: ModelEntry | None = None) -> Tokenizer
         reasoning_tags=entry.reasoning_tags or s.tokenizer.reasoning_tags,
         image_limits=options_from(s.vision, ImageLimits),
         chat_template=entry.chat_template_text(s.model.chat_template_text()),
+        constrain_auto_calls=s.tokenizer.constrain_auto_calls,
         # a lazy call grammar rides on the runner's logits processors, which neither the
         # drafting runner nor the other ranks of a group run
-        constrain_auto_calls=s.tokenizer.constrain_auto_calls
-        and not _speculates(s, entry)
-        and s.distributed.parallel == "off",
+        auto_call_grammars=not _speculates(s, entry) and s.distributed.parallel == "off",
     )
 
 

@@ -458,11 +458,32 @@ def test_off_where_the_runner_cannot_carry_it():
     logits processor: there the setting is off (the calls stay free)."""
     from mlxd.daemon.supervisor import tokenizer_options
 
-    assert tokenizer_options(load_settings()).constrain_auto_calls
-    assert not tokenizer_options(
-        settings_with(tokenizer={"constrain_auto_calls": False})
-    ).constrain_auto_calls
-    assert not tokenizer_options(settings_with(speculative={"enabled": True})).constrain_auto_calls
+    assert tokenizer_options(load_settings()).auto_call_grammars
+    assert not tokenizer_options(settings_with(speculative={"enabled": True})).auto_call_grammars
     assert not tokenizer_options(
         settings_with(distributed={"parallel": "tensor"})
-    ).constrain_auto_calls
+    ).auto_call_grammars
+
+
+def test_where_the_runner_cannot_carry_it_even_strict_tools_stay_free():
+    from mlxd.actors.tokenizer import PromptBuilder
+    from mlxd.protocol.messages import ChatRequest, Message, SamplingParams
+
+    hf = family_tokenizer(*QWEN3)
+    strict = Tool(name="get_weather", parameters=WEATHER, strict=True)
+    ask = ChatRequest(
+        request_id="r",
+        messages=(Message(role="user", content="hi"),),
+        sampling=SamplingParams(),
+        tools=(strict,),
+    )
+
+    def builder(**options) -> PromptBuilder:
+        grammars = GrammarCompiler(hf)
+        return PromptBuilder(
+            hf, 4096, default_max_tokens=64, vocab_size=len(hf), grammars=grammars, **options
+        )
+
+    assert builder().lazy_grammar(ask, "") is not None
+    assert builder(constrain_auto_calls=False).lazy_grammar(ask, "") is not None  # strict wins
+    assert builder(auto_call_grammars=False).lazy_grammar(ask, "") is None

@@ -9,7 +9,7 @@ one, quoted text otherwise (``Grammar.mark``; the grammar compiler passes
 ``split``, which asks the tokenizer).
 
 Arguments: where a call's arguments are one JSON object, that object is
-``%json`` of the strict schema, compact. Where each parameter is an element of
+``%json`` of the strict schema, with at most one space between tokens (``CALL_LAYOUT``). Where each parameter is an element of
 its own (XML-like markups, Gemma 4, pythonic), the parameters come in schema
 order (Gemma 4: sorted, as its template writes them), required ones always,
 optional ones maybe; a typed non-string value is ``%json`` of its property
@@ -28,8 +28,10 @@ import json
 from collections.abc import Callable
 from dataclasses import dataclass
 
-# Forced calls are compact: no free whitespace (see ``grammar.tool_call_schema``).
-CALL_LAYOUT = {"whitespace_flexible": False}
+# A call's JSON takes at most one space wherever JSON allows whitespace: the compact layout
+# and json.dumps's (", " and ": ", as chat templates render calls) both fit, and a small model
+# cannot spend its tokens on a run of blanks (see ``grammar.JSON_LAYOUT``).
+CALL_LAYOUT = {"whitespace_flexible": True, "whitespace_pattern": " ?"}
 
 # A marker's text → its pieces: plain text, or the id of a special token.
 Split = Callable[[str], list[str | int]]
