@@ -5,7 +5,9 @@
 
 It picks the tool-call format as ``mlxd serve`` does (from the chat template,
 else the vocabulary), runs the same streaming parsers over stdin, and prints one
-JSON object: ``format`` and ``why`` (what chose it), ``reasoning_format``,
+JSON object: ``chat_template`` (which template serves the model and why: its own, or,
+where it has none, its family's as ``mlxd serve`` picks it from the vocabulary),
+``format`` and ``why`` (what chose it), ``reasoning_format``,
 ``content``, ``reasoning`` and ``tool_calls`` (``name``, ``arguments`` as an
 object). It answers "why was my tool call not recognised?". Loads no weights
 and no MLX.
@@ -18,6 +20,7 @@ import json
 import sys
 from pathlib import Path
 
+from mlxd.actors.families.fallback_templates import TemplateChoice, choose
 from mlxd.actors.families.output import OutputParser
 from mlxd.actors.tools import TemplateTraits, traits_of
 from mlxd.protocol.messages import OutputSpec, Tool
@@ -37,8 +40,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
 
 
-def _tokenizer_source(model: Path) -> tuple[str, frozenset[str]]:
-    """The model's chat template and vocabulary, from its tokenizer files alone."""
+def _tokenizer_source(model: Path) -> tuple[str, frozenset[str], TemplateChoice]:
+    """The chat template that serves the model (its own, else its family's as ``mlxd serve``
+    picks it), its vocabulary, and which template it is and why, from its tokenizer files."""
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(str(model))
@@ -48,7 +52,9 @@ def _tokenizer_source(model: Path) -> tuple[str, frozenset[str]]:
     jinja = model / "chat_template.jinja"
     if not template and jinja.is_file():
         template = jinja.read_text()
-    return template or "", frozenset(tokenizer.get_vocab())
+    vocab = frozenset(tokenizer.get_vocab())
+    choice = choose(template or "", vocab)
+    return choice.template or template or "", vocab, choice
 
 
 def _tools(path: Path | None) -> tuple[Tool, ...]:
@@ -66,7 +72,11 @@ def _tools(path: Path | None) -> tuple[Tool, ...]:
 
 
 def parse_text(
-    text: str, traits: TemplateTraits, tools: tuple[Tool, ...] = (), opened: bool = False
+    text: str,
+    traits: TemplateTraits,
+    tools: tuple[Tool, ...] = (),
+    opened: bool = False,
+    template: TemplateChoice | None = None,
 ) -> dict:
     """The report ``mlxd parse`` prints for ``text`` under ``traits``."""
     spec = OutputSpec(
@@ -86,7 +96,9 @@ def parse_text(
             calls[piece.index]["arguments"] += piece.arguments
     for call in calls.values():
         call["arguments"] = json.loads(call["arguments"] or "{}")
+    chosen = template or TemplateChoice("setting", "--template: the file given")
     return {
+        "chat_template": {"source": chosen.source, "family": chosen.family, "why": chosen.why},
         "format": traits.tool_format,
         "why": traits.why_format,
         "reasoning_format": list(traits.reasoning) if traits.reasoning else None,
@@ -103,15 +115,16 @@ def parse_command(args: argparse.Namespace) -> int:
         print("mlxd parse: give a model directory or --template FILE", file=sys.stderr)
         return 2
     try:
+        choice = None
         if args.template is not None:
             template, vocab = args.template.read_text(), frozenset()
         else:
-            template, vocab = _tokenizer_source(args.model)
+            template, vocab, choice = _tokenizer_source(args.model)
         tools = _tools(args.tools)
     except (OSError, ValueError, KeyError, TypeError) as exc:
         print(f"mlxd parse: {exc}", file=sys.stderr)
         return 2
     traits = traits_of(template, vocab)
-    report = parse_text(sys.stdin.read(), traits, tools, args.prompt_opens_reasoning)
+    report = parse_text(sys.stdin.read(), traits, tools, args.prompt_opens_reasoning, choice)
     print(json.dumps(report, ensure_ascii=False, indent=2))
     return 0

@@ -278,7 +278,8 @@ class Pipeline:
         info, memory = self.info, self.info.memory if self.info else None
         model = None
         if info is not None and self.models is not None:
-            model = _model_status(self.models.default, info)
+            default = self.models.default
+            model = _model_status(default, info, _server_template(self.models, default))
         return Live(
             state=self.state.value,
             engine=self.engine_stats,
@@ -305,7 +306,9 @@ class Pipeline:
                 last_unload_reason=e.last_unload_reason,
                 weights_bytes=e.weights_bytes,
                 waiting_for_load=e.waiting,
-                model=_model_status(e.id, e.info) if e.info is not None else None,
+                model=_model_status(e.id, e.info, _server_template(self.models, e.id))
+                if e.info is not None
+                else None,
                 engine=self.model_stats.get(e.id) if e.state == "loaded" else None,
             )
             for e in self.models.entries.values()
@@ -432,19 +435,28 @@ class Pipeline:
         return session
 
 
-def _model_status(model: str, info: ModelInfo) -> wire.ModelStatus:
+def _model_status(model: str, info: ModelInfo, server_template: bool = False) -> wire.ModelStatus:
     w, warmup = info.warmup, None
     if w is not None:
         warmup = wire.WarmupStatus(
             seconds=w.seconds, max_batch=w.max_batch, prompt_tokens=list(w.prompt_tokens)
         )
+    template = info.chat_template
+    if server_template and template is not None:  # model.chat_template replaces any
+        template = wire.ChatTemplateStatus(source="setting", why="model.chat_template")
     return wire.ModelStatus(
         id=model,
         backend=info.backend,
         context_length=info.context_length,
         kind=info.kind,
         warmup=warmup,
+        chat_template=template,
     )
+
+
+def _server_template(models: ModelRegistry, model: str) -> bool:
+    options = models.prompts.get(model)
+    return bool(options and options.chat_template)
 
 
 def _sum_stats(stats: list[EngineStats]) -> EngineStats:

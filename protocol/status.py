@@ -86,12 +86,24 @@ class WarmupStatus(msgspec.Struct, kw_only=True):
     prompt_tokens: list[int]
 
 
+class ChatTemplateStatus(msgspec.Struct, frozen=True, kw_only=True):
+    """Which chat template serves a model. ``source``: ``model`` (its own), ``setting``
+    (``model.chat_template``), ``family`` (the model has none: mlxd's template for the
+    ``family`` whose turn tokens its vocabulary has) or ``concatenation`` (none, and no
+    family: the messages' text); ``why`` says what decided."""
+
+    source: str
+    why: str
+    family: str = ""
+
+
 class ModelStatus(msgspec.Struct, kw_only=True):
     id: str
     backend: str
     context_length: int
     kind: str = "text"
     warmup: WarmupStatus | None = None  # None: not warmed up (off, or an embedding model)
+    chat_template: ChatTemplateStatus | None = None  # None: an embedding model
 
 
 class ServedModel(msgspec.Struct, kw_only=True):

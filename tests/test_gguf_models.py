@@ -14,7 +14,6 @@ from gguf import quants
 from mlxd.actors.engine.loading.gguf.arch import ARCHITECTURES
 from mlxd.actors.engine.loading.gguf.header import read_gguf
 from mlxd.actors.engine.loading.gguf.tensors import dequantize
-from mlxd.actors.engine.loading.gguf.tokenizer import FALLBACK_CHAT_TEMPLATE
 from mlxd.scripts.gguf_sample import gemma3_270m
 
 from tests.engine_driver import alone, drive, request
@@ -59,12 +58,21 @@ def test_it_knows_the_capital_of_france(gemma) -> None:
     assert "Paris" in text
 
 
-def test_base_model_gets_the_fallback_chat_template(gemma) -> None:
+def test_a_file_without_a_template_gets_its_familys_turn_format(gemma) -> None:
+    """The file has no template (conversion writes the concatenation); the loader picks
+    Gemma's from the vocabulary's turn tokens (tests/test_fallback_templates.py)."""
+    from mlxd.actors.families.fallback_templates import CONCATENATION_MARK, pick
+
     _, _, info = gemma
     tok = info.tokenizer
-    assert tok.chat_template == FALLBACK_CHAT_TEMPLATE.replace("add_bos", "true")
-    chat = [{"role": "user", "content": "Hello"}, {"role": "user", "content": "there"}]
-    assert tok.apply_chat_template(chat, tokenize=False) == "<bos>Hello\n\nthere"
+    gemma_turns = pick(tok.get_vocab())
+    assert gemma_turns is not None and tok.chat_template == gemma_turns.template
+    saved = [info.model_dir / n for n in ("chat_template.jinja", "tokenizer_config.json")]
+    assert any(CONCATENATION_MARK in p.read_text() for p in saved if p.is_file())
+    chat = [{"role": "user", "content": "Hello"}]
+    assert tok.apply_chat_template(chat, tokenize=False, add_generation_prompt=True) == (
+        "<bos><start_of_turn>user\nHello<end_of_turn>\n<start_of_turn>model\n"
+    )
 
 
 def test_batch_mixing_rotating_and_full_caches_equals_alone(gemma) -> None:

@@ -59,6 +59,7 @@ from mlxd.actors.engine.speculative.mtp import MTPDrafter, load_mtp
 from mlxd.actors.engine.speculative.runner import make_speculative_runner
 from mlxd.actors.engine.speculative.spec_prefill import SpecPrefill, unsupported_layers
 from mlxd.actors.engine.speculative.vlm_mtp import VlmMtpRunner
+from mlxd.actors.families import fallback_templates
 from mlxd.protocol.messages import SpecPrefillCounters, SpeculativeCounters
 
 log = logging.getLogger("mlxd.runner")
@@ -266,6 +267,7 @@ def load_vlm(
         # Many VLM checkpoints keep the template with the processor only: the template
         # traits (tool format, tools in template, reasoning tags) are read from the tokenizer.
         tokenizer.chat_template = processor.chat_template
+    template = fallback_templates.settle(tokenizer, processor).status()
     log.info(
         "vision model: %s with %s",
         type(model).__module__,
@@ -280,6 +282,7 @@ def load_vlm(
         backend=backend(),
         kind="vision",
         processor=processor,
+        chat_template=template,
     )
     return VlmRunner(model, _stop_tokens(processor, config), max_batch), info
 
@@ -427,6 +430,7 @@ def load_served(options: LoadOptions, shard: Shard | None = None) -> tuple[MlxRu
         vocab_size=int(config_value(config, "vocab_size") or len(tokenizer.vocab)),
         tokenizer=tokenizer,
         backend=backend(),
+        chat_template=fallback_templates.settle(tokenizer).status(),
     )
     cache = make_prefix_cache(o.prefix_cache)
     stops = sorted(tokenizer.eos_token_ids)

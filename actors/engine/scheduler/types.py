@@ -9,6 +9,7 @@ from typing import Any, Protocol
 from mlxd.actors.engine.scheduler.memory import MemoryModel
 from mlxd.protocol.embeddings import EmbeddingInfo
 from mlxd.protocol.messages import FinishReason, RunnerCounters, TokenizedRequest, TokenLogprob
+from mlxd.protocol.status import ChatTemplateStatus
 
 
 class InvalidRequest(ValueError):
@@ -127,6 +128,7 @@ class ModelInfo:
     memory: MemoryModel | None = None  # None: no memory gate (estimates unknown)
     embedding: EmbeddingInfo | None = None  # an embedding model's traits (kind "embedding")
     warmup: Warmup | None = None  # None: the model was not warmed up
+    chat_template: ChatTemplateStatus | None = None  # which template serves it, and why
 
 
 KINDS = ("auto", "text", "vision", "embedding")

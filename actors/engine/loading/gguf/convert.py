@@ -49,7 +49,6 @@ from mlxd.actors.engine.loading.gguf.tensors import (
 from mlxd.actors.engine.loading.gguf.tokenizer import (
     end_of_generation_ids,
     save_tokenizer,
-    warn_if_fallback_template,
 )
 
 __all__ = [
@@ -104,7 +103,6 @@ def convert_gguf(
     target = Path(cache_root) / f"{_sha256(gguf_path)[:16]}-{storage.kind}"
     if target.is_dir():
         log(f"using cached conversion {target}")
-        warn_if_fallback_template(target)
         return target
     start = time.monotonic()
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -115,7 +113,6 @@ def convert_gguf(
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     log(f"converted {gguf_path.name} to {target} in {time.monotonic() - start:.1f}s")
-    warn_if_fallback_template(target)
     return target
 
 

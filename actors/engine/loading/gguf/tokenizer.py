@@ -3,20 +3,19 @@
 The tokens, merges (BPE, ``tokenizer.ggml.model == "gpt2"``) or scores and token types
 (SentencePiece, ``"llama"``) go through transformers' GGUF tokenizer builders
 (``transformers.integrations.gguf``), which work offline from the metadata alone. The chat
-template is ``tokenizer.chat_template``; a file without one (a base model) gets
-``FALLBACK_CHAT_TEMPLATE``, which concatenates the messages' text, and a warning.
+template is ``tokenizer.chat_template``; a file without one gets ``FALLBACK_CHAT_TEMPLATE``,
+which concatenates the messages' text, until the loader picks the family's turn format from
+the vocabulary (``families/fallback_templates.py``; it warns where none matches).
 """
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from mlxd.actors.engine.loading.gguf.arch import UnsupportedModel
-
-log = logging.getLogger("mlxd.gguf")
+from mlxd.actors.families.fallback_templates import CONCATENATION, concatenation
 
 # Tokenizer attribute -> `tokenizer.ggml.` metadata key holding its id.
 _SPECIAL_TOKEN_IDS = {
@@ -32,21 +31,9 @@ _EOG_KEYS = ("eos_token_id", "eot_token_id", "eom_token_id")
 _END_OF_TURN = frozenset({"<end_of_turn>", "<|eot_id|>", "<|eom_id|>", "<|im_end|>", "<|end|>"})
 _CONTROL = 3
 
-# For a base model's file: the messages' text, one after another, separated by a blank line
-# (text parts of a content list included), after BOS when the vocabulary adds one. No roles,
-# and a generation prompt adds nothing: the model continues the text.
-_FALLBACK_MARK = "mlxd: the GGUF file has no chat template"
-FALLBACK_CHAT_TEMPLATE = (
-    "{#- " + _FALLBACK_MARK + "; the messages' text is concatenated -#}"
-    "{% if add_bos %}{{ bos_token }}{% endif %}"
-    "{% for message in messages %}"
-    "{% if not loop.first %}{{ '\\n\\n' }}{% endif %}"
-    "{% if message['content'] is string %}{{ message['content'] }}"
-    "{% else %}{% for part in message['content'] %}"
-    "{% if part['type'] == 'text' %}{{ part['text'] }}{% endif %}"
-    "{% endfor %}{% endif %}"
-    "{% endfor %}"
-)
+# For a file without a template: the messages' text concatenated (mlxd's loader then picks the
+# family's turn format from the vocabulary where it can: ``families/fallback_templates.py``).
+FALLBACK_CHAT_TEMPLATE = CONCATENATION
 
 
 def end_of_generation_ids(meta: dict[str, Any]) -> list[int]:
@@ -76,7 +63,7 @@ def save_tokenizer(meta: dict[str, Any], out: Path) -> None:
     add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", False))
     template = meta.get("tokenizer.chat_template")
     if not template:
-        template = FALLBACK_CHAT_TEMPLATE.replace("add_bos", "true" if add_bos else "false")
+        template = concatenation(add_bos)
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=_backend_tokenizer(meta),
         chat_template=template,
@@ -123,16 +110,3 @@ def _smollm_pre_tokenizer() -> Any:
 
 # llama.cpp pre-tokenizer names that transformers' GGUF converter does not know.
 _PRE_TOKENIZERS: dict[str, Callable[[], Any]] = {"smollm": _smollm_pre_tokenizer}
-
-
-def warn_if_fallback_template(model_dir: Path) -> None:
-    """Log a warning (at every start) when the directory's chat template is the fallback."""
-    for name in ("chat_template.jinja", "tokenizer_config.json"):
-        path = model_dir / name
-        if path.is_file() and _FALLBACK_MARK in path.read_text(encoding="utf-8"):
-            log.warning(
-                "%s: the GGUF file has no chat template; chat requests concatenate the "
-                "messages' text (set model.chat_template for a real one)",
-                model_dir,
-            )
-            return
