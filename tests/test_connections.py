@@ -15,6 +15,7 @@ import os
 
 import pytest
 import trio
+from mlxd.daemon import hypercorn_serve
 
 from tests.conftest import real_server, settings_with
 
@@ -212,3 +213,19 @@ async def health(url: str) -> bytes:
     stream = await connect(url)
     await stream.send_all(request("GET", "/health", "Host: localhost", "Connection: close"))
     return await read_until_closed(stream)
+
+
+def test_the_guard_holds_on_the_installed_hypercorn_and_not_on_an_untested_one(monkeypatch):
+    assert hypercorn_serve.BROKEN is None
+    monkeypatch.setattr(hypercorn_serve, "version", lambda _: "0.19.0")
+    assert "hypercorn 0.19.0 is not one of the tested" in hypercorn_serve._contract()
+
+
+async def test_out_of_contract_it_serves_through_plain_hypercorn_with_one_warning(
+    monkeypatch, caplog
+):
+    monkeypatch.setattr(hypercorn_serve, "BROKEN", "hypercorn 0.19.0 is not one of the tested")
+    async with real_server() as (url, _, _):
+        answer = await health(url)
+    assert answer.startswith(b"HTTP/1.1 200")
+    assert caplog.text.count("connections unguarded") == 1

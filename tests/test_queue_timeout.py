@@ -114,7 +114,7 @@ async def test_sixteen_requests_behind_a_two_row_memory_budget_all_complete(mock
         mock_clock.autojump_threshold = 0  # the idle check at exit polls with sleeps
     assert all(isinstance(r[-1], Finished) for r in results), [r[-1] for r in results]
     assert [text_of(r) for r in results] == [t.upper() for t in texts]
-    assert max(runner.batch_sizes) == 2  # the memory budget held them back
+    assert max(runner.batch_sizes) <= 2  # the memory budget held them back
     assert waited > 2 * 10.0 and pipeline.expired == 0
 
 
