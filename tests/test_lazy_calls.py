@@ -279,6 +279,14 @@ async def _every_api(c, script: str) -> dict[str, tuple[str, list[tuple[str, dic
         (t["function"]["name"], t["function"]["arguments"]) for t in message.get("tool_calls") or ()
     ]
     out["ollama"] = (message["content"], calls)
+    lines = (await read_stream(c, "/api/chat", body)).decode().splitlines()
+    messages = [json.loads(line)["message"] for line in lines if line.strip()]
+    calls = [
+        (t["function"]["name"], t["function"]["arguments"])
+        for m in messages
+        for t in m.get("tool_calls") or ()
+    ]
+    out["ollama stream"] = ("".join(m["content"] for m in messages), calls)
     return out
 
 
@@ -487,3 +495,21 @@ def test_where_the_runner_cannot_carry_it_even_strict_tools_stay_free():
     assert builder().lazy_grammar(ask, "") is not None
     assert builder(constrain_auto_calls=False).lazy_grammar(ask, "") is not None  # strict wins
     assert builder(auto_call_grammars=False).lazy_grammar(ask, "") is None
+
+
+async def test_a_schema_the_grammar_cannot_take_leaves_auto_calls_free_unless_strict():
+    odd = {"type": "object", "properties": {"city": {"not": {"type": "integer"}}}}
+    body = _chat(f"{SAID} {BAD_CALL}")
+    body["tools"][0]["function"]["parameters"] = odd
+    strict = json.loads(json.dumps(body))
+    strict["tools"][0]["function"] |= {
+        "strict": True,
+        "parameters": odd | {"required": ["city"], "additionalProperties": False},
+    }
+    async with lazy_client() as c:
+        free = await post_json(c, "/v1/chat/completions", body)
+        refused = await c.post("/v1/chat/completions", json=strict)
+    call = free["choices"][0]["message"]["tool_calls"][0]["function"]
+    assert json.loads(call["arguments"]) == AS_WRITTEN
+    assert refused.status_code == 400
+    assert "not" in json.loads(await refused.get_data())["error"]["message"]
