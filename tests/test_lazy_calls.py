@@ -513,3 +513,11 @@ async def test_a_schema_the_grammar_cannot_take_leaves_auto_calls_free_unless_st
     assert json.loads(call["arguments"]) == AS_WRITTEN
     assert refused.status_code == 400
     assert "not" in json.loads(await refused.get_data())["error"]["message"]
+
+
+def test_llama3_calls_keep_the_parameters_key_its_template_writes():
+    hf = _hf_tokenizer([])
+    script = _malformed("llama3").replace('"arguments"', '"parameters"')
+    text = _write(GrammarCompiler(hf), hf, "llama3", script)
+    assert '"parameters"' in text
+    jsonschema.validate(_calls("llama3", text)[1][0][1], PARAMS)

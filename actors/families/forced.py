@@ -197,6 +197,25 @@ def _json(g: Grammar, schema: dict) -> str:
     return g.rule("%json " + json.dumps(schema))
 
 
+def _llama3(g: Grammar, schema: dict) -> str:
+    """Llama 3.1+: the bare object, its arguments under ``parameters`` (as the template
+    writes calls) or ``arguments``."""
+    options = schema.get("anyOf") or [schema]
+    renamed = [
+        {
+            **o,
+            "properties": {
+                "name": o["properties"]["name"],
+                "parameters": o["properties"]["arguments"],
+            },
+            "required": ["name", "parameters"],
+        }
+        for o in options
+    ]
+    layout = {k: v for k, v in schema.items() if k == "x-guidance"}
+    return g.rule("%json " + json.dumps({"anyOf": [*renamed, *options], **layout}))
+
+
 def _hermes(g: Grammar, schema: dict) -> str:
     return f'{g.mark("<tool_call>")} "\\n" {_json(g, schema)} "\\n" {g.mark("</tool_call>")}'
 
@@ -487,7 +506,7 @@ def _hy3_tag(name: str) -> str:
 BUILDERS: dict[str, Builder] = {
     "hermes": _hermes,
     "mistral": _mistral,
-    "llama3": _json,
+    "llama3": _llama3,
     "json": _json,
     "qwen3_coder": _qwen3_coder("<tool_call>", "</tool_call>", "\n"),
     "seed_oss": _qwen3_coder("<seed:tool_call>", "</seed:tool_call>", ""),
