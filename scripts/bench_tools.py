@@ -216,6 +216,7 @@ def score(case: Case, answer: Answer, check) -> dict:
     else:
         verdict = check(case, [{name: args} for name, args in calls])
     return {
+        "error": answer.error,
         "calls": len(calls),
         "valid": valid,
         "ast": bool(verdict["valid"]),
@@ -239,7 +240,7 @@ def summary(scored: list[dict]) -> dict:
         "valid_args": share(sum(s["valid"] for s in scored), calls),
         "ast_accuracy": share(sum(s["ast"] for s in scored), n),
         "call_in_content": share(sum(s["in_content"] for s in scored), n),
-        "errors": sum(bool(s.get("error")) for s in scored),
+        "errors": sum(s["error"] is not None for s in scored),
     }
 
 
@@ -290,7 +291,7 @@ async def ask(client, url: str, case: Case, arm: Arm, max_tokens: int) -> Answer
 
 
 async def answers(url: str, todo: list[Case], arm: Arm, args) -> list[Answer]:
-    """Every case, ``args.concurrency`` at a time, in the order given."""
+    """Every case's answer, ``args.concurrency`` requests in flight, in the order given."""
     import httpx
     import trio
 
@@ -346,8 +347,9 @@ def model_source(name: str) -> str:
     raise SystemExit(f"unknown model {name!r}: one of {', '.join(MODELS)}")
 
 
-def run_arm(arm: Arm, model_dir: Path, todo: dict[str, list[Case]], args, tmp: Path):
-    """Start ``arm``'s server, send every category's cases, stop it; the answers per category."""
+def run_arm(arm: Arm, model_dir: Path, todo: list[Case], args, tmp: Path) -> list[Answer]:
+    """Start ``arm``'s server, send every case (all categories at once, so that a batching
+    server batches them), stop it."""
     import trio
     from mlxd.scripts import bench_agents
 
@@ -358,7 +360,7 @@ def run_arm(arm: Arm, model_dir: Path, todo: dict[str, list[Case]], args, tmp: P
     log = tmp / f"{model_dir.name}-{arm.name}.log"
     with bench_agents.serving(arm.server, model_dir, log, args.ready_timeout, config) as (url, s):
         print(f"  {arm.name}: ready in {s:.0f} s", flush=True)
-        return {c: trio.run(answers, url, todo[c], arm, args) for c in todo}
+        return trio.run(answers, url, todo, arm, args)
 
 
 def run_model(model: str, args, check, tmp: Path) -> list[dict]:
@@ -366,27 +368,28 @@ def run_model(model: str, args, check, tmp: Path) -> list[dict]:
 
     model_dir, label = bench_agents.prepare(model_source(model), tmp / model)
     print(f"{model}: {label}", flush=True)
-    todo = {c: cases(c, args.limit) for c in args.categories}
+    todo = [case for c in args.categories for case in cases(c, args.limit)]
     rows = []
     for arm in arms(args.arms):
         t0 = time.perf_counter()
-        got = run_arm(arm, model_dir, todo, args, tmp)
-        for category, said in got.items():
-            scored = [score(case, a, check) for case, a in zip(todo[category], said, strict=True)]
-            _dump(args.answers, model, category, arm.name, said, scored)
-            row = {"model": model, "category": category, "arm": arm.name, **summary(scored)}
+        said = run_arm(arm, model_dir, todo, args, tmp)
+        scored = [score(case, a, check) for case, a in zip(todo, said, strict=True)]
+        _dump(args.answers, model, arm.name, todo, said, scored)
+        for category in args.categories:
+            mine = [s for case, s in zip(todo, scored, strict=True) if case.category == category]
+            row = {"model": model, "category": category, "arm": arm.name, **summary(mine)}
             rows.append(row)
             print(table([row], header=False), flush=True)
         print(f"  ({arm.name}: {time.perf_counter() - t0:.0f} s)", flush=True)
     return rows
 
 
-def _dump(path: Path | None, model: str, category: str, arm: str, said, scored) -> None:
+def _dump(path: Path | None, model: str, arm: str, todo: list[Case], said, scored) -> None:
     if path is None:
         return
     with path.open("a", encoding="utf-8") as f:
-        for a, s in zip(said, scored, strict=True):
-            line = {"model": model, "category": category, "arm": arm, **asdict(a), **s}
+        for case, a, s in zip(todo, said, scored, strict=True):
+            line = {"model": model, "category": case.category, "arm": arm, **asdict(a), "score": s}
             f.write(json.dumps(line, ensure_ascii=False) + "\n")
 
 
@@ -440,8 +443,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--categories", type=_list(CATEGORIES), default=list(CATEGORIES))
     p.add_argument("--arms", type=_list(ARMS), default=list(ARMS))
     p.add_argument("--limit", type=int, default=20, help="cases per category (the first N)")
-    p.add_argument("--max-tokens", type=int, default=256)
-    p.add_argument("--concurrency", type=int, default=4, help="requests in flight per server")
+    p.add_argument("--max-tokens", type=int, default=192)
+    p.add_argument("--concurrency", type=int, default=8, help="requests in flight per server")
     p.add_argument("--timeout", type=float, default=900.0, help="HTTP timeout, seconds")
     p.add_argument("--ready-timeout", type=float, default=600.0)
     p.add_argument("--answers", type=Path, default=None, help="append every answer here (JSONL)")
