@@ -649,16 +649,23 @@ def test_storage_quantizes_by_source_bits_and_keeps_the_rest_float() -> None:
 
 
 def test_a_file_without_chat_template_warns_at_every_start(tmp_path: Path, caplog) -> None:
+    """The warning comes with the loader's template choice, at every load (converting, then
+    from the cache): this file's vocabulary has no family's turn tokens either."""
+    from mlx_lm.tokenizer_utils import load as load_tokenizer
+    from mlxd.actors.families.fallback_templates import settle
+
     llama_file(tmp_path / "llama.gguf", rope_freqs=False)
     qwen_file(tmp_path / "qwen2.gguf", "qwen2")
-    for _ in range(2):  # converting, then from the cache
+    for _ in range(2):
         caplog.clear()
-        with caplog.at_level("WARNING", logger="mlxd.gguf"):
-            convert_gguf(tmp_path / "llama.gguf", tmp_path / "c", lambda _: None)
+        target = convert_gguf(tmp_path / "llama.gguf", tmp_path / "c", lambda _: None)
+        with caplog.at_level("WARNING", logger="mlxd"):
+            assert settle(load_tokenizer(target)).source == "concatenation"
         assert "has no chat template" in caplog.text
     caplog.clear()
-    with caplog.at_level("WARNING", logger="mlxd.gguf"):
-        convert_gguf(tmp_path / "qwen2.gguf", tmp_path / "c", lambda _: None)
+    target = convert_gguf(tmp_path / "qwen2.gguf", tmp_path / "c", lambda _: None)
+    with caplog.at_level("WARNING", logger="mlxd"):
+        assert settle(load_tokenizer(target)).source == "model"
     assert "chat template" not in caplog.text
 
 
