@@ -174,12 +174,21 @@ def test_deepseek_history_is_the_templates_own_markup():
     assert "<tool_response>" not in text
 
 
-def test_a_template_that_drops_calls_gets_them_as_text_in_the_prompts_markup():
-    """R1-Distill-Llama renders a call only where content is None, which transformers drops."""
-    name = "deepseek-ai-DeepSeek-R1-Distill-Llama-8B"
-    assert not _builder(name).traits.tool_prompt.calls_in_template
+@pytest.mark.parametrize(
+    "name",
+    [
+        # renders a call only where content is None, which transformers drops
+        "deepseek-ai-DeepSeek-R1-Distill-Llama-8B",
+        # renders R1's fenced form (function<｜tool▁sep｜>NAME ```json …```), not the prompt's
+        "deepseek-ai-DeepSeek-R1-Distill-Qwen-32B",
+    ],
+)
+def test_calls_the_template_does_not_write_in_the_prompts_markup_are_text_in_it(name):
+    asked = _builder(name).traits.tool_prompt
+    assert not asked.calls_in_template and asked.results_in_template
     _, text = _history_call(name)
     assert "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>" in text
+    assert "```json" not in text
 
 
 def test_hermes_history_keeps_its_shape():

@@ -6,12 +6,14 @@ system prompt, and that prompt must ask for the markup the format's parser reads
 and its forced-call grammar writes. Each entry here is one such prompt: how the
 tools are described, the call markup it asks for (``example``), and how earlier
 calls and results reach the template (the template's own rendering where it
-writes them, else text in the same markup).
+writes them in that markup, else text in that markup).
 
 - ``deepseek``: DeepSeek's documented tool prompt for V3.1 (its model card), asking
   for ``<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>NAME<｜tool▁sep｜>{…}<｜tool▁call▁end｜>
   <｜tool▁calls▁end｜>``, the markup of the ``deepseek_v3`` parser and grammar. The
-  R1-Distill templates (which render no tools either) get it too.
+  R1-Distill templates (which render no tools either) get it too; they write earlier
+  calls in R1's fenced form (or drop them), so there the calls are written as text in
+  V3.1's, and the model sees one markup throughout.
 - ``hermes``: every other template without tools: Hermes ``<tool_call>`` JSON, the
   fallback format ``formats.detect`` gives such a template.
 
@@ -45,7 +47,7 @@ class ToolPrompt:
     result_text: Callable[[str], str]  # an earlier tool result, written in the markup
     separator: str = ""  # between an answer's text and its calls, and between calls
     section: tuple[str, str] = ("", "")  # around the calls of one turn
-    # The template writes earlier calls / results in this markup itself (probed per template).
+    # The template writes earlier calls / results in this very markup (probed per template).
     calls_in_template: bool = False
     results_in_template: bool = False
     system_in_template: bool = True  # else the description opens the first user turn
@@ -235,10 +237,13 @@ def for_template(source: str, tool_format: str) -> ToolPrompt:
     prompt = BY_FORMAT.get(tool_format)
     if prompt is None:
         return dataclasses.replace(HERMES, system_in_template=system)
+    # the template's own rendering counts only where it is the prompt's markup (the
+    # R1-Distill templates write R1's fenced calls: those are written as text instead)
     history = _render(source, _PROBE) or ""
+    call = ToolCall(id="c1", name=_PROBE_NAME, arguments="{}")
     return dataclasses.replace(
         prompt,
-        calls_in_template=_PROBE_NAME in history,
-        results_in_template=_PROBE_RESULT in history,
+        calls_in_template=prompt.call_text(call) in history,
+        results_in_template=prompt.result_text(_PROBE_RESULT) in history,
         system_in_template=system,
     )
