@@ -123,7 +123,9 @@ async def test_structured_output_tools_and_logprobs(settings):  # noqa: F811
         jsonschema.validate(json.loads(call["function"]["arguments"]), schema)
 
     frames = [
-        json.loads(f.removeprefix("data: ")) for f in raw.split("\n\n") if f and "[DONE]" not in f
+        json.loads(f.removeprefix("data: "))
+        for f in raw.split("\n\n")
+        if f and "[DONE]" not in f and not f.startswith(":")  # an SSE comment: a keep-alive
     ]
     deltas = [fr["choices"][0]["delta"] for fr in frames if fr["choices"]]
     assert "".join(d.get("content") or "" for d in deltas) == ""  # no markup leaks
