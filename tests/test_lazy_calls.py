@@ -521,3 +521,15 @@ def test_llama3_calls_keep_the_parameters_key_its_template_writes():
     text = _write(GrammarCompiler(hf), hf, "llama3", script)
     assert '"parameters"' in text
     jsonschema.validate(_calls("llama3", text)[1][0][1], PARAMS)
+
+
+def test_a_hermes_call_without_the_newlines_is_held_too():
+    """``<tool_call>{`` with ``>{`` one token of a vocabulary where the opener is text."""
+    hf = _hf_tokenizer([])
+    hf.add_tokens(["_call>{"])
+    script = PREFACE + _malformed("hermes").replace(">\n{", ">{")
+    assert hf.convert_tokens_to_ids("_call>{") in hf.encode(script, add_special_tokens=False)
+    text = _write(GrammarCompiler(hf), hf, "hermes", script)
+    content, calls = _calls("hermes", text)
+    assert content.strip() == PREFACE.strip()
+    jsonschema.validate(calls[0][1], PARAMS)

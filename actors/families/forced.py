@@ -217,7 +217,9 @@ def _llama3(g: Grammar, schema: dict) -> str:
 
 
 def _hermes(g: Grammar, schema: dict) -> str:
-    return f'{g.mark("<tool_call>")} "\\n" {_json(g, schema)} "\\n" {g.mark("</tool_call>")}'
+    """The newlines around the object as the prompts show them, or none (a model may write
+    ``<tool_call>{``, and a vocabulary where ``<tool_call>`` is text may merge ``>{``)."""
+    return f'{g.mark("<tool_call>")} "\\n"? {_json(g, schema)} "\\n"? {g.mark("</tool_call>")}'
 
 
 def _mistral(g: Grammar, schema: dict) -> str:
