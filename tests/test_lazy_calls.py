@@ -533,3 +533,18 @@ def test_a_hermes_call_without_the_newlines_is_held_too():
     content, calls = _calls("hermes", text)
     assert content.strip() == PREFACE.strip()
     jsonschema.validate(calls[0][1], PARAMS)
+
+
+def test_the_text_opener_on_a_real_vocabulary(smollm_tokenizer):
+    """SmolLM2's vocabulary (what ``hermes`` serves where the template renders no tools):
+    ``<tool_call>`` is five text tokens, the first ``" <"``, and ``{"`` one token."""
+    from transformers import AutoTokenizer
+
+    hf = AutoTokenizer.from_pretrained(smollm_tokenizer)
+    script = PREFACE + _malformed("hermes")
+    assert len(hf.encode(" <tool_call>", add_special_tokens=False)) == 5
+    text = _write(GrammarCompiler(hf), hf, "hermes", script)
+    content, calls = _calls("hermes", text)
+    assert content.strip() == PREFACE.strip()
+    jsonschema.validate(calls[0][1], PARAMS)
+    assert _write(GrammarCompiler(hf), hf, "hermes", script, lazy=False) == script
