@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from contextlib import asynccontextmanager
+from functools import partial
 
 import httpx
 import pytest
@@ -21,6 +22,7 @@ from tests.conftest import (
     real_server,
     running_graph,
     settings_with,
+    wait_until,
 )
 
 CHAT = "/v1/chat/completions"
@@ -276,8 +278,10 @@ async def test_client_disconnect_aborts_generation(stream):
                         if '"content":"Z' in line:
                             break  # hang up after the first token
             else:
-                with trio.move_on_after(0.3):
-                    await http.post(CHAT, json=user("z" * 3000))
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(partial(http.post, CHAT, json=user("z" * 3000)))
+                    await wait_until(lambda: runner.running)  # decoding
+                    nursery.cancel_scope.cancel()  # the client hangs up
         with trio.fail_after(60):
             while runner.running or runner.prefilling:
                 await trio.sleep(0.005)
