@@ -11,6 +11,8 @@ from mlxd.scripts import real_tokenizers as rt
 
 from tests import templates
 
+pytestmark = pytest.mark.slow  # converting Qwen's 248k-token vocabulary takes seconds
+
 
 @pytest.fixture(scope="module")
 def qwen_dir(tmp_path_factory):
