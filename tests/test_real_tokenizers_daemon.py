@@ -202,6 +202,7 @@ async def test_the_family_markup_through_every_api(kind, real_tokenizer_model, t
         await calls_constrained_once_opened(d, kind)
         await reasoning_split(d)
         await history_round_trip(d, kind)
+        await a_cut_call(d, kind)
 
 
 # ---- forced calls ------------------------------------------------------------------------
@@ -434,3 +435,38 @@ async def history_round_trip(d: Daemon, kind: str) -> None:
 
 def _contains(ids: list[int], part: list[int]) -> bool:
     return any(ids[i : i + len(part)] == part for i in range(len(ids) - len(part) + 1))
+
+
+# ---- a call cut by the limit ------------------------------------------------------------
+
+
+async def a_cut_call(d: Daemon, kind: str) -> None:
+    """The limit cuts the call the model opened (``actors/families/cut.py``): every API
+    returns it incomplete, with what was complete of its arguments, and no markup."""
+    opener = d.token_id(KINDS[kind][0])
+    d.lean.update(logit_bias={opener: 100.0}, max_tokens=14)
+    got = await _every_api(
+        d.client, _with({"chat": {}, "responses": {}, "anthropic": {}, "ollama": {}})
+    )
+    d.lean.clear()
+    choice = got["chat"]["choices"][0]
+    assert choice["finish_reason"] == "length"
+    _clean(choice["message"]["content"])
+    (call,) = choice["message"]["tool_calls"]
+    assert call["function"]["name"] == "get_weather"
+    (item,) = [i for i in got["responses"]["output"] if i["type"] == "function_call"]
+    assert (item["status"], item["arguments"]) == ("incomplete", call["function"]["arguments"])
+    assert got["anthropic"]["stop_reason"] == "max_tokens"
+    (use,) = [b for b in got["anthropic"]["content"] if b["type"] == "tool_use"]
+    assert all(PARAMS["properties"][k] for k in use["input"])  # only the schema's keys
+    partial = "".join(
+        f["delta"].get("partial_json", "")
+        for f in _sse(got["anthropic_stream"])
+        if f["type"] == "content_block_delta"
+    )
+    assert isinstance(json.loads(partial), dict)  # closed where the limit cut it
+    assert got["ollama"]["done_reason"] == "length"
+    (o_call,) = got["ollama"]["message"]["tool_calls"]
+    assert o_call["function"]["arguments"] == use["input"]
+    for api in ("responses", "anthropic", "ollama"):
+        _clean(json.dumps(got[api], ensure_ascii=False).replace("<think>", ""))
