@@ -216,7 +216,9 @@ def _check_chat(whole: dict, stream: list[str], arguments: str) -> None:
     deltas = [f["choices"][0] for f in _frames(stream) if f.get("choices")]
     content = "".join(d["delta"].get("content") or "" for d in deltas)
     args = "".join(
-        t["function"].get("arguments") or "" for d in deltas for t in d["delta"].get("tool_calls") or ()
+        t["function"].get("arguments") or ""
+        for d in deltas
+        for t in d["delta"].get("tool_calls") or ()
     )
     assert content.strip() == "Let me check." and args == arguments
     assert deltas[-1]["finish_reason"] == "length"
@@ -243,7 +245,11 @@ def _check_anthropic(whole: dict, stream: list[str]) -> None:
     assert whole["stop_reason"] == "max_tokens"
     text, use = whole["content"]
     assert text["text"].strip() == "Let me check."
-    assert (use["type"], use["name"], use["input"]) == ("tool_use", "get_weather", {"city": "Paris"})
+    assert (use["type"], use["name"], use["input"]) == (
+        "tool_use",
+        "get_weather",
+        {"city": "Paris"},
+    )
     frames = _frames(stream)
     partial = "".join(
         f["delta"]["partial_json"]
@@ -295,3 +301,17 @@ async def test_a_cut_before_the_name_returns_no_call_in_any_api():
     assert not got["ollama"]["message"].get("tool_calls")
     for key, value in got.items():
         assert "<tool_call>" not in json.dumps(value, ensure_ascii=False), key
+
+
+async def test_a_whole_call_the_limit_reaches_is_not_incomplete():
+    """The limit falls right after a whole call: finish_reason length, but the call is
+    whole (Responses: a completed item; Anthropic: every argument)."""
+    templates.template_dir()
+    text = CUTS["Qwen-Qwen3-0.6B"][0]
+    async with family_client("Qwen-Qwen3-0.6B") as c:
+        got = await _all_apis(c, text, len(text))
+    assert got["chat"]["choices"][0]["finish_reason"] == "length"
+    (call,) = [i for i in got["responses"]["output"] if i["type"] == "function_call"]
+    assert call["status"] == "completed" and got["responses"]["status"] == "incomplete"
+    (use,) = [b for b in got["anthropic"]["content"] if b["type"] == "tool_use"]
+    assert use["input"] == {"city": "Paris", "days": 3}

@@ -6,7 +6,8 @@ into output items (``reasoning``, ``message``, ``function_call``,
 answer sends the events, a non-streaming one keeps only the items. One item is
 open at a time: reasoning, text and calls arrive in order, and a new kind of
 output closes the open item. The item open when ``max_output_tokens`` ends the
-answer is ``incomplete``; every earlier one is ``completed``. Plain Python: no
+answer is ``incomplete`` (a call only if the limit cut it: ``Finished.cut_call``);
+every earlier one is ``completed``. Plain Python: no
 trio, no HTTP.
 """
 
@@ -124,6 +125,8 @@ class OutputBuilder:
     def finish(self, event: Finished) -> list[Event]:
         self.end = event
         incomplete = event.finish_reason == "length"
+        if self._is("call") and self.open.index != event.cut_call:  # type: ignore[union-attr]
+            incomplete = False  # a whole call: the limit cut nothing of it
         if self.open is None and not self.output:  # nothing at all: one empty message
             return self._start(_Open(new_id("msg"), "message")) + self._close(incomplete)
         return self._close(incomplete)
