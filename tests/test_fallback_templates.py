@@ -176,3 +176,41 @@ def test_the_gemma_gguf_gets_gemmas_turn_markers(tmp_path_factory):
     assert text == "<bos><start_of_turn>user\nBe brief.\n\nHi<end_of_turn>\n<start_of_turn>model\n"
     turn = info.tokenizer.convert_tokens_to_ids("<start_of_turn>")
     assert tokens.count(turn) == 2  # each marker is its one special token
+
+
+@pytest.mark.parametrize("server_template", ["", "{{ messages[0]['content'] }}"])
+async def test_v1_status_shows_the_choice_and_the_setting_over_it(server_template):
+    from mlxd.actors.engine.scheduler.types import ModelInfo
+    from mlxd.daemon.app import create_app
+    from mlxd.daemon.settings import load_settings
+
+    from tests.conftest import running_graph
+    from tests.fakes import CharTokenizer, FakeRunner
+
+    chosen = ft.choose("", {"<start_of_turn>", "<end_of_turn>"}).status()
+    runner = FakeRunner()
+
+    def factory():
+        info = ModelInfo(
+            model_id="fake-model",
+            model_dir=Path("."),
+            context_length=4096,
+            vocab_size=0x110000,
+            tokenizer=CharTokenizer(),
+            backend="fake",
+            chat_template=chosen,
+        )
+        return runner, info
+
+    overrides = {"model": {"chat_template": server_template}} if server_template else {}
+    settings = load_settings(overrides=overrides)
+    async with running_graph(settings, factory=factory) as (pipeline, _):
+        client = create_app(pipeline, settings).test_client()
+        body = json.loads(await (await client.get("/v1/status")).get_data())
+    shown = body["model"]["chat_template"]
+    assert body["models"][0]["model"]["chat_template"] == shown
+    if server_template:
+        assert shown == {"source": "setting", "why": "model.chat_template", "family": ""}
+    else:
+        assert (shown["source"], shown["family"]) == ("family", "gemma")
+        assert "<start_of_turn>" in shown["why"]
