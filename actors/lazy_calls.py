@@ -135,7 +135,6 @@ class LazyCalls:
         self._scanner = Scanner(grammar)
         self._active = False
         self._bitmask = allocate_token_bitmask(1, grammar.vocab_size)
-        self.calls = 0  # calls that were constrained to the end
 
     @property
     def active(self) -> bool:
@@ -177,7 +176,6 @@ class LazyCalls:
         """The call's grammar is complete: what follows is free (another call, or the end)."""
         if self._matcher.is_accepting() or self._matcher.is_stopped():
             self._active = False
-            self.calls += 1
             self._scanner.after_call()
 
     def allowed(self, width: int) -> np.ndarray | None:
