@@ -62,6 +62,7 @@ class _Request:
     cached_tokens: int = 0
     completion_tokens: int = 0
     prefilled_tokens: int = -1
+    end_ids: frozenset[int] = frozenset()  # OutputSpec.end_ids
 
 
 class StreamState:
@@ -129,6 +130,7 @@ class StreamState:
             started.prompt_tokens,
             started.cached_tokens,
             prefilled_tokens=started.prefilled_tokens,
+            end_ids=frozenset(started.output.end_ids),
         )
 
     def _hidden(self, spec: OutputSpec) -> frozenset[int] | None:
@@ -149,8 +151,17 @@ class StreamState:
         if req is None:
             return  # finished by a stop string, or the client is gone
         req.completion_tokens += len(step.tokens)
+        tokens, at_end = _before_end(step.tokens, req.end_ids)
+        if at_end:  # an end token of the request's own (OutputSpec.end_ids): a stop
+            req.completion_tokens -= len(step.tokens) - len(tokens) - 1
+            step = TokenStep(
+                request_id=rid,
+                tokens=tokens,
+                finish_reason="stop",
+                logprobs=step.logprobs[: len(tokens)],
+            )
         ending = step.finish_reason is not None
-        text = req.detokenizer.add(step.tokens)
+        text = req.detokenizer.add(tokens)
         if ending:
             text += req.detokenizer.flush()
         shown = req.matcher.feed(text)
@@ -161,7 +172,7 @@ class StreamState:
             cut = step.finish_reason == "length" and not req.matcher.stopped
             parsed.extend(req.parser.flush(cut=cut))
         self._deliver_parsed(rid, req, parsed, step)
-        if req.matcher.stopped:
+        if req.matcher.stopped or at_end:
             self._abort(rid)  # the engine would go on decoding it
             self._finish(rid, "stop")
         elif step.finish_reason is not None:
@@ -211,6 +222,14 @@ class StreamState:
             cut_call=req.parser.cut_call,
         )
         self._deliver(request_id, finished)
+
+
+def _before_end(tokens: tuple[int, ...], end_ids: frozenset[int]) -> tuple[tuple[int, ...], bool]:
+    """The tokens before the first end token, and whether there was one."""
+    for i, token in enumerate(tokens if end_ids else ()):
+        if token in end_ids:
+            return tokens[:i], True
+    return tokens, False
 
 
 def _over(box: Mailbox | None) -> bool:

@@ -35,6 +35,7 @@ import trio
 from mlxd.actors import chat_template
 from mlxd.actors.engine.scheduler.memory import MemoryModel
 from mlxd.actors.engine.scheduler.types import ModelInfo
+from mlxd.actors.families.fim import FimBuilder, FimError
 from mlxd.actors.families.reasoning import EffortError
 from mlxd.actors.grammar import CompiledGrammar, GrammarCompiler, GrammarError
 from mlxd.actors.lazy_calls import LazyGrammar
@@ -42,6 +43,7 @@ from mlxd.actors.mailbox import Mailboxes
 from mlxd.actors.normalize import NormalizeError, normalize_messages
 from mlxd.actors.tools import (
     TemplateTraits,
+    template_source,
     template_traits,
     tool_dicts,
     with_call_ids,
@@ -52,6 +54,7 @@ from mlxd.protocol.messages import (
     AdmittedRequest,
     ChatRequest,
     Failed,
+    FimInput,
     OutputSpec,
     Reason,
     Submit,
@@ -195,6 +198,7 @@ class PromptBuilder:
         self.memory = memory
         self.traits = traits or template_traits(tokenizer, "auto", "auto")
         self.grammars = grammars or GrammarCompiler(None)
+        self.fim = FimBuilder(tokenizer, template_source(tokenizer))  # its FIM tokens, if any
 
     def _offers_tools(self, request: ChatRequest) -> bool:
         return bool(request.tools) and request.tool_choice != "none"
@@ -341,12 +345,26 @@ class PromptBuilder:
             return self.vision_chat(request)
         if isinstance(request, ChatRequest):
             return _Prompt(*self.render_chat(request))
+        if request.fim is not None:
+            return _Prompt("", *self.fim_tokens(request.fim))
         if isinstance(request.prompt, str):
             return _Prompt("", self.tokenizer.encode(utf8_text(request.prompt, "prompt")))
         bad = [t for t in request.prompt if not 0 <= t < self.vocab_size]
         if bad:
             raise PromptError(f"token ids out of range [0, {self.vocab_size}): {bad[:5]}", "prompt")
         return _Prompt("", list(request.prompt))
+
+    def fim_tokens(self, fim: FimInput) -> tuple[list[int], tuple[int, ...]]:
+        """A fill-in-the-middle prompt in this model's FIM tokens, and its prefix-cache
+        checkpoints (a 400 naming ``fim.param`` for a model without FIM tokens)."""
+        for name in ("prefix", "suffix", "middle"):
+            utf8_text(getattr(fim, name), fim.param)
+        for f in fim.files:
+            utf8_text(f.filename + f.text, fim.param)
+        try:
+            return self.fim.tokens(fim)
+        except FimError as exc:
+            raise PromptError(f"{fim.param}: {exc}", fim.param) from exc
 
     def tokens(self, request: AdmittedRequest) -> list[int]:
         """The prompt's tokens alone (count_tokens): no checkpoint probes."""
@@ -358,7 +376,7 @@ class PromptBuilder:
         """How the streamer reads this request's output (stop strings, tool calls, reasoning)."""
         stop = request.sampling.stop
         if not isinstance(request, ChatRequest):
-            return OutputSpec(stop=stop)
+            return OutputSpec(stop=stop, end_ids=self.fim.ends if request.fim else ())
         traits, offers = self.traits, self._offers_tools(request)
         tags = traits.reasoning if request.parse_reasoning else None
         # a format whose parser reads the reasoning channel runs even without tools

@@ -2,7 +2,8 @@
 
 ``daemon/api/openai.py`` serves OpenAI chat/completions/models,
 ``daemon/api/embeddings.py`` OpenAI embeddings, ``daemon/api/anthropic.py`` Anthropic Messages and ``daemon/api/responses.py``
-the OpenAI Responses API, ``daemon/api/ollama.py`` Ollama's ``/api/*``, over the shared
+the OpenAI Responses API, ``daemon/api/ollama.py`` Ollama's ``/api/*``,
+``daemon/api/infill.py`` llama.cpp's ``/infill``, ``/tokenize`` and ``/detokenize``, over the shared
 plumbing in ``daemon/api/common.py``.
 Errors before the first token get a real status code; errors after it end the
 stream with an error event. Each API module answers the errors raised on its
@@ -21,7 +22,7 @@ from __future__ import annotations
 import msgspec
 import trio
 from mlxd.daemon import dashboard
-from mlxd.daemon.api import anthropic, embeddings, ollama, openai, responses
+from mlxd.daemon.api import anthropic, embeddings, infill, ollama, openai, responses
 from mlxd.daemon.api.body import is_json_type
 from mlxd.daemon.api.common import Validator, json_response
 from mlxd.daemon.api.errors import ApiError, install_errors
@@ -79,6 +80,7 @@ def create_app(pipeline: Pipeline, settings: Settings) -> QuartTrio:
     limits = embeddings.EmbeddingLimits.of(settings)
     embeddings.install(app, pipeline, validator, select, on_error, limits)
     ollama.install(app, pipeline, validator, select, on_error, limits)
+    infill.install(app, pipeline, validator, select, on_error, settings.fim)  # llama.cpp's
 
     @app.get("/health")
     async def health() -> Response:

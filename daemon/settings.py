@@ -267,6 +267,17 @@ class ResponsesSettings(_Section):
     reasoning_key_file: str = ""
 
 
+class FimSettings(_Section):
+    """Fill-in-the-middle (``/infill``, ``suffix`` on ``/v1/completions`` and Ollama's
+    ``/api/generate``)."""
+
+    max_extra_files: NonNegative = 64  # input_extra entries per request; more is a 400
+    repo_name: str = "project"  # the repository name the families' layouts write
+    # a newer FIM request from the same client on the same file ends the older at once
+    supersede: bool = True
+    supersede_key_chars: Positive = 256  # how much of the file's head and tail names it
+
+
 class StreamingSettings(_Section):
     engine_outbox: Positive = 4
     max_unread_bytes: NonNegative = 4_194_304
@@ -409,6 +420,7 @@ class Settings(_Section):
     spec_prefill: SpecPrefillSettings = msgspec.field(default_factory=SpecPrefillSettings)
     vision: VisionSettings = msgspec.field(default_factory=VisionSettings)
     streaming: StreamingSettings = msgspec.field(default_factory=StreamingSettings)
+    fim: FimSettings = msgspec.field(default_factory=FimSettings)
     responses: ResponsesSettings = msgspec.field(default_factory=ResponsesSettings)
     logging: LoggingSettings = msgspec.field(default_factory=LoggingSettings)
     distributed: DistributedSettings = msgspec.field(default_factory=DistributedSettings)

@@ -152,8 +152,31 @@ class ChatRequest(msgspec.Struct, frozen=True, kw_only=True):
     cache_key: str = ""
 
 
+class FimFile(msgspec.Struct, frozen=True, kw_only=True):
+    """Another file of the repository, context for a fill-in-the-middle prompt."""
+
+    filename: str
+    text: str
+
+
+class FimInput(msgspec.Struct, frozen=True, kw_only=True):
+    """A fill-in-the-middle prompt: the code before and after the cursor, text already
+    typed after the prefix (llama.cpp's ``prompt``, which follows the middle token) and
+    other files, laid out in the model family's own tokens (``actors/families/fim.py``).
+    ``param`` names the request field a refusal points at."""
+
+    prefix: str
+    suffix: str
+    middle: str = ""
+    files: tuple[FimFile, ...] = ()
+    repo: str = "project"  # the repository's name, where the family's layout writes one
+    filename: str = "filename"  # the edited file's name, where the layout writes one
+    param: str = "suffix"
+
+
 class CompletionRequest(msgspec.Struct, frozen=True, kw_only=True):
-    """A raw prompt (text, or token ids) for the completions endpoint."""
+    """A raw prompt (text, or token ids) for the completions endpoint; ``fim`` set: a
+    fill-in-the-middle prompt instead (``prompt`` is unused)."""
 
     request_id: str
     model: str = ""
@@ -162,6 +185,7 @@ class CompletionRequest(msgspec.Struct, frozen=True, kw_only=True):
     arrival: float = 0.0
     priority: int = 0
     constraint: Constraint | None = None
+    fim: FimInput | None = None
 
 
 AdmittedRequest = ChatRequest | CompletionRequest
@@ -197,6 +221,9 @@ class OutputSpec(msgspec.Struct, frozen=True, kw_only=True):
     single_tool_call: bool = False
     # The offered tools: parsers of XML-style markup read parameter types from them.
     tools: tuple[Tool, ...] = ()
+    # Tokens that end the output where they appear, not shown (a FIM family's end of
+    # the middle: ``<|file_sep|>``, ``<fim_pad>`` …); the finish reason is ``stop``.
+    end_ids: tuple[int, ...] = ()
 
 
 class TokenizedRequest(msgspec.Struct, frozen=True, kw_only=True):

@@ -55,6 +55,7 @@ from mlxd.protocol.messages import (
     Constraint,
     ContentPart,
     Failed,
+    FimInput,
     Finished,
     ImagePart,
     KeepAlive,
@@ -227,7 +228,6 @@ def generate_request(w: wire.GenerateRequest, rid: str, v: Validator):
     """A chat turn (the prompt as the user's, ``system`` before it) or, ``raw``, the
     prompt as it is."""
     _no_template(w.template)
-    check(not w.suffix, "suffix", "suffix (fill in the middle) is not supported")
     check(
         not w.context,
         "context",
@@ -236,6 +236,8 @@ def generate_request(w: wire.GenerateRequest, rid: str, v: Validator):
     )
     sampling = sampling_from(w.options, v, w.logprobs, w.top_logprobs)
     constraint = _constraint(w.format)
+    if w.suffix:
+        return _fill_in(w, rid, sampling, constraint)
     if w.raw:
         check(not w.images, "images", "raw prompts cannot carry images")
         check(not w.system, "system", "raw prompts have no system prompt; put it in the prompt")
@@ -257,6 +259,22 @@ def generate_request(w: wire.GenerateRequest, rid: str, v: Validator):
         template_kwargs=_think(w.think),
         reasoning_effort=_think_effort(w.think),
         constraint=constraint,
+    )
+
+
+def _fill_in(w: wire.GenerateRequest, rid: str, sampling, constraint) -> CompletionRequest:
+    """``suffix``: the prompt is the code before the cursor, laid out with the suffix in
+    the model's own FIM tokens (``actors/families/fim.py``; none: a 400), raw or not."""
+    check(not w.images, "images", "suffix (fill in the middle) cannot carry images")
+    check(not w.system, "system", "suffix (fill in the middle) takes no system prompt")
+    check(w.think is None, "think", "suffix (fill in the middle) is not rendered with a template")
+    return CompletionRequest(
+        request_id=rid,
+        prompt="",
+        sampling=sampling,
+        arrival=time.time(),
+        constraint=constraint,
+        fim=FimInput(prefix=w.prompt, suffix=w.suffix or "", param="suffix"),
     )
 
 
@@ -646,7 +664,7 @@ def _routes(app: Blueprint, pipeline: Pipeline, v: Validator, any_model: Select)
         w = v.decode(wire.generate_decoder, await request.get_data(cache=False))
         model, mv = select(w.model)
         shape = Shape(False, w.model, w.logprobs)
-        if not w.prompt and not w.images:
+        if not w.prompt and not w.images and not w.suffix:
             return await _load_only(pipeline, shape, model, w.keep_alive)
         req = generate_request(w, f"ollama-{uuid.uuid4().hex}", mv)
         return await _run(pipeline, shape, model, req, w)

@@ -43,6 +43,7 @@ from mlxd.protocol.messages import (
     CompletionRequest,
     Constraint,
     ContentPart,
+    FimInput,
     Finished,
     ImagePart,
     LogprobPiece,
@@ -492,8 +493,19 @@ def _one_prompt(prompt: str | list[str | int]) -> str | tuple[int, ...]:
 # ---- routes -------------------------------------------------------------------------------
 
 
+def _insertion(w: wire.CompletionRequest) -> FimInput | None:
+    """``suffix``: OpenAI's insertion, served as fill-in-the-middle in the model's own FIM
+    tokens (``actors/families/fim.py``; a model without them answers a 400)."""
+    if w.suffix is None:
+        return None
+    check(not w.echo, "echo", "echo cannot be combined with suffix (insertion)")
+    prompt = _one_prompt(w.prompt)
+    check(isinstance(prompt, str), "prompt", "with suffix (insertion) the prompt must be text")
+    return FimInput(prefix=prompt, suffix=w.suffix, param="suffix")  # type: ignore[arg-type]
+
+
 def completion_requests(w: wire.CompletionRequest, rid: str, v: Validator):
-    check(w.suffix is None, "suffix", "suffix (insertion) is not supported")
+    fim = _insertion(w)
     sampling = sampling_from(
         w,
         w.max_tokens,
@@ -502,7 +514,8 @@ def completion_requests(w: wire.CompletionRequest, rid: str, v: Validator):
         logprobs=w.logprobs is not None,
         top_logprobs=w.logprobs or 0,
     )
-    prompt, constraint = _one_prompt(w.prompt), response_constraint(w.response_format)
+    prompt = "" if fim else _one_prompt(w.prompt)
+    constraint = response_constraint(w.response_format)
     if isinstance(prompt, tuple):
         v.token_ids(prompt, "prompt")
     return [
@@ -513,6 +526,7 @@ def completion_requests(w: wire.CompletionRequest, rid: str, v: Validator):
             arrival=time.time(),
             constraint=constraint,
             priority=v.priority(w.priority),
+            fim=fim,
         )
         for i, cid in enumerate(choice_ids(rid, v.n(w.n)))
     ]
