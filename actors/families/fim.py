@@ -40,6 +40,7 @@ class FimFormat:
     repo_tokens: tuple[str, str] = ("", "")  # (repository name, file separator) tokens
     files: str = "plain"  # how other files are laid out: see ``_LAYOUTS``
     template: tuple[str, ...] = ()  # and all of these occur in the chat template
+    requires: tuple[str, ...] = ()  # and these tokens are in the vocabulary too
 
     @property
     def tokens(self) -> tuple[str, ...]:
@@ -48,15 +49,6 @@ class FimFormat:
 
 
 FORMATS: tuple[FimFormat, ...] = (
-    FimFormat(
-        "codegemma",
-        "the vocabulary has <|fim_prefix|>, <|fim_suffix|>, <|fim_middle|> and "
-        "<|file_separator|> (CodeGemma)",
-        "<|fim_prefix|>",
-        "<|fim_suffix|>",
-        "<|fim_middle|>",
-        ends=("<|file_separator|>", "<eos>", "<end_of_turn>"),
-    ),
     FimFormat(
         "qwen",
         "the vocabulary has <|fim_prefix|>, <|fim_suffix|> and <|fim_middle|>, with "
@@ -67,6 +59,17 @@ FORMATS: tuple[FimFormat, ...] = (
         ends=("<|endoftext|>", "<|fim_pad|>", "<|file_sep|>", "<|repo_name|>", "<|im_end|>"),
         repo_tokens=("<|repo_name|>", "<|file_sep|>"),
         files="qwen",
+        requires=("<|file_sep|>",),
+    ),
+    FimFormat(
+        "codegemma",
+        "the vocabulary has <|fim_prefix|>, <|fim_suffix|>, <|fim_middle|> and "
+        "<|file_separator|> (CodeGemma)",
+        "<|fim_prefix|>",
+        "<|fim_suffix|>",
+        "<|fim_middle|>",
+        ends=("<|file_separator|>", "<eos>", "<end_of_turn>"),
+        requires=("<|file_separator|>",),
     ),
     FimFormat(
         "starcoder2",
@@ -78,6 +81,7 @@ FORMATS: tuple[FimFormat, ...] = (
         ends=("<|endoftext|>", "<fim_pad>", "<file_sep>", "<repo_name>"),
         repo_tokens=("<repo_name>", "<file_sep>"),
         files="starcoder2",
+        requires=("<repo_name>", "<file_sep>"),
     ),
     FimFormat(
         "granite",
@@ -134,10 +138,13 @@ class Detected:
 
 
 def detect(template: str, vocab: Collection[str]) -> Detected:
-    """The model's FIM format: the first entry whose tokens are all in the vocabulary
-    (and whose template markers, if it names any, are in the template)."""
+    """The model's FIM format: the first entry whose tokens (and the tokens it requires
+    besides) are all in the vocabulary, and whose template markers, if it names any, are
+    in the template. Qwen's vocabulary also holds CodeGemma's ``<|file_separator|>``: the
+    entry that requires ``<|file_sep|>`` comes first."""
     for fmt in FORMATS:
-        if all(t in vocab for t in fmt.tokens) and all(m in template for m in fmt.template):
+        tokens = (*fmt.tokens, *fmt.requires)
+        if all(t in vocab for t in tokens) and all(m in template for m in fmt.template):
             return Detected(fmt, f"vocabulary: {fmt.why}")
     return Detected(None, "the vocabulary has no fill-in-the-middle tokens of a known family")
 
