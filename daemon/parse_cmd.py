@@ -7,7 +7,8 @@ It picks the tool-call format as ``mlxd serve`` does (from the chat template,
 else the vocabulary), runs the same streaming parsers over stdin, and prints one
 JSON object: ``chat_template`` (which template serves the model and why: its own, or,
 where it has none, its family's as ``mlxd serve`` picks it from the vocabulary),
-``format`` and ``why`` (what chose it), ``reasoning_format``,
+``format`` and ``why`` (what chose it), ``fim`` (the fill-in-the-middle format and why),
+``reasoning_format``,
 ``content``, ``reasoning`` and ``tool_calls`` (``name``, ``arguments`` as an
 object). It answers "why was my tool call not recognised?". Loads no weights
 and no MLX.
@@ -20,6 +21,7 @@ import json
 import sys
 from pathlib import Path
 
+from mlxd.actors.families import fim
 from mlxd.actors.families.fallback_templates import TemplateChoice, choose
 from mlxd.actors.families.output import OutputParser
 from mlxd.actors.tools import TemplateTraits, traits_of
@@ -126,5 +128,7 @@ def parse_command(args: argparse.Namespace) -> int:
         return 2
     traits = traits_of(template, vocab)
     report = parse_text(sys.stdin.read(), traits, tools, args.prompt_opens_reasoning, choice)
+    found = fim.detect(template, vocab)  # fill in the middle: the family's tokens, or none
+    report["fim"] = {"format": found.format.name if found.format else None, "why": found.why}
     print(json.dumps(report, ensure_ascii=False, indent=2))
     return 0

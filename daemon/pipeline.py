@@ -279,7 +279,9 @@ class Pipeline:
         model = None
         if info is not None and self.models is not None:
             default = self.models.default
-            model = _model_status(default, info, _server_template(self.models, default))
+            model = _model_status(
+                default, info, _server_template(self.models, default), _fim(self.models, default)
+            )
         return Live(
             state=self.state.value,
             engine=self.engine_stats,
@@ -306,7 +308,9 @@ class Pipeline:
                 last_unload_reason=e.last_unload_reason,
                 weights_bytes=e.weights_bytes,
                 waiting_for_load=e.waiting,
-                model=_model_status(e.id, e.info, _server_template(self.models, e.id))
+                model=_model_status(
+                    e.id, e.info, _server_template(self.models, e.id), _fim(self.models, e.id)
+                )
                 if e.info is not None
                 else None,
                 engine=self.model_stats.get(e.id) if e.state == "loaded" else None,
@@ -435,7 +439,9 @@ class Pipeline:
         return session
 
 
-def _model_status(model: str, info: ModelInfo, server_template: bool = False) -> wire.ModelStatus:
+def _model_status(
+    model: str, info: ModelInfo, server_template: bool = False, fim: wire.FimStatus | None = None
+) -> wire.ModelStatus:
     w, warmup = info.warmup, None
     if w is not None:
         warmup = wire.WarmupStatus(
@@ -451,6 +457,18 @@ def _model_status(model: str, info: ModelInfo, server_template: bool = False) ->
         kind=info.kind,
         warmup=warmup,
         chat_template=template,
+        fim=fim,
+    )
+
+
+def _fim(models: ModelRegistry, model: str) -> wire.FimStatus | None:
+    """The model's FIM format, as its prompt builder found it (None before it has one)."""
+    entry = models.entries.get(model)
+    builder = entry.builder if entry is not None else None
+    if builder is None:
+        return None
+    return wire.FimStatus(
+        format=builder.fim.format.name if builder.fim.format else None, why=builder.fim.why
     )
 
 

@@ -97,6 +97,14 @@ class ChatTemplateStatus(msgspec.Struct, frozen=True, kw_only=True):
     family: str = ""
 
 
+class FimStatus(msgspec.Struct, frozen=True, kw_only=True):
+    """The model's fill-in-the-middle format (``actors/families/fim.py``; None: it has no
+    FIM tokens, and FIM requests get a 400) and ``why``."""
+
+    format: str | None
+    why: str
+
+
 class ModelStatus(msgspec.Struct, kw_only=True):
     id: str
     backend: str
@@ -104,6 +112,7 @@ class ModelStatus(msgspec.Struct, kw_only=True):
     kind: str = "text"
     warmup: WarmupStatus | None = None  # None: not warmed up (off, or an embedding model)
     chat_template: ChatTemplateStatus | None = None  # None: an embedding model
+    fim: FimStatus | None = None  # None: not known yet (no request has been built for it)
 
 
 class ServedModel(msgspec.Struct, kw_only=True):

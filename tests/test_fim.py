@@ -129,13 +129,18 @@ def test_granite_needs_its_template_else_it_is_starcoder():
 
 
 @pytest.fixture(scope="module")
-def qwen(tmp_path_factory):
+def qwen_dir(tmp_path_factory):
     from mlxd.scripts import real_tokenizers
-    from transformers import AutoTokenizer
 
     templates.template_dir()
-    out = real_tokenizers.qwen35_tokenizer(tmp_path_factory.mktemp("qwen35"))
-    return AutoTokenizer.from_pretrained(str(out))
+    return real_tokenizers.qwen35_tokenizer(tmp_path_factory.mktemp("qwen35"))
+
+
+@pytest.fixture(scope="module")
+def qwen(qwen_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(qwen_dir))
 
 
 @pytest.fixture(scope="module")
@@ -214,3 +219,17 @@ def test_the_prompt_builder_serves_fim_requests_with_their_end_tokens(qwen):
     with pytest.raises(PromptError) as exc:
         refusing.build(request)
     assert exc.value.param == "suffix"
+
+
+def test_mlxd_parse_shows_the_fim_format_and_why(qwen_dir, monkeypatch, capsys):
+    import io
+    import json
+    from types import SimpleNamespace
+
+    from mlxd.daemon import parse_cmd
+
+    monkeypatch.setattr("sys.stdin", io.StringIO("x"))
+    args = SimpleNamespace(model=qwen_dir, template=None, tools=None, prompt_opens_reasoning=False)
+    assert parse_cmd.parse_command(args) == 0  # type: ignore[arg-type]
+    report = json.loads(capsys.readouterr().out)
+    assert report["fim"]["format"] == "qwen" and "<|fim_prefix|>" in report["fim"]["why"]

@@ -362,6 +362,19 @@ def test_the_file_key_ignores_the_line_being_typed():
     assert key("a\nb\nde", "f\ng\n", 256) != key("x\nb\nde", "f\ng\n", 256)
 
 
+async def test_status_shows_the_fim_format_and_why():
+    async with client() as (c, _, _):
+        await post(c, "/infill", INFILL)  # the model's prompt builder exists from here on
+        r = await c.get("/v1/status")
+        fim = json.loads(await r.get_data())["model"]["fim"]
+    assert fim["format"] == "starcoder2" and "<fim_prefix>" in fim["why"]
+    async with client(tokenizer=CharTokenizer()) as (c, _, _):
+        await post(c, "/infill", INFILL)
+        r = await c.get("/v1/status")
+        fim = json.loads(await r.get_data())["model"]["fim"]
+    assert fim["format"] is None and "no fill-in-the-middle tokens" in fim["why"]
+
+
 # ---- /tokenize and /detokenize ---------------------------------------------------------------
 
 
