@@ -6,6 +6,8 @@ complete call) and ``logprobs``; ``n`` choices run as ``n`` sequences of the
 batch and are merged here, in the order their output arrives. Legacy function
 calling (``functions`` / ``function_call``) runs as tools with one call at most,
 answered as ``function_call``; fields mlxd cannot honour (audio, web search) are a 400.
+A completion's ``suffix`` (insertion) is filled in the middle in the model's own FIM
+tokens (``actors/families/fim.py``).
 """
 
 from __future__ import annotations
