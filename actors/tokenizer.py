@@ -406,17 +406,21 @@ class PromptBuilder:
 
     def lazy_grammar(self, request: ChatRequest, prompt: str) -> LazyGrammar | None:
         """``tool_choice: auto``: the grammar a call is held to once the model opens one
-        (``actors/lazy_calls.py``). On where the server says so (``constrain_auto_calls``)
-        and no tool says ``strict: false``, or wherever a tool says ``strict: true``; a
-        ``strict: false`` tool offered beside a strict one takes any arguments. A schema
-        the grammar cannot take (a keyword llguidance lacks) leaves the calls free, unless
-        a tool is strict (a 400, as for a forced call)."""
+        (``actors/lazy_calls.py``). On where the request's ``constrain_calls`` or, unset,
+        the server's ``constrain_auto_calls`` says so, and wherever a tool says ``strict:
+        true``; where only that, the other tools take any arguments. ``strict: false``
+        promises nothing and changes nothing. A schema the grammar cannot take (a keyword
+        llguidance lacks) leaves the calls free, unless a tool is strict (a 400, as for a
+        forced call)."""
         if request.tool_choice != "auto" or not request.tools or not self.auto_call_grammars:
             return None
         strict = any(t.strict for t in request.tools)
-        free = frozenset(t.name for t in request.tools if t.strict is False)
-        if not strict and (free or not self.constrain_auto_calls):
+        wanted = request.constrain_calls
+        if wanted is None:
+            wanted = self.constrain_auto_calls
+        if not strict and not wanted:
             return None
+        free = frozenset() if wanted else frozenset(t.name for t in request.tools if not t.strict)
         tags = self.traits.reasoning
         opened = bool(tags) and prompt.rstrip().endswith(tags[0])  # type: ignore[index]
         try:

@@ -183,6 +183,8 @@ class MessagesRequest(CountTokensRequest, kw_only=True):
     stream: bool = False
     metadata: dict[str, Any] | None = None  # user_id for the operator's logs; no effect on output
     service_tier: str | None = None  # one tier here
+    # mlxd's extension: false leaves a call opened in tool_choice auto free of the schema
+    constrain_tool_calls: bool | None = None
 
 
 # ---- responses ----------------------------------------------------------------------

@@ -98,8 +98,9 @@ class Tool(msgspec.Struct, frozen=True, kw_only=True):
     description: str = ""
     parameters: dict = {}
     # The API's ``strict``: True, the arguments match the schema exactly, also in auto mode
-    # (the schema passed OpenAI's strict rules); False, calls in auto mode are left free;
-    # None, the server's ``tokenizer.constrain_auto_calls``.
+    # (the schema passed OpenAI's strict rules). False or None: no such promise; calls in
+    # auto mode are held as ``ChatRequest.constrain_calls`` or the server's setting says
+    # (Codex sends ``strict: false`` on every tool: it is not an opt-out).
     strict: bool | None = None
 
 
@@ -138,6 +139,10 @@ class ChatRequest(msgspec.Struct, frozen=True, kw_only=True):
     tools: tuple[Tool, ...] = ()
     tool_choice: str = "auto"
     parallel_tool_calls: bool = True
+    # ``tool_choice: auto``: hold a call the model opens to its tool's schema (True), leave it
+    # free (False), or do as ``tokenizer.constrain_auto_calls`` says (None); the request's
+    # ``constrain_tool_calls`` (an mlxd extension, in every API)
+    constrain_calls: bool | None = None
     template_kwargs: dict = {}
     # The API's reasoning effort (``none`` … ``max``); the model's family maps it onto its
     # template's variables (``actors/families/reasoning.py``). None: the template's default.

@@ -88,6 +88,8 @@ class ChatRequest(msgspec.Struct, kw_only=True):
     logprobs: bool = False
     top_logprobs: int = 0
     template: str | None = None
+    # mlxd's extension: false leaves a call opened in tool_choice auto free of the schema
+    constrain_tool_calls: bool | None = None
 
 
 class GenerateRequest(msgspec.Struct, kw_only=True):

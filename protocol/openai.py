@@ -146,6 +146,8 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True):
     tools: list[WireTool] | None = None
     tool_choice: str | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
+    # mlxd's extension: false leaves a call opened in tool_choice auto free of the schema
+    constrain_tool_calls: bool | None = None
     # legacy function calling: tools and tool_choice under their old names, answered with
     # ``message.function_call`` and finish_reason ``function_call``
     functions: list[FunctionDef] | None = None

@@ -159,6 +159,8 @@ class ResponsesRequest(msgspec.Struct, kw_only=True):
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | NamedTool | None = None
     parallel_tool_calls: bool = True
+    # mlxd's extension: false leaves a call opened in tool_choice auto free of the schema
+    constrain_tool_calls: bool | None = None
     max_tool_calls: int | None = None
     max_output_tokens: int | None = None
     temperature: float = 1.0

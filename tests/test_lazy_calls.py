@@ -6,7 +6,8 @@ a call that never closes. Under the lazy grammar (``actors/lazy_calls.py``) the 
 before the opener is left as written and the call comes back valid for its schema, in
 every format that has an opener; without it the call is written as scripted. Then the
 same through the whole daemon in every API, whole and streamed, with the setting off
-and ``strict: false`` leaving the call alone.
+and the request's ``constrain_tool_calls: false`` leaving the call alone (a tool's
+``strict: false``, which Codex sends on every tool, changes nothing).
 """
 
 from __future__ import annotations
@@ -30,6 +31,8 @@ from tests.test_anthropic import events as anthropic_events
 from tests.test_forced_calls import HIDDEN, SAMPLES, _hf_tokenizer
 from tests.test_http import sse_events
 from tests.test_openai_features import post_json, read_stream
+from tests.test_openai_features import post_json as _post_json
+from tests.test_openai_features import read_stream as _read_stream
 from tests.test_responses import events as responses_events
 
 PARAMS = {
@@ -238,9 +241,19 @@ def _streamed_chat(frames: list[str]) -> tuple[str, list[tuple[str, dict]]]:
     return content, [(n, json.loads(a)) for n, a in pieces.values()]
 
 
-async def _every_api(c, script: str) -> dict[str, tuple[str, list[tuple[str, dict]]]]:
-    """(content, calls) from each API, whole and streamed."""
+async def _every_api(
+    c, script: str, extra: dict | None = None
+) -> dict[str, tuple[str, list[tuple[str, dict]]]]:
+    """(content, calls) from each API, whole and streamed; ``extra`` joins every body."""
     out = {}
+    extra = extra or {}
+
+    async def post_json(c, path, body):
+        return await _post_json(c, path, body | extra)
+
+    async def read_stream(c, path, body):
+        return await _read_stream(c, path, body | extra)
+
     whole = (await post_json(c, "/v1/chat/completions", _chat(script)))["choices"][0]["message"]
     out["chat"] = (
         whole["content"] or "",
@@ -334,11 +347,23 @@ async def test_with_the_setting_off_the_call_is_as_written():
         assert calls == [("get_weather", AS_WRITTEN)], api
 
 
-async def test_strict_false_on_a_tool_leaves_its_calls_free_and_true_holds_them():
+async def test_the_request_field_opts_out_or_in_in_every_api():
     async with lazy_client() as c:
-        free = await post_json(c, "/v1/chat/completions", _chat(f"{SAID} {BAD_CALL}", strict=False))
-    call = free["choices"][0]["message"]["tool_calls"][0]["function"]
-    assert json.loads(call["arguments"]) == AS_WRITTEN
+        got = await _every_api(c, f"{SAID} {BAD_CALL}", {"constrain_tool_calls": False})
+    for api, (content, calls) in got.items():
+        assert content.strip() == SAID, api
+        assert calls == [("get_weather", AS_WRITTEN)], api
+    async with lazy_client(constrain_auto_calls=False) as c:
+        got = await _every_api(c, f"{SAID} {BAD_CALL}", {"constrain_tool_calls": True})
+    for api, (_, calls) in got.items():
+        assert calls == [("get_weather", WANT)], api
+
+
+async def test_strict_false_promises_nothing_and_true_holds_calls_with_the_setting_off():
+    async with lazy_client() as c:  # Codex's strict: false on every tool is no opt-out
+        held = await post_json(c, "/v1/chat/completions", _chat(f"{SAID} {BAD_CALL}", strict=False))
+    call = held["choices"][0]["message"]["tool_calls"][0]["function"]
+    assert json.loads(call["arguments"]) == WANT
     strict_schema = {**WEATHER, "additionalProperties": False}
     body = _chat(f"{SAID} {BAD_CALL}", strict=True)
     body["tools"][0]["function"]["parameters"] = strict_schema

@@ -269,9 +269,9 @@ async def calls_constrained_once_opened(d: Daemon, kind: str) -> None:
     )
     d.lean.clear()
     _check_calls({**got, "chat": chat_got["chat"], "chat_stream": chat_got["chat_stream"]})
-    # the tool's strict: false opts out: nothing holds what follows the opener to the schema
-    loose = [{**TOOLS[0], "function": {**TOOLS[0]["function"], "strict": False}}]
-    body = {"messages": ASK, "tools": loose, "logit_bias": {str(opener): 100}}
+    # the request's constrain_tool_calls: false opts out: nothing holds what follows the opener
+    body = {"messages": ASK, "tools": TOOLS, "logit_bias": {str(opener): 100}}
+    body["constrain_tool_calls"] = False
     body |= {"max_tokens": 24, "temperature": 0, **NO_THINKING["chat"]}
     message = (await post_json(d.client, "/v1/chat/completions", body))["choices"][0]["message"]
     calls = message.get("tool_calls") or ()

@@ -74,8 +74,8 @@ from mlxd.daemon.api.common import (
     json_response,
     no_chat_template,
     start,
-    tool_choice,
     strict_flag,
+    tool_choice,
     usage_of,
 )
 from mlxd.daemon.api.errors import ApiError, ErrorFormat, ErrorReason, OnError, install_errors
@@ -494,6 +494,7 @@ def chat_request(
         tools=tools,
         tool_choice=choice,
         parallel_tool_calls=parallel,
+        constrain_calls=w.constrain_tool_calls,
         template_kwargs=_thinking(w, max_tokens),
         reasoning_effort=_effort(w),
         constraint=constraint or forced,

@@ -218,6 +218,7 @@ def chat_request(w: wire.ChatRequest, rid: str, v: Validator) -> ChatRequest:
         sampling=sampling_from(w.options, v, w.logprobs, w.top_logprobs),
         arrival=time.time(),
         tools=_tools(w.tools, v),
+        constrain_calls=w.constrain_tool_calls,
         template_kwargs=_think(w.think),
         reasoning_effort=_think_effort(w.think),
         constraint=_constraint(w.format),

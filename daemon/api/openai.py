@@ -279,6 +279,7 @@ def chat_requests(w: wire.ChatCompletionRequest, rid: str, v: Validator) -> list
             tools=tools,
             tool_choice=choice,
             parallel_tool_calls=parallel,
+            constrain_calls=w.constrain_tool_calls,
             template_kwargs=kwargs,
             reasoning_effort=w.reasoning_effort,
             constraint=constraint,

@@ -421,6 +421,7 @@ def chat_request(
         tools=offered,
         tool_choice=choice,
         parallel_tool_calls=w.parallel_tool_calls and w.max_tool_calls != 1,
+        constrain_calls=w.constrain_tool_calls,
         template_kwargs=reasoning_kwargs(effort, {}, "reasoning.effort"),
         reasoning_effort=effort,
         constraint=constraint or forced,
