@@ -22,6 +22,7 @@ started as a subprocess (``bench_agents.serving``), given every category, and st
     python -m mlxd.scripts.bench_tools                         # both models, 20 cases each
     python -m mlxd.scripts.bench_tools --models smollm2 --limit 3 --no-record
     python -m mlxd.scripts.bench_tools --answers /tmp/bfcl.jsonl  # every answer, scored
+    python -m mlxd.scripts.bench_tools --rescore /tmp/bfcl.jsonl  # that dump's table again
 
 The record goes to ``docs/results/bench_tools.jsonl`` (``scripts/records.py``).
 """
@@ -168,18 +169,19 @@ class Answer:
     error: str | None = None
 
 
-# Call markup a parser should have taken out of the content: the openers of the common
-# families or a JSON call object. (Not a Python-style ``name(...)``: small models write
-# Python that defines or calls the tool as code, which is prose, not a lost call.)
+# A call left in content: a family's opener followed by a call body, or a JSON call object,
+# that the server's parser should have taken out. Not a bare mention of the tags (Gemma
+# echoes its system prompt's "within <tool_call></tool_call> XML tags"), nor Python that
+# defines or calls the tool as code: those are prose.
 _MARKUP = re.compile(
-    r"<tool_call>|</tool_call>|<function[=>]|<tools>|\[TOOL_CALLS\]|<\|python_tag\|>"
+    r"<tool_call>\s*\{|<function[=>]|\[TOOL_CALLS\]|<\|python_tag\|>"
     r"|<start_function_call>|```tool_code"
     r"|\"(?:name|function)\"\s*:\s*\"[^\"]*\"\s*,\s*\"(?:arguments|parameters)\""
 )
 
 
 def call_in_content(content: str) -> bool:
-    """Whether ``content`` holds tool-call markup."""
+    """Whether ``content`` holds a call's markup."""
     return _MARKUP.search(content) is not None
 
 
@@ -393,6 +395,23 @@ def _dump(path: Path | None, model: str, arm: str, todo: list[Case], said, score
             f.write(json.dumps(line, ensure_ascii=False) + "\n")
 
 
+def rescore(path: Path, check) -> list[dict]:
+    """The rows of a dump written by ``--answers``, scored again (the same checker, this
+    version's markup scan): a way to look at earlier answers without a server."""
+    lines = _jsonl(path)
+    known = {c.id: c for cat in {x["category"] for x in lines} for c in cases(cat, 10**6)}
+    cells: dict[tuple[str, str, str], list[dict]] = {}
+    for x in lines:
+        fields = {k: x[k] for k in ("content", "finish_reason", "error")}
+        answer = Answer(x["case_id"], calls=[tuple(c) for c in x["calls"]], **fields)
+        key = (x["model"], x["category"], x["arm"])
+        cells.setdefault(key, []).append(score(known[x["case_id"]], answer, check))
+    return [
+        {"model": m, "category": c, "arm": a, **summary(scored)}
+        for (m, c, a), scored in cells.items()
+    ]
+
+
 # ---- report ---------------------------------------------------------------------------------------
 
 _COLUMNS = (
@@ -449,6 +468,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--ready-timeout", type=float, default=600.0)
     p.add_argument("--answers", type=Path, default=None, help="append every answer here (JSONL)")
     p.add_argument("--no-record", action="store_true", help="write no docs/results record")
+    p.add_argument("--rescore", type=Path, default=None, help="score a --answers dump again")
     return p
 
 
@@ -463,6 +483,9 @@ def _notes(args) -> str:
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     check = checker()
+    if args.rescore is not None:
+        print(table(rescore(args.rescore, check)))
+        return 0
     rows: list[dict] = []
     with tempfile.TemporaryDirectory(prefix="mlxd-bench-tools-") as tmp:
         for model in args.models:

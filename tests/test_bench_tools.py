@@ -142,3 +142,33 @@ def test_an_answer_is_read_from_a_chat_completion() -> None:
     assert answer.calls == [("f", '{"a": 1}')]
     assert answer.content == ""
     assert answer.finish_reason == "tool_calls"
+
+
+@pytest.mark.parametrize(
+    ("content", "left"),
+    [
+        ('<tool_call>\n{"name": "f", "arguments": {"a": 1}}', True),
+        ("<tool_call>\n<function=f>\n<parameter=a>\n1\n</parameter>", True),
+        ('[TOOL_CALLS][{"name": "f", "arguments": {}}]', True),
+        ('Calling {"name": "f", "arguments": {"a": 1}} now.', True),
+        ("signatures within <tool_call></tool_call> XML tags:", False),
+        ("def f(a):\n    return f(a - 1)", False),
+    ],
+)
+def test_a_call_left_in_content_is_an_opener_with_a_body(content: str, left: bool) -> None:
+    assert bt.call_in_content(content) is left
+
+
+def test_a_dump_scores_again_to_the_same_rows(tmp_path) -> None:
+    check = bt.checker()
+    todo = bt.cases("simple_python", 2)
+    said = [
+        bt.Answer(todo[0].id, calls=[("calculate_triangle_area", '{"base": 10, "height": 5}')]),
+        bt.Answer(todo[1].id, content="<tool_call>\n{", finish_reason="length"),
+    ]
+    scored = [bt.score(c, a, check) for c, a in zip(todo, said, strict=True)]
+    dump = tmp_path / "answers.jsonl"
+    bt._dump(dump, "m", "mlxd", todo, said, scored)
+    (row,) = bt.rescore(dump, check)
+    assert row == {"model": "m", "category": "simple_python", "arm": "mlxd", **bt.summary(scored)}
+    assert (row["parsed_call"], row["ast_accuracy"], row["call_in_content"]) == (0.5, 0.5, 0.5)
