@@ -134,12 +134,13 @@ def _resolve(root: dict, ref: str) -> Any:
     return node
 
 
-def strict_schema_error(schema: dict) -> str | None:
+def strict_schema_error(schema: dict, all_required: bool = True) -> str | None:
     """Why ``strict: true`` cannot take this parameters schema, in OpenAI's words, or None.
 
     OpenAI's rules: the root is an object; every object, at every nesting level
     (``properties``, ``items``, ``anyOf`` / ``allOf`` / ``oneOf``, ``$defs``), sets
     ``additionalProperties: false`` and lists every one of its properties in ``required``.
+    Anthropic's strict tools take optional properties (``all_required=False``).
     ``context`` is the path to the object that breaks a rule, as OpenAI writes it.
     """
     if not _is_object(schema):
@@ -150,7 +151,7 @@ def strict_schema_error(schema: dict) -> str | None:
         if not isinstance(node, dict):
             continue
         if _is_object(node):
-            problem = _strict_object(node)
+            problem = _strict_object(node, all_required)
             if problem:
                 return f"In context={path!r}, {problem}"
         stack += reversed(list(_children(node, path)))
@@ -162,9 +163,11 @@ def _is_object(node: dict) -> bool:
     return kind == "object" or (isinstance(kind, list) and "object" in kind)
 
 
-def _strict_object(node: dict) -> str | None:
+def _strict_object(node: dict, all_required: bool) -> str | None:
     if node.get("additionalProperties") is not False:
         return "'additionalProperties' is required to be supplied and to be false."
+    if not all_required:
+        return None
     props = node.get("properties") or {}
     required = node.get("required")
     missing = [k for k in props if not isinstance(required, list) or k not in required]

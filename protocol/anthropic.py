@@ -165,6 +165,8 @@ class CountTokensRequest(msgspec.Struct, kw_only=True):
     system: str | list[TextBlock] | None = None
     tools: list[ToolDef] | None = None
     tool_choice: ToolChoice | None = None
+    # mlxd's extension: false leaves a call opened in tool_choice auto free of the schema
+    constrain_tool_calls: bool | None = None
     thinking: ThinkingConfig | None = None
     output_config: OutputConfig | None = None
     output_format: OutputFormat | None = None  # the structured-outputs beta's older spelling
@@ -183,8 +185,6 @@ class MessagesRequest(CountTokensRequest, kw_only=True):
     stream: bool = False
     metadata: dict[str, Any] | None = None  # user_id for the operator's logs; no effect on output
     service_tier: str | None = None  # one tier here
-    # mlxd's extension: false leaves a call opened in tool_choice auto free of the schema
-    constrain_tool_calls: bool | None = None
 
 
 # ---- responses ----------------------------------------------------------------------

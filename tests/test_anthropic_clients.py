@@ -402,6 +402,7 @@ def test_tool_definitions_with_extra_fields():
         "strict": True,
         "description": "Weather.",
     }
+    tool["input_schema"] = {**tool["input_schema"], "additionalProperties": False}
     (t,) = build({**ask("x"), "tools": [tool]}).tools
     assert t.description == 'Weather.\n\nInput examples:\n{"city": "Paris"}'
 

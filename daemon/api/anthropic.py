@@ -345,7 +345,9 @@ def _tools(w: wire.CountTokensRequest, v: Validator):
                 name=t.name,
                 description=_description(t),
                 parameters=t.input_schema,
-                strict=strict_flag(t.name, t.input_schema, t.strict, f"tools[{i}].input_schema"),
+                strict=strict_flag(
+                    t.name, t.input_schema, t.strict, f"tools[{i}].input_schema", all_required=False
+                ),
             )
             for i, t in offered
         )

@@ -357,12 +357,14 @@ def tool_choice(choice: str | None, tools: tuple[Tool, ...], named: str | None, 
     return choice, None
 
 
-def strict_flag(name: str, parameters: dict | None, strict: bool | None, param: str) -> bool | None:
-    """A tool's ``strict``; ``true`` needs a schema OpenAI's strict mode takes: every object
-    sets ``additionalProperties: false`` and requires all its properties, at every level
-    (else a 400 naming the rule and where, as OpenAI words it)."""
+def strict_flag(
+    name: str, parameters: dict | None, strict: bool | None, param: str, all_required: bool = True
+) -> bool | None:
+    """A tool's ``strict``; ``true`` needs a schema strict mode takes: every object sets
+    ``additionalProperties: false`` and (OpenAI's rule, not Anthropic's) requires all its
+    properties, at every level (else a 400 naming the rule and where, as OpenAI words it)."""
     if strict and parameters:
-        problem = strict_schema_error(parameters)
+        problem = strict_schema_error(parameters, all_required)
         check(problem is None, param, f"Invalid schema for function '{name}': {problem}")
     return strict
 
