@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 from contextlib import asynccontextmanager
+from functools import partial
 from pathlib import Path
 
 import httpx
@@ -22,7 +23,7 @@ from mlxd.daemon.api import infill
 from mlxd.daemon.app import create_app
 from mlxd.daemon.settings import load_settings
 
-from tests.conftest import real_server, running_graph
+from tests.conftest import real_server, running_graph, wait_until
 from tests.fakes import EOS, CharTokenizer, FakeRunner
 
 SPECIAL = {
@@ -329,8 +330,7 @@ async def test_a_newer_request_on_the_same_file_ends_the_older_at_once():
 
         async with trio.open_nursery() as nursery:
             nursery.start_soon(older)
-            while not runner.running:  # the older one is decoding
-                await trio.sleep(0.01)
+            await wait_until(lambda: runner.running)  # the older one is decoding
             (older_id,) = runner.running
             typed = {**body, "input_prefix": body["input_prefix"] + "x", "n_predict": 3}
             results["newer"] = await post(c, "/infill", typed)
@@ -354,6 +354,25 @@ async def test_another_file_does_not_supersede():
             nursery.start_soon(one, body)
             nursery.start_soon(one, other)
     assert [o[1]["stop_type"] for o in outs] == ["limit", "limit"]
+
+
+@pytest.mark.parametrize("streamed", [True, False])
+async def test_a_client_that_hangs_up_cancels_its_row(streamed):
+    body = {**INFILL, "input_suffix": "LONG\n", "n_predict": 5000, "stream": streamed}
+    async with server(FimRunner(step_delay=0.01)) as (http, runner):
+        if streamed:
+            async with http.stream("POST", "/infill", json=body) as r:
+                async for line in r.aiter_lines():
+                    if '"content":"x' in line:
+                        break  # hang up after the first token
+        else:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(partial(http.post, "/infill", json=body))
+                await wait_until(lambda: runner.running)  # decoding
+                nursery.cancel_scope.cancel()  # the client hangs up
+        await wait_until(lambda: not runner.running and not runner.prefilling)
+        assert len(runner.removed) == 1  # aborted, not decoded to its 5000 tokens
+        assert runner.decode_steps < 5000
 
 
 def test_the_file_key_ignores_the_line_being_typed():
