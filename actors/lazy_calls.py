@@ -152,7 +152,10 @@ class LazyCalls:
                 self._start(found)
 
     def _start(self, text: bytes) -> None:
-        self._matcher.reset()
+        # A fresh copy for each call: llguidance's reset() keeps an error state, so after an
+        # opener that went off its markup (a model echoing its prompt's "<tool_call></tool_call>")
+        # every later call of the answer would be refused and left free.
+        self._matcher = self._g.matcher.deep_copy()
         tokens = self._g.tokenizer.tokenize_bytes(text)
         if self._matcher.consume_tokens(tokens) and not self._matcher.is_error():
             self._active = True

@@ -164,6 +164,21 @@ def test_after_a_call_another_may_follow_or_the_answer_ends():
         jsonschema.validate(args, PARAMS)
 
 
+def test_an_opener_that_went_off_its_markup_does_not_stop_the_next_call():
+    """Gemma 3 echoes the tool prompt ("within <tool_call></tool_call> XML tags") before its
+    call. Where ``<tool_call>`` is text and ``></`` ends it inside one token, that opener
+    is left free, and the real call after it is still held."""
+    hf = _hf_tokenizer([])
+    hf.add_tokens(["_call></"])
+    echo = "Calls go within <tool_call></tool_call> XML tags. "
+    assert hf.convert_tokens_to_ids("_call></") in hf.encode(echo, add_special_tokens=False)
+    text = _write(GrammarCompiler(hf), hf, "hermes", echo + _malformed("hermes"))
+    assert text.startswith(echo)
+    _, calls = _calls("hermes", text[len(echo) :])
+    assert [name for name, _ in calls] == ["book"]
+    jsonschema.validate(calls[0][1], PARAMS)
+
+
 def test_a_leading_format_takes_a_call_only_at_the_answers_start():
     hf = _hf_tokenizer([])
     compiler = GrammarCompiler(hf)
