@@ -212,8 +212,9 @@ def test_forced_tool_call_on_a_vision_model(vlm):
         chat(picture=data_url(png(30, 30, seed=2)), max_tokens=40, tools=TOOLS, constraint=forced)
     )
     text = generated(vlm, request)
-    assert text.startswith("<tool_call>\n") and text.endswith("\n</tool_call>")
-    call = json.loads(text.removeprefix("<tool_call>\n").removesuffix("\n</tool_call>"))
+    # the newlines around the object are optional in Hermes' grammar (forced.py)
+    assert text.startswith("<tool_call>") and text.endswith("</tool_call>")
+    call = json.loads(text.removeprefix("<tool_call>").removesuffix("</tool_call>"))
     assert call["name"] == "get_weather" and call["arguments"]["city"] in ("Paris", "Rome")
 
 
