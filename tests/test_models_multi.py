@@ -402,8 +402,14 @@ async def test_requests_waiting_on_a_loading_model_are_bounded_503_retry_after(m
             await call("full")  # one already waits: refused at once
             refused_in = trio.current_time() - started
             mock_clock.jump(30)  # the first one's load_timeout_s
-        mock_clock.autojump_threshold = 0  # from here on, sleeps need not wait
         b.gate.set()
+        # The clock stays still from here on: the loader's and the engine's threads are
+        # invisible to it, so an autojumping clock could pass load_timeout_s or
+        # queue_timeout_s while they work (it did, on a loaded box).
+        give_up = time.monotonic() + 60
+        while (await states(c))["b"]["state"] != "loaded":
+            assert time.monotonic() < give_up
+            await trio.testing.wait_all_tasks_blocked(0.01)
         timed_out = results["timed_out"]
         text = (await (await c.get("/metrics")).get_data()).decode()
         assert await answer(c, "b", "now") == "NOW"
