@@ -284,9 +284,14 @@ def _arm_panels(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
             series[str(r["arm"])][workloads.index(" / ".join(str(r[k]) for k in labels_of))] = r[
                 key
             ]
-        panels.append({"title": f"{key} (share, higher is better)", "labels": workloads,
+        better = "lower" if key in LOWER_IS_BETTER else "higher"
+        panels.append({"title": f"{key} (share, {better} is better)", "labels": workloads,
                        "series": series})  # fmt: skip
     return panels
+
+
+# Shares in a per-arm table where less is the better result (markup left in the answer).
+LOWER_IS_BETTER = frozenset({"call_in_content"})
 
 
 def _plot(panels: list[dict[str, Any]], record: dict[str, Any], path: Path) -> None:
