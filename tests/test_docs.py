@@ -20,7 +20,7 @@ import trio
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
 PAGES = (
-    "index.md", "api.md", "families.md", "models.md", "caching.md", "speculative.md",
+    "index.md", "api.md", "families.md", "tools.md", "models.md", "caching.md", "speculative.md",
     "completion.md", "operations.md", "scaling.md", "troubleshooting.md", "benchmarks.md",
     "development.md",
 )  # fmt: skip
