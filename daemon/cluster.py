@@ -37,7 +37,7 @@ from mlxd.daemon.settings import ClusterSettings, Settings, SettingsError, load_
 
 log = logging.getLogger("mlxd.cluster")
 POLICIES = ("cache_aware", "round_robin", "manual")
-INSTALL_HINT = "pip install 'mlxd[cluster]' (the sglang-router wheel)"
+INSTALL_HINT = ".venv/bin/pip install -e '.[cluster]' from a checkout (the sglang-router wheel)"
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:

@@ -18,6 +18,8 @@ Positive = Annotated[int, msgspec.Meta(ge=1)]
 NonNegative = Annotated[int, msgspec.Meta(ge=0)]
 Seconds = Annotated[float, msgspec.Meta(ge=0)]
 Fraction = Annotated[float, msgspec.Meta(gt=0, le=1)]
+KV_BITS = (0, 4, 8)  # engine.kv_bits: off, or bits per quantized key / value
+KV_GROUP_SIZES = (32, 64, 128)  # engine.kv_group_size: the group sizes MLX quantizes in
 
 
 class _Section(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -181,12 +183,12 @@ class EngineSettings(_Section):
 
     def __post_init__(self) -> None:
         _require(
-            self.kv_bits in (0, 4, 8),
+            self.kv_bits in KV_BITS,
             f"engine.kv_bits: 4 or 8 (bits per quantized key/value), or 0 for off; "
             f"got {self.kv_bits}",
         )
         _require(
-            self.kv_group_size in (32, 64, 128),
+            self.kv_group_size in KV_GROUP_SIZES,
             f"engine.kv_group_size: 32, 64 or 128; got {self.kv_group_size}",
         )
 
@@ -285,7 +287,7 @@ class StreamingSettings(_Section):
     keepalive_s: Seconds = 10.0
 
 
-_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
 
 class LoggingSettings(_Section):
@@ -294,8 +296,8 @@ class LoggingSettings(_Section):
     def __post_init__(self) -> None:
         self.level = self.level.upper()
         _require(
-            self.level in _LEVELS,
-            f"logging.level: {self.level!r} is not one of {', '.join(_LEVELS)}",
+            self.level in LOG_LEVELS,
+            f"logging.level: {self.level!r} is not one of {', '.join(LOG_LEVELS)}",
         )
 
 
