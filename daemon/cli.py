@@ -20,6 +20,9 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
+from mlxd.daemon import quiet  # noqa: F401  first: before any import loads transformers
+
+# isort: split
 from mlxd.actors.engine.loading.sources import is_hub_id
 from mlxd.daemon import blas, cluster, kernel_cache, parse_cmd, service
 from mlxd.daemon.bench import main as bench_main
