@@ -16,7 +16,9 @@ JSON schema where it has one (a ``string`` stays text, ``integer`` / ``number`` 
 boolean is one, any other text a string. An element of ``<item>`` elements is a
 list unless its schema says object; an empty element is the empty value of its
 schema type (a string where it has none). mlx-lm 0.32.2 has no parser for this
-markup (its ``minimax_m2`` reads M2's ``<parameter name=…>`` form).
+markup (its ``minimax_m2`` reads M2's ``<parameter name=…>`` form). ``grammar``
+writes one call in this markup (a forced call, or one the model opened in auto
+mode), as the template renders it.
 Pure Python: no trio, no mlx.
 """
 
@@ -27,6 +29,7 @@ import re
 from dataclasses import dataclass, field
 
 from mlxd.actors.families.delimited import DelimitedToolParser, one_section
+from mlxd.actors.families.forced import Call, Grammar, calls_of, each, strict, value
 from mlxd.actors.parsers import IdFactory, _arguments_text, _utf8
 from mlxd.protocol.messages import Tool, ToolCall
 
@@ -132,3 +135,42 @@ def calls(body: str, schemas: dict[str, dict], make_id: IdFactory) -> list[ToolC
         return None
     found = [_call(invoke, schemas, make_id) for invoke in root.children]
     return None if None in found else found  # type: ignore[return-value]
+
+
+# ---- a forced call (the grammar) -------------------------------------------------------------
+
+
+def grammar(g: Grammar, schema: dict) -> str:
+    """One call as the template writes it: ``NS<tool_call>\\nNS<invoke name="NAME">``, each
+    parameter an element in schema order, ``NS</invoke>\\nNS</tool_call>``.
+
+    A value is an element's text (a string as written, holding no ``NS``; a number or a
+    boolean as JSON), an object with ``properties`` one element per property, a list one
+    ``<item>`` element per entry. An object of free keys is its JSON text: no grammar can
+    close a tag named by a key it did not list, and the parser reads JSON text as an object
+    where the schema says object."""
+
+    tail = g.mark(f"{NS}</invoke>\n{END}")
+
+    def call(c: Call) -> str:
+        head = g.mark(f'{START}\n{NS}<invoke name="{c.name}">')
+        params = each(g, c.params, lambda f: _element(g, f.key, f.schema))
+        return f"{head} {params} {tail}"
+
+    return g.alternatives(calls_of(schema), call)
+
+
+def _element(g: Grammar, key: str, schema: dict) -> str:
+    """``NS<key>`` value ``NS</key>``, the value by its schema (``to_xml`` in the template)."""
+    head, close = g.mark(f"{NS}<{key}>"), f"{NS}</{key}>"
+    kind, extra = schema.get("type"), schema.get("additionalProperties", False)
+    if kind == "object" and schema.get("properties") and extra is False:
+        inner = each(g, schema, lambda f: _element(g, f.key, f.schema))
+        return f"{head} {inner} {g.mark(close)}"
+    if kind == "array":
+        defs = {k: schema[k] for k in ("$defs", "definitions") if k in schema}
+        items = schema.get("items") if isinstance(schema.get("items"), dict) else {}
+        item = g.rule(_element(g, "item", {**strict(items), **defs}))
+        low, high = schema.get("minItems", 0), schema.get("maxItems", "")
+        return f"{head} {item}{{{low},{high}}} {g.mark(close)}"
+    return f"{head} {value(g, schema, close, (NS,))}"
