@@ -16,12 +16,16 @@ No trio, no mlx.
 from __future__ import annotations
 
 import functools
+import threading
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
 import llguidance
 import llguidance.hf
-from mlxd.actors.families import forced
+import numpy as np
+from llguidance.numpy import allocate_token_bitmask, fill_next_token_bitmask
+from mlxd.actors.families import forced, formats
 from mlxd.actors.lazy_calls import LazyGrammar
 from mlxd.protocol.messages import Constraint, Tool
 
@@ -46,7 +50,10 @@ class CompiledGrammar:
 
 
 def tool_call_schema(
-    tools: tuple[Tool, ...], names: tuple[str, ...], loose: frozenset[str] = frozenset()
+    tools: tuple[Tool, ...],
+    names: tuple[str, ...],
+    loose: frozenset[str] = frozenset(),
+    bounds: forced.Bounds | None = None,
 ) -> dict:
     """JSON schema of one call ``{"name": …, "arguments": {…}}`` to one of ``names``.
 
@@ -66,6 +73,7 @@ def tool_call_schema(
             params = {"type": "object"}
         elif not tool.strict:
             params = forced.strict(params)
+        params = forced.bound_numbers(params, bounds or forced.Bounds())
         options.append(
             {
                 "type": "object",
@@ -79,11 +87,17 @@ def tool_call_schema(
 
 
 def tool_call_lark(
-    schema: dict, fmt: str, split: forced.Split = forced.as_text, prefix: str = ""
+    schema: dict,
+    fmt: str,
+    split: forced.Split = forced.as_text,
+    prefix: str = "",
+    between: str | None = None,
 ) -> str:
-    """A Lark grammar for one call in the markup of the format ``fmt``
-    (``actors/families/forced.py``); ``split`` says which markers are special tokens."""
-    return forced.lark(fmt, schema, split, prefix)
+    """A Lark grammar for one call in the markup of the format ``fmt`` (its record's
+    ``calls.grammar``; none: the bare JSON object), or several where ``between`` is set;
+    ``split`` says which markers are special tokens."""
+    build = formats.named(fmt).calls.grammar or forced.json_call
+    return forced.lark(build, schema, split, prefix, between)
 
 
 # Keywords that add no constraint: a node with only these besides ``$ref`` is just the ref.
@@ -195,7 +209,9 @@ def _children(node: dict, path: tuple[str, ...]):
 
 
 class GrammarCompiler:
-    """Compiles constraints against one tokenizer.
+    """Compiles constraints against one tokenizer, and keeps the last ``cache_size``
+    compiled matchers (``tokenizer.grammar_cache_size``): an agent resends the same tools
+    every turn, and a request with the same grammar takes a copy instead of compiling.
 
     A tokenizer llguidance cannot read (not an HF fast tokenizer) makes every
     constraint a 400, except for test doubles that set ``grammar_check_only``:
@@ -203,10 +219,20 @@ class GrammarCompiler:
     the fake runner.
     """
 
-    def __init__(self, tokenizer: Any | None):
+    def __init__(
+        self,
+        tokenizer: Any | None,
+        bounds: forced.Bounds | None = None,
+        cache_size: int = 64,
+    ):
         self._llt = _llg_tokenizer(tokenizer) if tokenizer is not None else None
         self._split = _splitter(self._llt)
         self._check_only = bool(getattr(tokenizer, "grammar_check_only", False))
+        self.bounds = bounds or forced.Bounds()
+        self._cache: OrderedDict[str, Any] = OrderedDict()
+        self._cache_size = cache_size
+        self._lock = threading.Lock()  # the tokenizer actor's worker threads share it
+        self.compiled = 0  # matchers built (not taken from the cache), for tests and benches
 
     def grammar_text(
         self, constraint: Constraint, tools: tuple[Tool, ...], fmt: str, prefix: str = ""
@@ -217,6 +243,7 @@ class GrammarCompiler:
             schema = (constraint.schema or {}) if constraint.kind == "json_schema" else None
             check_refs(schema or {})
             schema = {"type": "object"} if schema is None else schema
+            schema = forced.bound_numbers(schema, self.bounds)
             try:
                 if prefix:
                     lark = forced.json_lark(schema, JSON_LAYOUT, self._split, prefix)
@@ -226,7 +253,7 @@ class GrammarCompiler:
                 raise GrammarError(f"invalid JSON schema: {exc}") from exc
         for tool in tools:
             check_refs(tool.parameters)
-        schema = tool_call_schema(tools, constraint.tool_names)
+        schema = tool_call_schema(tools, constraint.tool_names, bounds=self.bounds)
         lark = tool_call_lark(schema, fmt, self._split, prefix)
         return llguidance.LLMatcher.grammar_from_lark(lark)
 
@@ -234,6 +261,24 @@ class GrammarCompiler:
         error = llguidance.LLMatcher.validate_grammar(grammar, self._llt)
         if error:
             raise GrammarError(f"invalid schema: {error}")
+
+    def _matcher(self, grammar: str, llt: Any) -> Any:
+        """A fresh matcher for ``grammar``: a copy of the cached one, else compiled."""
+        with self._lock:
+            template = self._cache.get(grammar)
+            if template is not None:
+                self._cache.move_to_end(grammar)
+                return template.deep_copy()
+        self.validate(grammar)
+        template = llguidance.LLMatcher(llt, grammar, log_level=0)
+        _check_first_step(template)
+        with self._lock:
+            self.compiled += 1
+            if self._cache_size > 0:
+                self._cache[grammar] = template
+                while len(self._cache) > self._cache_size:
+                    self._cache.popitem(last=False)
+        return template.deep_copy()
 
     def compile(
         self,
@@ -244,12 +289,11 @@ class GrammarCompiler:
     ) -> CompiledGrammar | None:
         """A matcher for the constraint (None for a check-only test tokenizer)."""
         grammar = self.grammar_text(constraint, tools, fmt, prefix)
-        self.validate(grammar)
         llt = self._llt or (_byte_tokenizer() if self._check_only else None)
         if llt is None:
+            self.validate(grammar)
             raise GrammarError("structured output is not available for this model's tokenizer")
-        matcher = llguidance.LLMatcher(llt, grammar, log_level=0)
-        _check_first_step(matcher)
+        matcher = self._matcher(grammar, llt)
         if self._llt is None:
             return None
         return CompiledGrammar(matcher, llt.vocab_size, tuple(llt.eos_tokens))
@@ -261,32 +305,66 @@ class GrammarCompiler:
         reasoning: tuple[str, str] | None = None,
         in_reasoning: bool = False,
         loose: frozenset[str] = frozenset(),
+        parallel: bool = True,
     ) -> LazyGrammar | None:
-        """The grammar of a call to one of ``tools`` that waits for the format's opener
-        (``actors/lazy_calls.py``); None where the format has no opener or no builder, or
-        the tokenizer is not one llguidance reads (a test double's: check only)."""
-        openers = forced.OPENERS.get(fmt)
-        if not openers or fmt not in forced.BUILDERS or not tools:
+        """The grammar of the rest of an answer from its first call on, waiting for the
+        format's opener (``actors/lazy_calls.py``): the call, then another (``parallel``,
+        where the markup takes several) or the end. None where the format's calls stay free
+        (``CallMarkup.free``), or the tokenizer is not one llguidance reads (a test
+        double's: check only)."""
+        markup = formats.named(fmt).calls
+        if not markup.held or not tools:
             return None
         for tool in tools:
             check_refs(tool.parameters)
-        schema = tool_call_schema(tools, tuple(t.name for t in tools), loose)
-        grammar = llguidance.LLMatcher.grammar_from_lark(tool_call_lark(schema, fmt, self._split))
-        self.validate(grammar)
+        schema = tool_call_schema(tools, tuple(t.name for t in tools), loose, self.bounds)
+        between = markup.between if parallel else None
+        lark = tool_call_lark(schema, fmt, self._split, "", between)
+        grammar = llguidance.LLMatcher.grammar_from_lark(lark)
         if self._llt is None:
+            self.validate(grammar)
             return None
-        matcher = llguidance.LLMatcher(self._llt, grammar, log_level=0)
-        _check_first_step(matcher)
+        matcher = self._matcher(grammar, self._llt)
+        special, texts = self._openers(markup.openers)
         return LazyGrammar(
             matcher=matcher,
             tokenizer=self._llt,
             vocab_size=self._llt.vocab_size,
             eos_ids=tuple(self._llt.eos_tokens),
-            openers=tuple(o.encode() for o in openers),
-            leading=fmt in forced.LEADING,
+            special=special,
+            text_openers=texts,
+            leading=markup.leading,
             reasoning=(reasoning[0].encode(), reasoning[1].encode()) if reasoning else None,
             in_reasoning=in_reasoning,
+            first_words={
+                i: _first_words(matcher, i, self._llt.vocab_size)
+                for i, rest in special.items()
+                if not rest
+            },
         )
+
+    def _openers(self, openers: tuple[str, ...]) -> tuple[dict[int, bytes], tuple[bytes, ...]]:
+        """The openers that start with a special token (its id → the text after it) and
+        those that are text."""
+        special: dict[int, bytes] = {}
+        texts: list[bytes] = []
+        for opener in openers:
+            pieces = self._split(opener)
+            if isinstance(pieces[0], int):
+                rest = opener[len(self._llt.decode_str([pieces[0]])) :] if self._llt else ""
+                special[pieces[0]] = rest.encode()
+            else:
+                texts.append(opener.encode())
+        return special, tuple(texts)
+
+
+def _first_words(matcher: Any, opener: int, vocab_size: int) -> np.ndarray:
+    """The grammar's mask right after the special token ``opener`` (packed words)."""
+    probe = matcher.deep_copy()
+    bitmask = allocate_token_bitmask(1, vocab_size)
+    probe.consume_token(opener)
+    fill_next_token_bitmask(probe, bitmask)
+    return bitmask[0].copy()
 
 
 def _check_first_step(matcher: Any) -> None:

@@ -211,7 +211,8 @@ class ModelRegistry:
                 or entry.builder_of is None
                 or (entry.builder_of.model_dir != info.model_dir)
             ):  # the same files reloaded: the same vocabulary (its compiler takes ~1 s)
-                grammars = await trio.to_thread.run_sync(GrammarCompiler, info.tokenizer)
+                options = self.prompts[entry.id]
+                grammars = await trio.to_thread.run_sync(options.grammar_compiler, info.tokenizer)
             if entry.builder_of is not info:  # another request may have built it meanwhile
                 entry.builder = PromptBuilder.for_model(info, self.prompts[entry.id], grammars)
                 entry.builder_of, entry.grammars = info, grammars

@@ -36,6 +36,7 @@ from mlxd.actors import chat_template
 from mlxd.actors.engine.scheduler.memory import MemoryModel
 from mlxd.actors.engine.scheduler.types import ModelInfo
 from mlxd.actors.families.fim import FimBuilder, FimError
+from mlxd.actors.families.forced import Bounds
 from mlxd.actors.families.reasoning import EffortError
 from mlxd.actors.grammar import CompiledGrammar, GrammarCompiler, GrammarError
 from mlxd.actors.lazy_calls import LazyGrammar
@@ -123,8 +124,16 @@ class TokenizerOptions:
     # tool_choice auto: a call is held to its grammar from the family's opener on
     constrain_auto_calls: bool = True
     # the runner can hold one (not a drafting runner, not a group of ranks): else calls in
-    # auto mode stay free, even for strict tools
+    # auto mode stay free, and a strict tool is refused
     auto_call_grammars: bool = True
+    max_integer_digits: int = 18  # numbers in calls and JSON answers (``forced.Bounds``)
+    max_fraction_digits: int = 10
+    grammar_cache_size: int = 64  # compiled grammars kept (``GrammarCompiler``)
+
+    def grammar_compiler(self, tokenizer: Any) -> GrammarCompiler:
+        """The model's grammar compiler, with these options' bounds and cache."""
+        bounds = Bounds(self.max_integer_digits, self.max_fraction_digits)
+        return GrammarCompiler(tokenizer, bounds, self.grammar_cache_size)
 
 
 def use_chat_template(info: ModelInfo, template: str) -> None:
@@ -412,9 +421,18 @@ class PromptBuilder:
         promises nothing and changes nothing. A schema the grammar cannot take (a keyword
         llguidance lacks) leaves the calls free, unless a tool is strict (a 400, as for a
         forced call)."""
-        if request.tool_choice != "auto" or not request.tools or not self.auto_call_grammars:
+        if request.tool_choice != "auto" or not request.tools:
             return None
         strict = any(t.strict for t in request.tools)
+        if not self.auto_call_grammars:
+            if strict:  # a promise this runner cannot keep is refused, not broken
+                raise PromptError(
+                    "a tool with strict: true needs its calls held to its schema, which this "
+                    "model's runner cannot do under speculative decoding (speculative.enabled) "
+                    "or over several ranks (distributed.parallel)",
+                    "tools",
+                )
+            return None
         wanted = request.constrain_calls
         if wanted is None:
             wanted = self.constrain_auto_calls
@@ -425,7 +443,12 @@ class PromptBuilder:
         opened = bool(tags) and prompt.rstrip().endswith(tags[0])  # type: ignore[index]
         try:
             return self.grammars.compile_lazy(
-                request.tools, self.traits.tool_format, tags, opened, free
+                request.tools,
+                self.traits.tool_format,
+                tags,
+                opened,
+                free,
+                parallel=request.parallel_tool_calls,
             )
         except GrammarError as exc:
             if strict:  # the arguments were promised to match: refused, as a forced call

@@ -94,7 +94,7 @@ def traits_of(
         why_reasoning=why_reasoning,
         tool_prompt=tool_prompts.HERMES
         if tools_in_template
-        else tool_prompts.for_template(source, fmt.name),
+        else tool_prompts.for_template(source, fmt.calls.prompt),
     )
 
 

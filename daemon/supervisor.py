@@ -284,6 +284,9 @@ def tokenizer_options(s: Settings, entry: ModelEntry | None = None) -> Tokenizer
         # a lazy call grammar rides on the runner's logits processors, which neither the
         # drafting runner nor the other ranks of a group run
         auto_call_grammars=not _speculates(s, entry) and s.distributed.parallel == "off",
+        max_integer_digits=s.tokenizer.max_integer_digits,
+        max_fraction_digits=s.tokenizer.max_fraction_digits,
+        grammar_cache_size=s.tokenizer.grammar_cache_size,
     )
 
 

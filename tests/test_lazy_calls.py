@@ -46,6 +46,7 @@ PARAMS = {
 }
 BOOK = Tool(name="book", parameters=PARAMS)
 PREFACE = "Sure, booking now. "
+LINE = PREFACE.rstrip() + "\n"  # a text opener opens a call only at the start of a line
 
 
 def _write(compiler: GrammarCompiler, hf, fmt: str, script: str, lazy: bool = True, **kw) -> str:
@@ -84,12 +85,14 @@ def _malformed(fmt: str) -> str:
     )
 
 
-LAZY = sorted(forced.OPENERS)
+LAZY = sorted(f.name for f in formats.BY_NAME.values() if f.calls.held)
 
 
-def test_every_format_with_a_builder_has_an_opener_but_functionary_v3_2():
-    assert set(forced.BUILDERS) - set(forced.OPENERS) == {"functionary_v3_2"}
-    for fmt, openers in forced.OPENERS.items():
+def test_every_format_with_a_grammar_has_an_opener_but_functionary_v3_2():
+    built = {f.name for f in formats.BY_NAME.values() if f.calls.grammar is not None}
+    assert built - set(LAZY) == {"functionary_v3_2"}
+    for fmt in LAZY:
+        openers = formats.named(fmt).calls.openers
         assert any(SAMPLES[fmt].startswith(o) for o in openers), fmt
 
 
@@ -98,7 +101,7 @@ def test_a_malformed_call_comes_back_valid_after_free_text(fmt):
     """Markers as the vocabulary's special tokens where the format shows them."""
     hf = _hf_tokenizer([m for m in formats.named(fmt).show if m in SAMPLES[fmt]])
     compiler = GrammarCompiler(hf)
-    preface = "" if fmt in forced.LEADING else PREFACE
+    preface = "" if formats.named(fmt).calls.leading else PREFACE.rstrip() + "\n"
     script = preface + _malformed(fmt)
     free = _write(compiler, hf, fmt, script, lazy=False)
     assert free == script  # as scripted without the grammar
@@ -141,16 +144,17 @@ def test_the_opener_inside_the_reasoning_block_is_not_a_call():
 
 
 def test_a_text_opener_split_over_tokens_and_ending_inside_one():
-    """No special tokens: ``<tool_call>`` is text; here its last token goes on past it."""
+    """No special tokens: ``<tool_call>`` is text; it starts a line inside one token, and
+    its last token goes on past it."""
     hf = _hf_tokenizer([])
-    hf.add_tokens(["ing <tool_", "call>\n{"])  # plain (non-special) merged pieces
+    hf.add_tokens(["ing.\n<tool_", "call>\n{"])  # plain (non-special) merged pieces
     compiler = GrammarCompiler(hf)
-    script = "Book" + "ing <tool_call>\n{" + _malformed("hermes").split("{", 1)[1]
+    script = "Book" + "ing.\n<tool_call>\n{" + _malformed("hermes").split("{", 1)[1]
     tokens = hf.encode(script, add_special_tokens=False)
     assert hf.convert_tokens_to_ids("call>\n{") in tokens
     text = _write(compiler, hf, "hermes", script)
     content, calls = _calls("hermes", text)
-    assert content.strip() == "Booking"
+    assert content.strip() == "Booking."
     jsonschema.validate(calls[0][1], PARAMS)
 
 
@@ -170,7 +174,7 @@ def test_an_opener_that_went_off_its_markup_does_not_stop_the_next_call():
     is left free, and the real call after it is still held."""
     hf = _hf_tokenizer([])
     hf.add_tokens(["_call></"])
-    echo = "Calls go within <tool_call></tool_call> XML tags. "
+    echo = "<tool_call></tool_call> XML tags hold calls.\n"
     assert hf.convert_tokens_to_ids("_call></") in hf.encode(echo, add_special_tokens=False)
     text = _write(GrammarCompiler(hf), hf, "hermes", echo + _malformed("hermes"))
     assert text.startswith(echo)
@@ -494,6 +498,8 @@ def test_a_resumed_row_finds_where_its_call_stands():
     stepwise = LazyCallProcessor(compiler.compile_lazy((BOOK,), "hermes"))
     for n in range(len(prompt), len(context) + 1):
         seen = stepwise(mx.array(context[:n]), logits)
+        if n > len(prompt):  # the engine reads the step's input token back after it
+            stepwise.readback(context[n - 1])
     resumed = LazyCallProcessor(compiler.compile_lazy((BOOK,), "hermes"), resumed=len(emitted))
     replayed = resumed(mx.array(context), logits)
     assert mx.array_equal(seen, replayed)
@@ -513,8 +519,11 @@ def test_off_where_the_runner_cannot_carry_it():
     ).auto_call_grammars
 
 
-def test_where_the_runner_cannot_carry_it_even_strict_tools_stay_free():
-    from mlxd.actors.tokenizer import PromptBuilder
+def test_where_the_runner_cannot_carry_it_strict_tools_are_refused():
+    """Under speculative decoding or --parallel no mask is applied: calls stay free, and a
+    strict tool, whose arguments were promised to match, is a 400 naming the settings."""
+    import msgspec
+    from mlxd.actors.tokenizer import PromptBuilder, PromptError
     from mlxd.protocol.messages import ChatRequest, Message, SamplingParams
 
     hf = family_tokenizer(*QWEN3)
@@ -534,7 +543,10 @@ def test_where_the_runner_cannot_carry_it_even_strict_tools_stay_free():
 
     assert builder().lazy_grammar(ask, "") is not None
     assert builder(constrain_auto_calls=False).lazy_grammar(ask, "") is not None  # strict wins
-    assert builder(auto_call_grammars=False).lazy_grammar(ask, "") is None
+    with pytest.raises(PromptError, match=r"speculative\.enabled.*distributed\.parallel"):
+        builder(auto_call_grammars=False).lazy_grammar(ask, "")
+    loose = msgspec.structs.replace(ask, tools=(Tool(name="get_weather", parameters=WEATHER),))
+    assert builder(auto_call_grammars=False).lazy_grammar(loose, "") is None
 
 
 async def test_a_schema_the_grammar_cannot_take_leaves_auto_calls_free_unless_strict():
@@ -567,7 +579,7 @@ def test_a_hermes_call_without_the_newlines_is_held_too():
     """``<tool_call>{`` with ``>{`` one token of a vocabulary where the opener is text."""
     hf = _hf_tokenizer([])
     hf.add_tokens(["_call>{"])
-    script = PREFACE + _malformed("hermes").replace(">\n{", ">{")
+    script = LINE + _malformed("hermes").replace(">\n{", ">{")
     assert hf.convert_tokens_to_ids("_call>{") in hf.encode(script, add_special_tokens=False)
     text = _write(GrammarCompiler(hf), hf, "hermes", script)
     content, calls = _calls("hermes", text)
@@ -577,11 +589,11 @@ def test_a_hermes_call_without_the_newlines_is_held_too():
 
 def test_the_text_opener_on_a_real_vocabulary(smollm_tokenizer):
     """SmolLM2's vocabulary (what ``hermes`` serves where the template renders no tools):
-    ``<tool_call>`` is five text tokens, the first ``" <"``, and ``{"`` one token."""
+    ``<tool_call>`` is several text tokens, and ``{"`` one token."""
     from transformers import AutoTokenizer
 
     hf = AutoTokenizer.from_pretrained(smollm_tokenizer)
-    script = PREFACE + _malformed("hermes")
+    script = LINE + _malformed("hermes")
     assert len(hf.encode(" <tool_call>", add_special_tokens=False)) == 5
     text = _write(GrammarCompiler(hf), hf, "hermes", script)
     content, calls = _calls("hermes", text)

@@ -7,7 +7,7 @@ far (the raw partial JSON where the family writes JSON; the arguments complete s
 far, as a JSON object, where it writes them as markup elements). If the cut came
 before the name was complete, the markup is dropped and no call is returned.
 
-Each family's markup has a ``CutRule`` (``RULES``): where a call starts and its name
+Each family's markup has a ``CutRule`` (its ``formats.CallMarkup.cut``): where a call starts and its name
 ends, and, for markup arguments, what closes one argument and what closes a call, so
 that the body parser can read the arguments written so far. ``complete_fields`` and
 ``close_json`` turn a partial JSON object into what APIs that need an object show
@@ -203,51 +203,37 @@ JSON_CALL = _rule(
 )
 _XML_FUNCTION = _rule(r"<function=(?P<name>[^>\n]+)>", "</parameter>", "\n</function>")
 
-RULES: dict[str, CutRule] = {
-    "hermes": JSON_CALL,
-    "json": JSON_CALL,
-    "llama3": JSON_CALL,
-    "apriel": JSON_CALL,
-    "nemotron_v2": JSON_CALL,
-    "command_r": JSON_CALL,
-    "command_r_plus": JSON_CALL,
-    "gigachat": JSON_CALL,
-    "gigachat3": JSON_CALL,
-    "granite": JSON_CALL,
-    "firefunction": JSON_CALL,
-    "apertus": _rule(
-        r'(?:^|[\[,])\s*\{\s*"(?P<name>' + _STRING + r')"\s*:\s*(?=\{)', json_name=True
-    ),
-    "mistral": _rule(
-        r"\[TOOL_CALLS\]\s*(?P<name>[A-Za-z0-9_.\-]+)\s*"
-        r"(?:\[CALL_ID\]\s*[A-Za-z0-9_\-]*\s*)?\[ARGS\]|"
-        + JSON_CALL.call.pattern.replace("?P<name>", "?P<name2>"),
-        json_name=True,
-    ),
-    "deepseek_v3": _rule(
-        r"<｜tool▁call▁begin｜>(?:function<｜tool▁sep｜>(?P<name_r1>[^\s<]+)[ \t]*\n\s*```(?:json)?"
-        r"\s*\n?|(?P<name>[^<\n]+?)<｜tool▁sep｜>)"
-    ),
-    "deepseek_dsml": _rule(
-        r'<｜DSML｜invoke\s+name="(?P<name>[^"]*)"\s*>',
-        "</｜DSML｜parameter>",
-        "\n</｜DSML｜invoke>",
-    ),
-    "kimi_k2": _rule(
-        r"<\|tool_call_begin\|>\s*(?:functions\.)?(?P<name>[^:<\s]+)(?::\d+)?\s*"
-        r"<\|tool_call_argument_begin\|>"
-    ),
-    "solar": _rule(r"<\|tool_call:name\|>(?P<name>[^<]+?)<\|tool_call:args\|>"),
-    "functionary": _rule(r"^\s*(?P<name>[\w.\-]+)>"),
-    "qwen3_coder": _XML_FUNCTION,
-    "seed_oss": _XML_FUNCTION,
-    "glm47": _rule(r"^\s*(?P<name>[^<\n]+?)\s*(?:\n|(?=<arg_key>))", "</arg_value>"),
-    "hy3": _rule(
-        r"<tool_call:opensource>(?P<name>[^<\n]+?)<tool_sep:opensource>",
-        "</arg_value:opensource>",
-        "\n</tool_call:opensource>",
-    ),
-    "minimax_m2": _rule(r'<invoke name="(?P<name>[^"]+)">', "</parameter>", "\n</invoke>"),
-    "minicpm5": _rule(r'^\s*"(?P<name>[^"]+)">', "</param>"),  # after ``<function name=``
-    "gemma4": _rule(r"call:(?P<name>[\w.\-]+)\{", ",", "}", before=True),
-}
+# Each format's rule (``formats.CallMarkup.cut``); JSON-object markups share ``JSON_CALL``.
+APERTUS = _rule(r'(?:^|[\[,])\s*\{\s*"(?P<name>' + _STRING + r')"\s*:\s*(?=\{)', json_name=True)
+MISTRAL = _rule(
+    r"\[TOOL_CALLS\]\s*(?P<name>[A-Za-z0-9_.\-]+)\s*"
+    r"(?:\[CALL_ID\]\s*[A-Za-z0-9_\-]*\s*)?\[ARGS\]|"
+    + JSON_CALL.call.pattern.replace("?P<name>", "?P<name2>"),
+    json_name=True,
+)
+DEEPSEEK_V3 = _rule(
+    r"<｜tool▁call▁begin｜>(?:function<｜tool▁sep｜>(?P<name_r1>[^\s<]+)[ \t]*\n\s*```(?:json)?"
+    r"\s*\n?|(?P<name>[^<\n]+?)<｜tool▁sep｜>)"
+)
+DEEPSEEK_DSML = _rule(
+    r'<｜DSML｜invoke\s+name="(?P<name>[^"]*)"\s*>',
+    "</｜DSML｜parameter>",
+    "\n</｜DSML｜invoke>",
+)
+KIMI_K2 = _rule(
+    r"<\|tool_call_begin\|>\s*(?:functions\.)?(?P<name>[^:<\s]+)(?::\d+)?\s*"
+    r"<\|tool_call_argument_begin\|>"
+)
+SOLAR = _rule(r"<\|tool_call:name\|>(?P<name>[^<]+?)<\|tool_call:args\|>")
+FUNCTIONARY = _rule(r"^\s*(?P<name>[\w.\-]+)>")
+QWEN3_CODER = _XML_FUNCTION
+SEED_OSS = _XML_FUNCTION
+GLM47 = _rule(r"^\s*(?P<name>[^<\n]+?)\s*(?:\n|(?=<arg_key>))", "</arg_value>")
+HY3 = _rule(
+    r"<tool_call:opensource>(?P<name>[^<\n]+?)<tool_sep:opensource>",
+    "</arg_value:opensource>",
+    "\n</tool_call:opensource>",
+)
+MINIMAX_M2 = _rule(r'<invoke name="(?P<name>[^"]+)">', "</parameter>", "\n</invoke>")
+MINICPM5 = _rule(r'^\s*"(?P<name>[^"]+)">', "</param>")  # after ``<function name=``
+GEMMA4 = _rule(r"call:(?P<name>[\w.\-]+)\{", ",", "}", before=True)

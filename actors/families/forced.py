@@ -16,9 +16,10 @@ optional ones maybe; a typed non-string value is ``%json`` of its property
 schema; a string is free text that cannot hold its closing tag or the call's
 end marker, with its ``enum`` enforced but not ``pattern``, ``format`` or
 lengths. Gemma 4's nested objects and arrays follow Gemma's syntax, not their
-schema. Formats without a builder get the bare JSON object. The call starts at
+schema. Numbers are bounded (``Bounds``). The call starts at
 the answer's first token: no reasoning comes before it. In ``tool_choice: auto`` the
-same grammar holds a call from its opener on (``OPENERS``, ``actors/lazy_calls.py``).
+same grammar holds the rest of the answer from the call's opener on (``formats.CallMarkup``,
+``actors/lazy_calls.py``): the call, then only another call or the end.
 Pure Python: no trio, no mlx.
 """
 
@@ -27,6 +28,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 # A call's JSON takes at most one space wherever JSON allows whitespace: the compact layout
 # and json.dumps's (", " and ": ", as chat templates render calls) both fit, and a small model
@@ -68,12 +70,50 @@ def _lit(text: str) -> str:
     return json.dumps(text, ensure_ascii=False)
 
 
+@dataclass(frozen=True)
+class Bounds:
+    """How long a number in a call may be (``tokenizer.max_integer_digits`` and
+    ``tokenizer.max_fraction_digits``): without a bound, greedy decoding can write
+    ``1000000…`` until ``max_tokens`` cuts the call. No exponent is written."""
+
+    integer_digits: int = 18  # an int64 holds every 18-digit integer
+    fraction_digits: int = 10  # llguidance's ``multipleOf`` takes at most 10 (1e-12 is inexact)
+
+
+def bound_numbers(schema: Any, bounds: Bounds) -> Any:
+    """``schema`` with every integer and number bounded (where the schema sets no bound of
+    its own): integers to ``integer_digits`` digits (``minimum`` / ``maximum``), numbers to
+    as many before the point and ``fraction_digits`` after it (``multipleOf``)."""
+    if isinstance(schema, list):
+        return [bound_numbers(s, bounds) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: (v if k in _LITERAL_KEYS else bound_numbers(v, bounds)) for k, v in schema.items()}
+    kinds = out.get("type")
+    kinds = set(kinds) if isinstance(kinds, list) else {kinds}
+    if "number" in kinds or "integer" in kinds:
+        whole = 10**bounds.integer_digits - 1
+        limit = whole if "number" not in kinds else float(whole)
+        if "minimum" not in out and "exclusiveMinimum" not in out:
+            out["minimum"] = -limit
+        if "maximum" not in out and "exclusiveMaximum" not in out:
+            out["maximum"] = limit
+        if "number" in kinds and "multipleOf" not in out:
+            out["multipleOf"] = float(f"1e-{bounds.fraction_digits}")
+    return out
+
+
+# Keys whose values are data, not subschemas (``const``, ``enum``, defaults, examples).
+_LITERAL_KEYS = frozenset({"const", "enum", "default", "examples", "required", "x-guidance"})
+
+
 class Grammar:
     """A Lark grammar under construction: numbered rules, markers as the vocabulary has them."""
 
-    def __init__(self, split: Split = as_text):
+    def __init__(self, split: Split = as_text, bounds: Bounds | None = None):
         self._split = split
         self._rules: dict[str, str] = {}
+        self.bounds = bounds or Bounds()
 
     def mark(self, text: str) -> str:
         """``text`` as a sequence: its special tokens by id, the rest quoted."""
@@ -192,12 +232,12 @@ def joined(g: Grammar, items: list[tuple[str, bool]], sep: str) -> str:
 Builder = Callable[[Grammar, dict], str]  # (grammar, tool_call_schema's schema) → start
 
 
-def _json(g: Grammar, schema: dict) -> str:
+def json_call(g: Grammar, schema: dict) -> str:
     """Llama 3, plain JSON: the bare ``{"name": …, "arguments": {…}}`` object."""
     return g.rule("%json " + json.dumps(schema))
 
 
-def _llama3(g: Grammar, schema: dict) -> str:
+def llama3(g: Grammar, schema: dict) -> str:
     """Llama 3.1+: the bare object, its arguments under ``parameters`` (as the template
     writes calls) or ``arguments``."""
     options = schema.get("anyOf") or [schema]
@@ -216,13 +256,13 @@ def _llama3(g: Grammar, schema: dict) -> str:
     return g.rule("%json " + json.dumps({"anyOf": [*renamed, *options], **layout}))
 
 
-def _hermes(g: Grammar, schema: dict) -> str:
+def hermes(g: Grammar, schema: dict) -> str:
     """The newlines around the object as the prompts show them, or none (a model may write
     ``<tool_call>{``, and a vocabulary where ``<tool_call>`` is text may merge ``>{``)."""
-    return f'{g.mark("<tool_call>")} "\\n"? {_json(g, schema)} "\\n"? {g.mark("</tool_call>")}'
+    return f'{g.mark("<tool_call>")} "\\n"? {json_call(g, schema)} "\\n"? {g.mark("</tool_call>")}'
 
 
-def _mistral(g: Grammar, schema: dict) -> str:
+def mistral(g: Grammar, schema: dict) -> str:
     """``[TOOL_CALLS]NAME[ARGS]{…}`` where ``[ARGS]`` is a special token of the vocabulary
     (v11 tokenizers: Devstral, Mistral Small 3.2, Ministral 3), else v3's ``[TOOL_CALLS][{…}]``."""
     if g.special("[ARGS]"):
@@ -230,10 +270,10 @@ def _mistral(g: Grammar, schema: dict) -> str:
             calls_of(schema),
             lambda c: f"{g.mark('[TOOL_CALLS]' + c.name + '[ARGS]')} {g.json(c.params)}",
         )
-    return f'{g.mark("[TOOL_CALLS]")} "[" {_json(g, schema)} "]"'
+    return f'{g.mark("[TOOL_CALLS]")} "[" {json_call(g, schema)} "]"'
 
 
-def _qwen3_coder(start: str, end: str, nl: str) -> Builder:
+def qwen3_coder(start: str, end: str, nl: str) -> Builder:
     """``<tool_call>\\n<function=NAME>\\n<parameter=K>\\nV\\n</parameter>\\n…</function>\\n
     </tool_call>`` (Qwen3-Coder, Qwen3.5; Seed-OSS: ``<seed:tool_call>``, no newlines
     around a value)."""
@@ -253,7 +293,7 @@ def _qwen3_coder(start: str, end: str, nl: str) -> Builder:
     return build
 
 
-def _glm(tag: Callable[[str], str], sep: str, nl: str, block: tuple[str, str]) -> Builder:
+def glm(tag: Callable[[str], str], sep: str, nl: str, block: tuple[str, str]) -> Builder:
     """``<tool_call>NAME<arg_key>K</arg_key><arg_value>V</arg_value>…</tool_call>``: GLM 4.7
     writes no newlines, GLM 4.5 / 4.6 one after the name and after each tag pair (either is
     allowed); Tencent Hy3 writes the same with ``:opensource`` tags, a separator and a block."""
@@ -285,7 +325,7 @@ class Invoke:
     typed: bool = False  # DeepSeek DSML: string="true" on text values, "false" on JSON
 
 
-def _invoke(shape: Invoke) -> Builder:
+def invoke(shape: Invoke) -> Builder:
     """MiniMax-M2, DeepSeek V3.2 / V4 DSML, MiniCPM 5."""
 
     def param(g: Grammar, f: Field) -> str:
@@ -306,7 +346,7 @@ def _invoke(shape: Invoke) -> Builder:
     return build
 
 
-def _dsml(g: Grammar, schema: dict) -> str:
+def dsml(g: Grammar, schema: dict) -> str:
     """DeepSeek V3.2 writes ``function_calls`` blocks, V4 ``tool_calls``: either is allowed."""
     shapes = [
         Invoke(
@@ -314,7 +354,7 @@ def _dsml(g: Grammar, schema: dict) -> str:
         )
         for b in ("function_calls", "tool_calls")
     ]
-    return "(" + " | ".join(g.rule(_invoke(s)(g, schema)) for s in shapes) + ")"
+    return "(" + " | ".join(g.rule(invoke(s)(g, schema)) for s in shapes) + ")"
 
 
 def _gemma_value(g: Grammar) -> tuple[str, str]:
@@ -324,7 +364,10 @@ def _gemma_value(g: Grammar) -> tuple[str, str]:
     quote = g.mark(quote_text)
     string = g.rule(f"{quote} {g.text(quote_text, ('<tool_call|>',))}")
     any_value = g.rule('"null"')  # defined below: values nest
-    number = g.terminal(r"/-?(0|[1-9][0-9]*)(\.[0-9]+)?([eE][+-]?[0-9]+)?/")
+    b = g.bounds
+    number = g.terminal(
+        rf"/-?(0|[1-9][0-9]{{0,{b.integer_digits - 1}}})(\.[0-9]{{1,{b.fraction_digits}}})?/"
+    )
     pair = g.rule(f'{g.terminal("/[A-Za-z_][A-Za-z0-9_]*/")} ":" {any_value}')
     body = (
         f'{string} | {number} | "true" | "false" | "null" '
@@ -334,7 +377,7 @@ def _gemma_value(g: Grammar) -> tuple[str, str]:
     return any_value, string
 
 
-def _gemma4(g: Grammar, schema: dict) -> str:
+def gemma4(g: Grammar, schema: dict) -> str:
     """``<|tool_call>call:NAME{key:<|"|>text<|"|>,n:5}<tool_call|>``, keys sorted."""
     any_value, string = _gemma_value(g)
 
@@ -356,7 +399,7 @@ def _gemma4(g: Grammar, schema: dict) -> str:
     return g.alternatives(calls_of(schema), call)
 
 
-def _kimi_k2(g: Grammar, schema: dict) -> str:
+def kimi_k2(g: Grammar, schema: dict) -> str:
     return g.alternatives(
         calls_of(schema),
         lambda c: (
@@ -367,7 +410,7 @@ def _kimi_k2(g: Grammar, schema: dict) -> str:
     )
 
 
-def _deepseek_v3(g: Grammar, schema: dict) -> str:
+def deepseek_v3(g: Grammar, schema: dict) -> str:
     """V3.1's ``NAME<｜tool▁sep｜>{…}`` (V3-0324 / R1 were trained on ``function<｜tool▁sep｜>
     NAME`` and a fenced block: not written here)."""
     return g.alternatives(
@@ -380,7 +423,7 @@ def _deepseek_v3(g: Grammar, schema: dict) -> str:
     )
 
 
-def _harmony(g: Grammar, schema: dict) -> str:
+def harmony(g: Grammar, schema: dict) -> str:
     """gpt-oss: the call is a commentary-channel message to ``functions.NAME``."""
     return g.alternatives(
         calls_of(schema),
@@ -395,7 +438,7 @@ def _harmony(g: Grammar, schema: dict) -> str:
 _PY_STRING = r"/'([^'\\\n\r]|\\[\\'nrt])*'/"
 
 
-def _pythonic(g: Grammar, schema: dict) -> str:
+def pythonic(g: Grammar, schema: dict) -> str:
     """LFM2: ``<|tool_call_start|>[NAME(key='text', n=5, obj={"a": 1})]<|tool_call_end|>``;
     non-string values are JSON, which the parser reads as Python literals."""
 
@@ -414,20 +457,20 @@ def _pythonic(g: Grammar, schema: dict) -> str:
     return g.alternatives(calls_of(schema), call)
 
 
-def _around(start: str, end: str) -> Builder:
+def around(start: str, end: str) -> Builder:
     """The call object between two markers (``{"name": …, "arguments": …}``)."""
-    return lambda g, schema: f"{g.mark(start)} {_json(g, schema)} {g.mark(end)}".strip()
+    return lambda g, schema: f"{g.mark(start)} {json_call(g, schema)} {g.mark(end)}".strip()
 
 
-def _apriel(g: Grammar, schema: dict) -> str:
+def apriel(g: Grammar, schema: dict) -> str:
     """Apriel writes a list, MiniMax-M1 one object on its own line: either is allowed."""
-    call = _json(g, schema)
+    call = json_call(g, schema)
     return (
         f'{g.mark("<tool_calls>")} ("[" {call} "]" | "\\n" {call} "\\n") {g.mark("</tool_calls>")}'
     )
 
 
-def _command_r(g: Grammar, schema: dict) -> str:
+def command_r(g: Grammar, schema: dict) -> str:
     """Cohere: ``[{"tool_call_id": "0", "tool_name": NAME, "parameters": {…}}]``."""
 
     def call(c: Call) -> str:
@@ -442,13 +485,13 @@ def _command_r(g: Grammar, schema: dict) -> str:
     return f"{start} {g.alternatives(calls_of(schema), call)} {end}"
 
 
-def _apertus(g: Grammar, schema: dict) -> str:
+def apertus(g: Grammar, schema: dict) -> str:
     """Apertus: ``[{NAME: {…}}]``."""
     body = g.alternatives(calls_of(schema), lambda c: g.json(_object({c.name: c.params})))
     return f"{g.mark('<|tools_prefix|>[')} {body} {g.mark(']<|tools_suffix|>')}"
 
 
-def _solar(g: Grammar, schema: dict) -> str:
+def solar(g: Grammar, schema: dict) -> str:
     """Solar Open: a call id of the model's own, the name, then the arguments."""
     call_id = g.terminal(r"/[A-Za-z0-9_\-]{1,40}/")
 
@@ -460,7 +503,7 @@ def _solar(g: Grammar, schema: dict) -> str:
     return g.alternatives(calls_of(schema), call)
 
 
-def _functionary(g: Grammar, schema: dict) -> str:
+def functionary(g: Grammar, schema: dict) -> str:
     """Functionary v3.1: ``<function=NAME>{…}</function>``."""
     return g.alternatives(
         calls_of(schema),
@@ -468,7 +511,7 @@ def _functionary(g: Grammar, schema: dict) -> str:
     )
 
 
-def _command_r_plus(g: Grammar, schema: dict) -> str:
+def command_r_plus(g: Grammar, schema: dict) -> str:
     """Command R+: ``Action:\\n```json\\n[{"tool_name": NAME, "parameters": {…}}]```"."""
 
     def call(c: Call) -> str:
@@ -478,7 +521,7 @@ def _command_r_plus(g: Grammar, schema: dict) -> str:
     return f"{start} {g.alternatives(calls_of(schema), call)} {end}"
 
 
-def _functionary_v3_2(g: Grammar, schema: dict) -> str:
+def functionary_v3_2(g: Grammar, schema: dict) -> str:
     """Functionary v3.2: ``NAME\\n{…}`` (the prompt ends with the ``>>>`` before it)."""
 
     def call(c: Call) -> str:
@@ -497,98 +540,53 @@ def _object(properties: dict) -> dict:
     }
 
 
-def _glm_tag(name: str) -> str:
+def glm_tag(name: str) -> str:
     return f"<{name}>"
 
 
-def _hy3_tag(name: str) -> str:
+def hy3_tag(name: str) -> str:
     return f"<{name}:opensource>"
 
 
-BUILDERS: dict[str, Builder] = {
-    "hermes": _hermes,
-    "mistral": _mistral,
-    "llama3": _llama3,
-    "json": _json,
-    "qwen3_coder": _qwen3_coder("<tool_call>", "</tool_call>", "\n"),
-    "seed_oss": _qwen3_coder("<seed:tool_call>", "</seed:tool_call>", ""),
-    "glm47": _glm(_glm_tag, "", '"\\n"?', ("", "")),
-    "hy3": _glm(
-        _hy3_tag,
-        "<tool_sep:opensource>",
-        '"\\n"',
-        ("<tool_calls:opensource>\n", "\n</tool_calls:opensource>"),
-    ),
-    "minimax_m2": _invoke(
-        Invoke(("<minimax:tool_call>", "</minimax:tool_call>"), "invoke", "parameter", "\n")
-    ),
-    "minicpm5": _invoke(Invoke(("", ""), "function", "param", "")),
-    "deepseek_dsml": _dsml,
-    "gemma4": _gemma4,
-    "kimi_k2": _kimi_k2,
-    "deepseek_v3": _deepseek_v3,
-    "harmony": _harmony,
-    "pythonic": _pythonic,
-    "apriel": _apriel,
-    "nemotron_v2": _around("<TOOLCALL>[", "]</TOOLCALL>"),
-    "command_r": _command_r,
-    "apertus": _apertus,
-    "gigachat": _around("<|function_call|>", ""),
-    # GigaChat 3: an empty assistant message, then a message of the ``function call`` role
-    "gigachat3": _around("<|message_sep|>\n\nfunction call<|role_sep|>\n", ""),
-    "granite": _around("<|tool_call|>[", "]"),
-    "firefunction": _around("functools[", "]"),
-    "solar": _solar,
-    "functionary": _functionary,
-    "functionary_v3_2": _functionary_v3_2,
-    "command_r_plus": _command_r_plus,
-}
+# The builders that take the shape of their markup, one per format that uses them.
+QWEN3_CODER = qwen3_coder("<tool_call>", "</tool_call>", "\n")
+SEED_OSS = qwen3_coder("<seed:tool_call>", "</seed:tool_call>", "")
+GLM47 = glm(glm_tag, "", '"\\n"?', ("", ""))
+HY3 = glm(
+    hy3_tag,
+    "<tool_sep:opensource>",
+    '"\\n"',
+    ("<tool_calls:opensource>\n", "\n</tool_calls:opensource>"),
+)
+MINIMAX_M2 = invoke(
+    Invoke(("<minimax:tool_call>", "</minimax:tool_call>"), "invoke", "parameter", "\n")
+)
+MINICPM5 = invoke(Invoke(("", ""), "function", "param", ""))
+NEMOTRON_V2 = around("<TOOLCALL>[", "]</TOOLCALL>")
+GIGACHAT = around("<|function_call|>", "")
+# GigaChat 3: an empty assistant message, then a message of the ``function call`` role
+GIGACHAT3 = around("<|message_sep|>\n\nfunction call<|role_sep|>\n", "")
+GRANITE = around("<|tool_call|>[", "]")
+FIREFUNCTION = around("functools[", "]")
 
 
-# Where each format's call starts: the text (or special token) that opens it, which is also
-# where its grammar begins. In ``tool_choice: auto`` the grammar waits for one of these in the
-# answer (``actors/lazy_calls.py``). Formats missing here stay free in auto mode: no builder
-# (MiniMax-M3, FunctionGemma, Kimi K3, Muse), or no opener in the answer (Functionary v3.2:
-# the prompt's ``>>>`` opens every message, a call or text alike).
-OPENERS: dict[str, tuple[str, ...]] = {
-    "hermes": ("<tool_call>",),
-    "mistral": ("[TOOL_CALLS]",),
-    "llama3": ("{",),
-    "json": ("{",),
-    "qwen3_coder": ("<tool_call>",),
-    "seed_oss": ("<seed:tool_call>",),
-    "glm47": ("<tool_call>",),
-    "hy3": ("<tool_calls:opensource>",),
-    "minimax_m2": ("<minimax:tool_call>",),
-    "minicpm5": ('<function name="',),
-    "deepseek_dsml": ("<｜DSML｜function_calls>", "<｜DSML｜tool_calls>"),
-    "gemma4": ("<|tool_call>",),
-    "kimi_k2": ("<|tool_calls_section_begin|>",),
-    "deepseek_v3": ("<｜tool▁calls▁begin｜>",),
-    "harmony": ("<|channel|>commentary to=functions.",),
-    "pythonic": ("<|tool_call_start|>",),
-    "apriel": ("<tool_calls>",),
-    "nemotron_v2": ("<TOOLCALL>",),
-    "command_r": ("<|START_ACTION|>",),
-    "apertus": ("<|tools_prefix|>",),
-    "gigachat": ("<|function_call|>",),
-    "gigachat3": ("<|message_sep|>\n\nfunction call<|role_sep|>",),
-    "granite": ("<|tool_call|>",),
-    "firefunction": ("functools[",),
-    "solar": ("<|tool_calls|>",),
-    "functionary": ("<function=",),
-    "command_r_plus": ("Action:",),
-}
-# Formats whose call is a JSON object that starts the answer: the opener counts only there.
-LEADING = frozenset({"llama3", "json"})
-
-
-def lark(fmt: str, schema: dict, split: Split = as_text, prefix: str = "") -> str:
-    """The Lark grammar of one call in the markup of ``fmt`` (formats without a builder: the
-    bare JSON object) to one of the calls of ``schema`` (``grammar.tool_call_schema``),
-    after ``prefix`` (the closing tag of a reasoning block the prompt opened)."""
-    g = Grammar(split)
-    body = BUILDERS.get(fmt, _json)(g, schema)
+def lark(
+    build: Builder,
+    schema: dict,
+    split: Split = as_text,
+    prefix: str = "",
+    between: str | None = None,
+    bounds: Bounds | None = None,
+) -> str:
+    """The Lark grammar of one call written by ``build`` (a format's ``grammar``) to one of
+    the calls of ``schema`` (``grammar.tool_call_schema``), after ``prefix`` (the closing tag
+    of a reasoning block the prompt opened). ``between``: the answer may hold more calls,
+    each after this text (``"\\n"``: an optional newline; ``""``: none); None: one call."""
+    g = Grammar(split, bounds)
+    body = build(g, schema)
+    if between is not None:
+        one = g.rule(body)
+        body = f"{one} ({_lit(between)}? {one})*" if between else f"{one}+"
     return g.lark(f"{g.mark(prefix)} {body}" if prefix else body)
 
 

@@ -22,7 +22,7 @@ from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import Protocol
 
-from mlxd.actors.families import json_markup
+from mlxd.actors.families import cut, forced, json_markup, tool_prompts
 from mlxd.actors.families.delimited import HermesToolParser, one_section
 from mlxd.actors.families.mlx_lm_parsers import library_parser
 from mlxd.actors.parsers import (
@@ -54,6 +54,37 @@ class ToolStream(Protocol):
 Build = Callable[[IdFactory, tuple[Tool, ...]], ToolStream]
 
 
+@dataclass(frozen=True, kw_only=True)
+class CallMarkup:
+    """How a format's calls are written: everything but its parser, in one record, so that
+    a format cannot lose a feature by missing from a table (``_check`` runs at import).
+
+    ``grammar`` writes one call from its opener to its closing markup (forced calls, and
+    auto mode from the opener on: ``actors/lazy_calls.py``); ``openers`` are the texts that
+    start a call in the answer (each the grammar's first marker); ``leading``: a call
+    counts only as the answer's first bytes (a bare JSON object). ``between``: what may
+    stand between two calls of one answer (``"\\n"``: an optional newline, ``""``:
+    nothing), None where an answer holds one call (its markup has no second one, or the
+    call ends the turn). After the last call the turn ends: no format has a place for text
+    there. ``cut`` reads a call the token limit cut (None: its markup is dropped);
+    ``prompt`` is mlxd's tool prompt in this markup for templates that render no tools
+    (None: Hermes'). ``free`` says why calls stay free in auto mode, where they do.
+    """
+
+    grammar: forced.Builder | None
+    openers: tuple[str, ...]
+    leading: bool
+    between: str | None
+    cut: cut.CutRule | None
+    prompt: tool_prompts.ToolPrompt | None
+    free: str = ""
+
+    @property
+    def held(self) -> bool:
+        """Whether a call the model opens in auto mode is held to its grammar."""
+        return self.grammar is not None and bool(self.openers)
+
+
 @dataclass(frozen=True)
 class ToolFormat:
     """One tool-call markup: how to recognise it and how to parse it."""
@@ -61,6 +92,7 @@ class ToolFormat:
     name: str
     why: str  # what identifies it, for ``mlxd parse`` and the log
     build: Build
+    calls: CallMarkup  # how its calls are written, held to their schema and cut
     template: tuple[str, ...] = ()  # all of these occur in the chat template
     alt: tuple[str, ...] = ()  # or any one of these does
     vocab: tuple[str, ...] = ()  # or all of these are tokens of the vocabulary
@@ -220,6 +252,14 @@ FORMATS: tuple[ToolFormat, ...] = (
             "<|return|>",
         ),
         reasoning=True,
+        calls=CallMarkup(
+            grammar=forced.harmony,
+            openers=("<|channel|>commentary to=functions.",),
+            leading=False,
+            between=None,
+            cut=None,
+            prompt=None,
+        ),
     ),
     ToolFormat(
         "deepseek_v3",
@@ -233,6 +273,14 @@ FORMATS: tuple[ToolFormat, ...] = (
             "<｜tool▁call▁end｜>",
             "<｜tool▁calls▁end｜>",
         ),
+        calls=CallMarkup(
+            grammar=forced.deepseek_v3,
+            openers=("<｜tool▁calls▁begin｜>",),
+            leading=False,
+            between="",
+            cut=cut.DEEPSEEK_V3,
+            prompt=tool_prompts.DEEPSEEK,
+        ),
     ),
     ToolFormat(
         "deepseek_dsml",
@@ -240,6 +288,14 @@ FORMATS: tuple[ToolFormat, ...] = (
         _plugin("deepseek"),
         template=("｜DSML｜",),
         show=("｜DSML｜",),
+        calls=CallMarkup(
+            grammar=forced.dsml,
+            openers=("<｜DSML｜function_calls>", "<｜DSML｜tool_calls>"),
+            leading=False,
+            between="\n",
+            cut=cut.DEEPSEEK_DSML,
+            prompt=None,
+        ),
     ),
     ToolFormat(
         "minimax_m2",
@@ -247,6 +303,14 @@ FORMATS: tuple[ToolFormat, ...] = (
         library("minimax_m2"),
         template=("<minimax:tool_call>",),
         show=("<minimax:tool_call>", "</minimax:tool_call>"),
+        calls=CallMarkup(
+            grammar=forced.MINIMAX_M2,
+            openers=("<minimax:tool_call>",),
+            leading=False,
+            between="\n",
+            cut=cut.MINIMAX_M2,
+            prompt=None,
+        ),
     ),
     ToolFormat(
         "minimax_m3",
@@ -254,6 +318,15 @@ FORMATS: tuple[ToolFormat, ...] = (
         _plugin("minimax_m3"),
         template=("]<]minimax[>[",),
         show=("]<]minimax[>[",),
+        calls=CallMarkup(
+            grammar=None,
+            openers=(),
+            leading=False,
+            between=None,
+            cut=None,
+            prompt=None,
+            free="no grammar yet",
+        ),
     ),
     ToolFormat(
         "gemma4",
@@ -261,6 +334,14 @@ FORMATS: tuple[ToolFormat, ...] = (
         library("gemma4"),
         template=("<|tool_call>", "<tool_call|>"),
         show=("<|tool_call>", "<tool_call|>", '<|"|>'),
+        calls=CallMarkup(
+            grammar=forced.gemma4,
+            openers=("<|tool_call>",),
+            leading=False,
+            between="",
+            cut=cut.GEMMA4,
+            prompt=None,
+        ),
     ),
     ToolFormat(
         "function_gemma",
@@ -268,6 +349,15 @@ FORMATS: tuple[ToolFormat, ...] = (
         library("function_gemma"),
         template=("<start_function_call>",),
         show=("<start_function_call>", "<end_function_call>", "<escape>"),
+        calls=CallMarkup(
+            grammar=None,
+            openers=(),
+            leading=False,
+            between=None,
+            cut=None,
+            prompt=None,
+            free="no grammar yet",
+        ),
     ),
     ToolFormat(
         "hy3",
@@ -275,6 +365,14 @@ FORMATS: tuple[ToolFormat, ...] = (
         _hy3,
         template=(":opensource", "<tool_calls"),
         show=("<tool_calls:opensource>", "</tool_calls:opensource>"),
+        calls=CallMarkup(
+            grammar=forced.HY3,
+            openers=("<tool_calls:opensource>",),
+            leading=False,
+            between="\n",
+            cut=cut.HY3,
+            prompt=None,
+        ),
     ),
     ToolFormat(
         "glm47",
@@ -289,6 +387,14 @@ FORMATS: tuple[ToolFormat, ...] = (
             "<arg_value>",
             "</arg_value>",
         ),
+        calls=CallMarkup(
+            grammar=forced.GLM47,
+            openers=("<tool_call>",),
+            leading=False,
+            between="\n",
+            cut=cut.GLM47,
+            prompt=None,
+        ),
     ),
     ToolFormat(
         "pythonic",
@@ -297,6 +403,14 @@ FORMATS: tuple[ToolFormat, ...] = (
         template=("<|tool_call_start|>",),
         vocab=("<|tool_call_start|>", "<|tool_call_end|>"),
         show=("<|tool_call_start|>", "<|tool_call_end|>"),
+        calls=CallMarkup(
+            grammar=forced.pythonic,
+            openers=("<|tool_call_start|>",),
+            leading=False,
+            between="",
+            cut=None,
+            prompt=None,
+        ),
     ),
     ToolFormat(
         "seed_oss",
@@ -304,6 +418,14 @@ FORMATS: tuple[ToolFormat, ...] = (
         library("qwen3_coder", "<seed:tool_call>", "</seed:tool_call>"),
         template=("<seed:tool_call>",),
         show=("<seed:tool_call>", "</seed:tool_call>"),
+        calls=CallMarkup(
+            grammar=forced.SEED_OSS,
+            openers=("<seed:tool_call>",),
+            leading=False,
+            between="\n",
+            cut=cut.SEED_OSS,
+            prompt=None,
+        ),
     ),
     ToolFormat(
         "qwen3_coder",
@@ -312,6 +434,14 @@ FORMATS: tuple[ToolFormat, ...] = (
         library("qwen3_coder"),
         template=("<tool_call>\n<function=",),
         show=("<tool_call>", "</tool_call>"),
+        calls=CallMarkup(
+            grammar=forced.QWEN3_CODER,
+            openers=("<tool_call>",),
+            leading=False,
+            between="\n",
+            cut=cut.QWEN3_CODER,
+            prompt=None,
+        ),
     ),
     ToolFormat(
         "kimi_k2",
@@ -326,12 +456,28 @@ FORMATS: tuple[ToolFormat, ...] = (
             "<|tool_call_argument_begin|>",
             "<|tool_call_end|>",
         ),
+        calls=CallMarkup(
+            grammar=forced.kimi_k2,
+            openers=("<|tool_calls_section_begin|>",),
+            leading=False,
+            between="",
+            cut=cut.KIMI_K2,
+            prompt=None,
+        ),
     ),
     ToolFormat(
         "minicpm5",
         "the template writes <function name=…><param name=…> (MiniCPM 5; mlx-lm's minicpm5)",
         library("minicpm5"),
         template=('<function name="', '<param name="'),
+        calls=CallMarkup(
+            grammar=forced.MINICPM5,
+            openers=('<function name="',),
+            leading=False,
+            between="\n",
+            cut=cut.MINICPM5,
+            prompt=None,
+        ),
     ),
     ToolFormat(
         "muse_spark",
@@ -341,6 +487,15 @@ FORMATS: tuple[ToolFormat, ...] = (
         template=("<atem:function_calls>",),
         show=("<|start|>", "<|message|>", "<|eom|>", "<|eot|>"),
         reasoning=True,
+        calls=CallMarkup(
+            grammar=None,
+            openers=(),
+            leading=False,
+            between=None,
+            cut=None,
+            prompt=None,
+            free="no grammar yet",
+        ),
     ),
     ToolFormat(
         "kimi_k3",
@@ -349,6 +504,15 @@ FORMATS: tuple[ToolFormat, ...] = (
         vocab=("<|open|>", "<|close|>", "<|sep|>"),
         template=("<|open|>", "<|close|>", "<|sep|>"),
         show=("<|open|>", "<|close|>", "<|sep|>"),
+        calls=CallMarkup(
+            grammar=None,
+            openers=(),
+            leading=False,
+            between=None,
+            cut=None,
+            prompt=None,
+            free="no grammar yet",
+        ),
     ),
     ToolFormat(
         "mistral",
@@ -358,6 +522,14 @@ FORMATS: tuple[ToolFormat, ...] = (
         vocab=("[TOOL_CALLS]", "[ARGS]"),
         show=("[TOOL_CALLS]", "[ARGS]", "[CALL_ID]"),
         history_id=mistral_id,
+        calls=CallMarkup(
+            grammar=forced.mistral,
+            openers=("[TOOL_CALLS]",),
+            leading=False,
+            between="",
+            cut=cut.MISTRAL,
+            prompt=None,
+        ),
     ),
     ToolFormat(
         "apertus",
@@ -365,6 +537,14 @@ FORMATS: tuple[ToolFormat, ...] = (
         markup("<|tools_prefix|>", "<|tools_suffix|>", json_markup.json_calls),
         template=("<|tools_prefix|>",),
         show=("<|tools_prefix|>", "<|tools_suffix|>"),
+        calls=CallMarkup(
+            grammar=forced.apertus,
+            openers=("<|tools_prefix|>",),
+            leading=False,
+            between="",
+            cut=cut.APERTUS,
+            prompt=None,
+        ),
     ),
     ToolFormat(
         "apriel",
@@ -372,6 +552,14 @@ FORMATS: tuple[ToolFormat, ...] = (
         markup("<tool_calls>", "</tool_calls>", json_markup.json_calls),
         template=("<tool_calls>",),
         show=("<tool_calls>", "</tool_calls>"),
+        calls=CallMarkup(
+            grammar=forced.apriel,
+            openers=("<tool_calls>",),
+            leading=False,
+            between="\n",
+            cut=cut.JSON_CALL,
+            prompt=None,
+        ),
     ),
     ToolFormat(
         "nemotron_v2",
@@ -379,6 +567,14 @@ FORMATS: tuple[ToolFormat, ...] = (
         markup("<TOOLCALL>", "</TOOLCALL>", json_markup.json_calls),
         template=("<TOOLCALL>",),
         show=("<TOOLCALL>", "</TOOLCALL>"),
+        calls=CallMarkup(
+            grammar=forced.NEMOTRON_V2,
+            openers=("<TOOLCALL>",),
+            leading=False,
+            between="\n",
+            cut=cut.JSON_CALL,
+            prompt=None,
+        ),
     ),
     ToolFormat(
         "command_r",
@@ -394,6 +590,14 @@ FORMATS: tuple[ToolFormat, ...] = (
             "<|START_TEXT|>",
             "<|END_TEXT|>",
         ),
+        calls=CallMarkup(
+            grammar=forced.command_r,
+            openers=("<|START_ACTION|>",),
+            leading=False,
+            between="\n",
+            cut=cut.JSON_CALL,
+            prompt=None,
+        ),
     ),
     ToolFormat(
         "gigachat",
@@ -401,6 +605,14 @@ FORMATS: tuple[ToolFormat, ...] = (
         markup("<|function_call|>", "", json_markup.json_calls),
         template=("<|function_call|>",),
         show=("<|function_call|>",),
+        calls=CallMarkup(
+            grammar=forced.GIGACHAT,
+            openers=("<|function_call|>",),
+            leading=False,
+            between=None,
+            cut=cut.JSON_CALL,
+            prompt=None,
+        ),
     ),
     ToolFormat(
         "solar",
@@ -417,12 +629,28 @@ FORMATS: tuple[ToolFormat, ...] = (
             "<|begin|>",  # the answer's message header, which the reasoning stage drops
             "<|content|>",
         ),
+        calls=CallMarkup(
+            grammar=forced.solar,
+            openers=("<|tool_calls|>",),
+            leading=False,
+            between="",
+            cut=cut.SOLAR,
+            prompt=None,
+        ),
     ),
     ToolFormat(
         "functionary",
         "the template writes <function=NAME>{…}</function> (Functionary v3.1)",
         markup("<function=", "</function>", json_markup.functionary_call),
         template=("<function=", "</function>"),
+        calls=CallMarkup(
+            grammar=forced.functionary,
+            openers=("<function=",),
+            leading=False,
+            between="\n",
+            cut=cut.FUNCTIONARY,
+            prompt=None,
+        ),
     ),
     ToolFormat(
         "functionary_v3_2",
@@ -430,12 +658,29 @@ FORMATS: tuple[ToolFormat, ...] = (
         "(Functionary v3.2)",
         _plugin("functionary_v3_2"),
         template=(">>>all",),
+        calls=CallMarkup(
+            grammar=forced.functionary_v3_2,
+            openers=(),
+            leading=False,
+            between=None,
+            cut=None,
+            prompt=None,
+            free="the prompt's >>> opens every message, text or call: there is no opener in the answer",
+        ),
     ),
     ToolFormat(
         "command_r_plus",
         'the template writes Action: ```json [{"tool_name": …, "parameters": …}]``` (Command R+)',
         markup("Action:", "", _fenced_calls),
         template=("Action:\n```json",),
+        calls=CallMarkup(
+            grammar=forced.command_r_plus,
+            openers=("Action:",),
+            leading=False,
+            between=None,
+            cut=cut.JSON_CALL,
+            prompt=None,
+        ),
     ),
     ToolFormat(
         "granite",
@@ -443,12 +688,28 @@ FORMATS: tuple[ToolFormat, ...] = (
         markup("<|tool_call|>", "", json_markup.json_calls),
         template=("<|tool_call|>",),
         show=("<|tool_call|>",),
+        calls=CallMarkup(
+            grammar=forced.GRANITE,
+            openers=("<|tool_call|>",),
+            leading=False,
+            between=None,
+            cut=cut.JSON_CALL,
+            prompt=None,
+        ),
     ),
     ToolFormat(
         "firefunction",
         "the template writes functools[…] (FireFunction v2)",
         markup("functools", "", json_markup.json_calls),
         template=("functools[",),
+        calls=CallMarkup(
+            grammar=forced.FIREFUNCTION,
+            openers=("functools[",),
+            leading=False,
+            between=None,
+            cut=cut.JSON_CALL,
+            prompt=None,
+        ),
     ),
     ToolFormat(
         "gigachat3",
@@ -456,6 +717,14 @@ FORMATS: tuple[ToolFormat, ...] = (
         markup("function call<|role_sep|>", "", json_markup.json_calls),
         template=("'function call'", "<|role_sep|>"),
         show=("<|role_sep|>",),
+        calls=CallMarkup(
+            grammar=forced.GIGACHAT3,
+            openers=("<|message_sep|>\n\nfunction call<|role_sep|>",),
+            leading=False,
+            between=None,
+            cut=cut.JSON_CALL,
+            prompt=None,
+        ),
     ),
     ToolFormat(
         "hermes",
@@ -464,6 +733,14 @@ FORMATS: tuple[ToolFormat, ...] = (
         _hermes,
         template=("<tool_call>",),
         show=("<tool_call>", "</tool_call>"),
+        calls=CallMarkup(
+            grammar=forced.hermes,
+            openers=("<tool_call>",),
+            leading=False,
+            between="\n",
+            cut=cut.JSON_CALL,
+            prompt=None,
+        ),
     ),
     ToolFormat(
         "llama3",
@@ -472,6 +749,14 @@ FORMATS: tuple[ToolFormat, ...] = (
         template=("<|python_tag|>",),
         alt=("<|start_header_id|>ipython",),
         show=("<|python_tag|>",),
+        calls=CallMarkup(
+            grammar=forced.llama3,
+            openers=("{",),
+            leading=True,
+            between=None,
+            cut=cut.JSON_CALL,
+            prompt=None,
+        ),
     ),
 )
 
@@ -481,10 +766,37 @@ FALLBACKS: tuple[ToolFormat, ...] = (
         "json",
         "the template renders tools but names no call markup: a leading JSON call object",
         _json,
+        calls=CallMarkup(
+            grammar=forced.json_call,
+            openers=("{",),
+            leading=True,
+            between=None,
+            cut=cut.JSON_CALL,
+            prompt=None,
+        ),
     ),
 )
 BY_NAME = {f.name: f for f in FORMATS + FALLBACKS}
 TOOL_FORMATS = tuple(BY_NAME)
+
+
+def _check(table: tuple[ToolFormat, ...]) -> None:
+    """Every format's record is whole: a format whose calls stay free says why, and one that
+    is held has an opener (a leading one: exactly one)."""
+    for fmt in table:
+        c = fmt.calls
+        if c.held == bool(c.free):
+            raise TypeError(
+                f"tool format {fmt.name}: held calls give no reason to stay free, "
+                "free calls give one"
+            )
+        if c.leading and len(c.openers) != 1:
+            raise TypeError(f"tool format {fmt.name}: a leading call has one opener")
+        if c.between is not None and not c.held:
+            raise TypeError(f"tool format {fmt.name}: several calls need a grammar and an opener")
+
+
+_check(FORMATS + FALLBACKS)
 
 
 @dataclass(frozen=True)
@@ -526,11 +838,10 @@ def make_tool_parser(
     name: str, make_id: IdFactory = new_call_id, tools: tuple[Tool, ...] = ()
 ) -> ToolStream:
     """The incremental parser for the format ``name``; it reads a call the token limit cut
-    by the format's ``cut.RULES`` entry (none: the cut call's markup is dropped)."""
-    from mlxd.actors.families import cut
-
-    parser = named(name).build(make_id, tools)
-    rule = cut.RULES.get(name)
+    by the format's ``calls.cut`` rule (none: the cut call's markup is dropped)."""
+    fmt = named(name)
+    parser = fmt.build(make_id, tools)
+    rule = fmt.calls.cut
     if rule is not None and hasattr(parser, "read_cut"):
         parser.read_cut = functools.partial(cut.cut_calls, rule=rule, make_id=make_id)  # type: ignore[attr-defined]
     return parser

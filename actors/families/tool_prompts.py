@@ -200,8 +200,6 @@ HERMES = ToolPrompt(
     _hermes_result,
     separator="\n",
 )
-# Tool format → the prompt in its markup (any other format: Hermes, as detect() picks it).
-BY_FORMAT = {"deepseek_v3": DEEPSEEK}
 
 # A call and a result unlike any real ones, to see whether the template writes them.
 _PROBE_NAME, _PROBE_RESULT = "mlxd_probe_call", "mlxd-probe-result"
@@ -229,12 +227,12 @@ def _render(source: str, messages: list[dict]) -> str | None:
         return None  # the template refuses this conversation
 
 
-def for_template(source: str, tool_format: str) -> ToolPrompt:
-    """The prompt for a template that does not render tools, whose calls are read as
-    ``tool_format``; a family's template that writes its own calls and results keeps them
-    (the Hermes prompt's markup is no template's: always text)."""
+def for_template(source: str, prompt: ToolPrompt | None) -> ToolPrompt:
+    """The prompt for a template that does not render tools, in the markup of its format's
+    ``prompt`` (``formats.CallMarkup``; None: Hermes); a family's template that writes its
+    own calls and results keeps them (the Hermes prompt's markup is no template's: always
+    text)."""
     system = _render(source, [{"role": "system", "content": "S"}, *_PROBE[:1]]) is not None
-    prompt = BY_FORMAT.get(tool_format)
     if prompt is None:
         return dataclasses.replace(HERMES, system_in_template=system)
     # the template's own rendering counts only where it is the prompt's markup (the

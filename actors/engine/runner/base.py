@@ -226,6 +226,8 @@ class MlxRunner:
         self._joined: set[int] = set()  # rows inserted since the last decode (no token yet)
         self._top: dict[str, int] = {}  # requests that want logprobs → how many alternatives
         self._guard = RowGuard()
+        # rows whose lazy call grammar reads the tokens each step reads back (no wait)
+        self._readers: dict[str, LazyCallProcessor] = {}
         self._padding_ok: bool | None = None  # see ``padding_keeps_rows``
 
     def _new_generator(self) -> BatchGenerator:
@@ -596,6 +598,9 @@ class MlxRunner:
             request.grammar.matcher.reset()
             request.grammar.matcher.consume_tokens(list(request.prompt_tokens[-request.resumed :]))
         processors = make_processors(request.sampling, request.grammar, request.resumed)
+        for p in processors:
+            if isinstance(p, LazyCallProcessor):  # fed the tokens each step reads back
+                self._readers[request.request_id] = p
         return [self._guard.processor(request.request_id, p) for p in processors]
 
     def faults(self) -> dict[str, Exception]:
@@ -629,7 +634,11 @@ class MlxRunner:
         for r in responses:
             rid = self._uid_to_rid[r.uid]
             out.append(Decoded(rid, r.token, r.finish_reason, logprobs.get(r.uid)))
+            reader = self._readers.get(rid)
+            if reader is not None:
+                reader.readback(r.token)
             if r.finish_reason is not None:
+                self._readers.pop(rid, None)
                 del self._uid_to_rid[r.uid], self._rid_to_uid[rid]
                 self._remember_finished(rid, r.all_tokens, r.prompt_cache)  # a fresh copy
                 self._top.pop(rid, None)
@@ -656,6 +665,7 @@ class MlxRunner:
 
     def remove(self, request_id: str) -> None:
         self._pending.pop(request_id, None)
+        self._readers.pop(request_id, None)
         self._top.pop(request_id, None)
         uid = self._rid_to_uid.pop(request_id, None)
         if uid is not None:
@@ -711,6 +721,7 @@ class MlxRunner:
         self._uid_to_rid.clear()
         self._rid_to_uid.clear()
         self._joined.clear()
+        self._readers.clear()
         self._sparse.intersection_update(self._pending)
         self._keys = {rid: k for rid, k in self._keys.items() if rid in self._pending}
         self._guard.take()

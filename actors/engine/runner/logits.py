@@ -19,10 +19,36 @@ import mlx.core as mx
 import numpy as np
 from llguidance.numpy import allocate_token_bitmask, fill_next_token_bitmask
 from mlxd.actors.grammar import CompiledGrammar
-from mlxd.actors.lazy_calls import LazyCalls, LazyGrammar
+from mlxd.actors.lazy_calls import LazyCalls, LazyGrammar, eos_words
 from mlxd.protocol.messages import TokenLogprob
 
 log = logging.getLogger("mlxd.grammar")
+
+
+# A byte's eight bits as bools (bit ``k`` of byte ``b``: ``_BITS[b, k]``), made once on the
+# engine thread: packed mask words are expanded on the device, not unpacked in numpy.
+_BITS: mx.array | None = None
+
+
+def expand(words: np.ndarray, width: int) -> mx.array:
+    """Packed mask words (llguidance's int32 bitmask row) as a bool row of ``width`` on the
+    device: the host uploads 1/32 of the bytes and does no per-token work."""
+    global _BITS
+    if _BITS is None:
+        _BITS = mx.array(
+            np.unpackbits(
+                np.arange(256, dtype=np.uint8)[:, None], axis=1, bitorder="little"
+            ).astype(bool)
+        )
+    bits = _BITS[mx.array(words.view(np.uint8))].reshape(-1)
+    n = bits.shape[0]
+    if n >= width:
+        return bits[:width]
+    return mx.concatenate([bits, mx.zeros((width - n,), dtype=mx.bool_)])
+
+
+def _masked(logits: mx.array, words: np.ndarray) -> mx.array:
+    return mx.where(expand(words, logits.shape[-1]), logits, -math.inf)
 
 
 class GrammarProcessor:
@@ -42,43 +68,67 @@ class GrammarProcessor:
             # before it can build the next mask
             self._matcher.consume_tokens(tokens[self._seen :].tolist())
         self._seen = n  # the first call sees the prompt only
-        return mx.where(self._allowed(logits.shape[-1]), logits, -math.inf)
+        return _masked(logits, self._words())
 
-    def _allowed(self, width: int) -> mx.array:
+    def _words(self) -> np.ndarray:
         if self._matcher.is_error() or self._matcher.is_stopped():
             if self._matcher.is_error():
                 log.warning("grammar error, ending the sequence: %s", self._matcher.get_error())
-            allowed = np.zeros(width, dtype=bool)
-            allowed[list(self._grammar.eos_ids)] = True
-            return mx.array(allowed)
+            return eos_words(self._grammar.eos_ids, self._bitmask.shape[1])
         fill_next_token_bitmask(self._matcher, self._bitmask)
-        bits = np.unpackbits(self._bitmask.view(np.uint8), bitorder="little")
-        allowed = np.zeros(width, dtype=bool)
-        n = min(width, self._grammar.vocab_size)
-        allowed[:n] = bits[:n]
-        return mx.array(allowed)
+        return self._bitmask[0]
 
 
 class LazyCallProcessor:
     """Free logits until the answer opens a tool call, then its call grammar's mask
     (``actors/lazy_calls.py``; ``tool_choice: auto``). ``resumed``: the context's last
-    tokens were emitted by this row before a preemption, so they are replayed first."""
+    tokens were emitted by this row before a preemption, so they are replayed first.
+
+    A free row costs no wait: the runner hands it each token it reads back after a step
+    (``readback``). The mask for the token after a bare special opener is applied on the
+    device, selected by the row's newest token (not yet on the host). Only where the next
+    mask depends on that token (a call is open, or a text opener may complete) does the
+    row read it here, which waits for the step that sampled it."""
 
     def __init__(self, grammar: LazyGrammar, resumed: int = 0):
+        self._grammar = grammar
         self._calls = LazyCalls(grammar)
         self._resumed = resumed
-        self._seen: int | None = None
+        self._start: int | None = None  # context length before the answer's first token
+        self._first: tuple[mx.array, mx.array] | None = None  # opener ids, their masks
+
+    def readback(self, token: int) -> None:
+        """The token the engine read back for this row after a step."""
+        self._calls.readback(token)
 
     def __call__(self, tokens: mx.array, logits: mx.array) -> mx.array:
         n = tokens.shape[0]
-        if self._seen is None:
-            self._seen = n - self._resumed  # the first call sees the prompt (and the replay)
-        if n > self._seen:
-            # sync: the opener is looked for in the sampled tokens before this step's mask
-            self._calls.consume(tokens[self._seen :].tolist())
-        self._seen = n
-        allowed = self._calls.allowed(logits.shape[-1])
-        return logits if allowed is None else mx.where(mx.array(allowed), logits, -math.inf)
+        if self._start is None:
+            self._start = n - self._resumed  # the first call sees the prompt (and the replay)
+        calls = self._calls
+        answered = n - self._start  # the answer's tokens in the context, the newest unread
+        if calls.consumed < answered and (calls.active or calls.may_open() or self._resumed):
+            self._resumed = 0
+            # sync: the next mask depends on the newest token
+            calls.consume_from(calls.consumed, tokens[self._start + calls.consumed :].tolist())
+        words = calls.words()
+        if words is not None:
+            return _masked(logits, words)
+        if self._grammar.first_words and answered > 0:
+            return self._after_opener(tokens[-1], logits)
+        return logits
+
+    def _after_opener(self, last: mx.array, logits: mx.array) -> mx.array:
+        """Where ``last`` is a bare special opener, the grammar's first mask (on the device)."""
+        width = logits.shape[-1]
+        if self._first is None or self._first[1].shape[-1] != width:
+            ids = list(self._grammar.first_words)
+            masks = [expand(self._grammar.first_words[i], width) for i in ids]
+            self._first = (mx.array(ids), mx.stack(masks))
+        ids, masks = self._first
+        hit = last == ids
+        allowed = mx.any(hit[:, None] & masks, axis=0) | ~mx.any(hit)
+        return mx.where(allowed, logits, -math.inf)
 
 
 def token_logprobs(rows: list[mx.array], tokens: list[int], tops: list[int]) -> list[TokenLogprob]:
