@@ -20,7 +20,8 @@ import trio
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
 PAGES = (
-    "index.md", "api.md", "families.md", "tools.md", "models.md", "caching.md", "speculative.md",
+    "index.md", "start-macos.md", "start-linux.md", "start-cuda.md", "choosing.md",
+    "clients.md", "deploying.md", "changelog.md", "api.md", "families.md", "tools.md", "models.md", "caching.md", "speculative.md",
     "completion.md", "operations.md", "scaling.md", "troubleshooting.md", "benchmarks.md",
     "development.md",
 )  # fmt: skip
@@ -161,8 +162,18 @@ def test_the_readme_is_a_front_door_of_at_most_400_lines():
     # the two set-up commands CI runs, and links into the site
     assert "./scripts/install && .venv/bin/mlxd serve" in readme
     assert "./scripts/install --test && ./scripts/test" in readme
-    linked = set(re.findall(r"\]\(docs/([a-z_]+\.md)", readme))
+    linked = set(re.findall(r"\]\(docs/([a-z_-]+\.md)", readme))
     assert set(PAGES) - {"index.md"} <= linked, set(PAGES) - linked
+
+
+def test_the_readme_s_client_configurations_are_the_clients_page_s():
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    section = readme[readme.index("## Use with") : readme.index("## Headline numbers")]
+    blocks = re.findall(r"```\w*\n.*?```", section, flags=re.S)
+    assert len(blocks) >= 10
+    page = _page("clients.md")
+    missing = [b.splitlines()[1] for b in blocks if b not in page]
+    assert not missing, f"README client blocks not on docs/clients.md: {missing}"
 
 
 # ---- benchmarks ---------------------------------------------------------------------------------

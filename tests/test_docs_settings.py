@@ -232,3 +232,30 @@ def test_the_fim_formats_on_the_completion_page_are_the_registry_s():
 def test_a_rendered_part_is_marked_as_rendered(name):
     text = (DOCS / name).read_text("utf-8")
     assert "Rendered by scripts/render_settings.py" in text and render_settings.END in text
+
+
+def test_the_gguf_architectures_troubleshooting_lists_are_the_loader_s():
+    from mlxd.actors.engine.loading.gguf.arch import ARCHITECTURES
+
+    page = (DOCS / "troubleshooting.md").read_text("utf-8")
+    (listed,) = re.findall(r"\(supported: ([a-z0-9,\s]+)\)", page)
+    assert re.split(r",\s+", listed) == list(ARCHITECTURES)
+
+
+def test_the_compatibility_table_requires_what_pyproject_requires():
+    import tomllib
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text("utf-8"))["project"]
+    bounds = {}
+    for dep in project["dependencies"]:
+        name = re.match(r"[A-Za-z0-9_.-]+", dep).group(0)
+        spec = dep.split(";")[0][len(name) :]
+        bounds.setdefault(name, re.sub(r"^\[[^\]]*\]", "", spec))
+    bounds["Python"] = project["requires-python"]
+    page = (DOCS / "changelog.md").read_text("utf-8")
+    for name in ("Python", "mlx", "mlx-lm", "mlx-vlm", "transformers", "hypercorn"):
+        (row,) = re.findall(rf"^\| {re.escape(name)} \| ([^|]+) \|", page, flags=re.M)
+        stated = row.split(" (")[0].replace("≥ ", ">=").replace("≤ ", "<=").replace(" ", "")
+        assert stated == bounds[name].replace(" ", ""), (
+            f"{name}: page {row!r}, pyproject {bounds[name]!r}"
+        )
