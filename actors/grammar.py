@@ -384,22 +384,32 @@ def _check_first_step(matcher: Any) -> None:
 
 def _splitter(llt: Any | None) -> forced.Split:
     """A marker's text → its pieces, each special token of ``llt`` by id: no run of text
-    tokens can produce a special token, so the grammar must name it."""
+    tokens can produce a special token, so the grammar must name it. Special tokens are
+    found by their text (the longest first where two start at one place), not by asking the
+    tokenizer: llguidance's ``tokenize_str`` misses one whose text holds what looks like
+    another (MiniMax-M3's ``]<]minimax[>[``)."""
     if llt is None:
         return forced.as_text
+    specials: dict[str, int] = {}
+    for token in range(llt.vocab_size):
+        if llt.is_special_token(token):
+            name = llt.decode_str([token])
+            if name.strip():
+                specials.setdefault(name, token)
+    names = sorted(specials, key=len, reverse=True)
 
     def split(text: str) -> list[str | int]:
         pieces: list[str | int] = []
         rest = text
-        for token in llt.tokenize_str(text, parse_special=True):
-            if not llt.is_special_token(token):
-                continue
-            at = rest.find(name := llt.decode_str([token]))
-            if at < 0:  # the tokenizer rewrote the text around it: keep the marker as text
-                return [text]
-            pieces += [rest[:at], token]
+        while rest:
+            found = [(at, -len(n), n) for n in names if (at := rest.find(n)) >= 0]
+            if not found:
+                pieces.append(rest)
+                break
+            at, _, name = min(found)
+            pieces += [rest[:at], specials[name]]
             rest = rest[at + len(name) :]
-        return [p for p in [*pieces, rest] if p != ""]
+        return [p for p in pieces if p != ""]
 
     return split
 

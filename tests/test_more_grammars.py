@@ -206,18 +206,11 @@ def _by_vocabulary(hf) -> forced.Split:
     return split
 
 
-# MiniMax-M3's separator is one special token, but ``GrammarCompiler._split`` does not find
-# it: llguidance's tokenize_str(parse_special=True) tries the ``<]minimax[>`` inside it as a
-# special token, finds none and falls back to bytes, so the grammar asks for the separator
-# spelled in text tokens and masks the token the model writes.
-UNSPLIT = pytest.mark.xfail(
-    strict=True, reason="GrammarCompiler._split leaves ]<]minimax[>[ as text (llguidance)"
-)
+# MiniMax-M3's separator is one special token that llguidance's tokenize_str misses (it
+# tries the ``<]minimax[>`` inside it): ``GrammarCompiler._split`` finds special tokens by text.
 
 
-@pytest.mark.parametrize(
-    "fmt", [pytest.param(f, marks=UNSPLIT) if f == "minimax_m3" else f for f in sorted(BUILDERS)]
-)
+@pytest.mark.parametrize("fmt", sorted(BUILDERS))
 def test_each_marker_that_is_a_special_token_is_named_by_id(fmt):
     """With the format's markers as special tokens, the call in the model's own tokens is
     accepted and the same text spelled in byte tokens is not."""

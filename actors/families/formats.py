@@ -234,6 +234,18 @@ def _plugin(module: str) -> Build:
     return build
 
 
+def _grammar_of(module: str) -> forced.Builder:
+    """A format whose call grammar lives in its own module of this package (imported when
+    used: those modules import this one)."""
+
+    def build(g: forced.Grammar, schema: dict) -> str:
+        import importlib
+
+        return importlib.import_module(f"mlxd.actors.families.{module}").grammar(g, schema)
+
+    return build
+
+
 # Tried in order: more specific markup before markup it contains (``<tool_call>`` last).
 FORMATS: tuple[ToolFormat, ...] = (
     ToolFormat(
@@ -319,13 +331,12 @@ FORMATS: tuple[ToolFormat, ...] = (
         template=("]<]minimax[>[",),
         show=("]<]minimax[>[",),
         calls=CallMarkup(
-            grammar=None,
-            openers=(),
+            grammar=_grammar_of("minimax_m3"),
+            openers=("]<]minimax[>[<tool_call>",),
             leading=False,
             between=None,
             cut=None,
             prompt=None,
-            free="no grammar yet",
         ),
     ),
     ToolFormat(
@@ -350,13 +361,12 @@ FORMATS: tuple[ToolFormat, ...] = (
         template=("<start_function_call>",),
         show=("<start_function_call>", "<end_function_call>", "<escape>"),
         calls=CallMarkup(
-            grammar=None,
-            openers=(),
+            grammar=_grammar_of("function_gemma"),
+            openers=("<start_function_call>",),
             leading=False,
-            between=None,
+            between="",
             cut=None,
             prompt=None,
-            free="no grammar yet",
         ),
     ),
     ToolFormat(
@@ -488,13 +498,12 @@ FORMATS: tuple[ToolFormat, ...] = (
         show=("<|start|>", "<|message|>", "<|eom|>", "<|eot|>"),
         reasoning=True,
         calls=CallMarkup(
-            grammar=None,
-            openers=(),
+            grammar=_grammar_of("muse"),
+            openers=("<atem:function_calls>",),
             leading=False,
             between=None,
             cut=None,
             prompt=None,
-            free="no grammar yet",
         ),
     ),
     ToolFormat(
@@ -505,13 +514,12 @@ FORMATS: tuple[ToolFormat, ...] = (
         template=("<|open|>", "<|close|>", "<|sep|>"),
         show=("<|open|>", "<|close|>", "<|sep|>"),
         calls=CallMarkup(
-            grammar=None,
-            openers=(),
+            grammar=_grammar_of("kimi_k3"),
+            openers=("<|open|>tools<|sep|>",),
             leading=False,
             between=None,
             cut=None,
             prompt=None,
-            free="no grammar yet",
         ),
     ),
     ToolFormat(
