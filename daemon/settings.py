@@ -123,9 +123,20 @@ class TokenizerSettings(_Section):
     max_tool_chars: Positive = 65_536
     count_tokens_max_waiting: NonNegative = 8
     constrain_auto_calls: bool = True
+    max_integer_digits: Positive = 18
+    max_fraction_digits: Positive = 10
+    grammar_cache_size: NonNegative = 64
 
     def __post_init__(self) -> None:
         _check_output_formats(self.tool_format, self.reasoning_tags, "tokenizer.")
+        _require(
+            self.max_integer_digits <= 18,
+            "tokenizer.max_integer_digits: at most 18 (the digits every 64-bit integer holds)",
+        )
+        _require(
+            self.max_fraction_digits <= 10,
+            "tokenizer.max_fraction_digits: at most 10 (llguidance's multipleOf is exact to 1e-10)",
+        )
 
 
 def _check_output_formats(tool_format: str, tags: str, where: str) -> None:
