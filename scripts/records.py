@@ -48,8 +48,18 @@ def write(
     notes: str = "",
     machine_name: str | None = None,
     results: Path | None = None,
+    against: str | None = None,
+    model: str = "",
+    weights: str = "",
+    samples: str = "",
+    spread: str = "",
 ) -> Path:
-    """Append one record for benchmark ``name``; returns the results file."""
+    """Append one record for benchmark ``name``; returns the results file.
+
+    ``against``: ``"peer"`` (another server or library) or ``"itself"`` (mlxd with another
+    setting); the page keeps the two apart. ``model``, ``weights`` (``"real"`` or
+    ``"random"``), ``samples`` (how many requests, runs or cases) and ``spread`` (over the
+    runs, or a p95 beside a p50) say what the figures rest on."""
     record = {
         "name": name,
         "command": command,
@@ -59,6 +69,17 @@ def write(
         "figures": figures or {},
         "rows": rows or [],
         "notes": notes,
+        **({"against": against or "peer"} if peer else {}),
+        **{
+            k: v
+            for k, v in (
+                ("model", model),
+                ("weights", weights),
+                ("samples", samples),
+                ("spread", spread),
+            )
+            if v
+        },  # fmt: skip
     }
     folder = results or Path(os.environ.get("MLXD_RESULTS_DIR", RESULTS))
     folder.mkdir(parents=True, exist_ok=True)

@@ -99,14 +99,35 @@ def number(value: Any) -> str:
     if isinstance(value, int):
         return f"{value:,}"
     if isinstance(value, float):
-        return f"{value:,.0f}" if abs(value) >= 10_000 else f"{value:.4g}"
-    return str(value).replace("|", "\\|")
+        if value != value:  # NaN: nothing measured
+            return "–"
+        if abs(value) >= 1_000:
+            return f"{value:,.0f}"
+        return f"{value:.1f}" if abs(value) >= 10 else f"{value:.3g}"
+    return str(value)
+
+
+def _cell(text: str) -> str:
+    """A table cell: a pipe in it (``|Δ log-prob|``) would end the cell."""
+    return text.replace("\\|", "|").replace("|", "\\|")
 
 
 def table(header: list[str], rows: Iterable[list[str]]) -> str:
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    lines += ["| " + " | ".join(cells) + " |" for cells in rows]
+    lines = ["| " + " | ".join(map(_cell, header)) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(map(_cell, cells)) + " |" for cells in rows]
     return "\n".join(lines)
+
+
+def ratio(value: float) -> str:
+    """mlxd's advantage, bold only where mlxd is ahead (above ×1.00)."""
+    text = f"×{value:.2f}"
+    return f"**{text}**" if round(value, 2) > 1 else text
+
+
+def against_itself(record: dict[str, Any]) -> bool:
+    """Whether the record compares mlxd with itself (another setting, the page closed)
+    rather than with a peer (another server or library)."""
+    return record.get("against") == "itself"
 
 
 def slug(text: str) -> str:
@@ -126,15 +147,20 @@ def _metric(row: dict[str, Any]) -> str:
 
 
 def _date(record: dict[str, Any]) -> str:
-    return str(record["date"])[:10]
+    """The day the figures were measured (``measured``, where a record carries an earlier
+    run's figures), else the record's own date."""
+    recorded = str(record["date"])[:10]
+    measured = record.get("measured")
+    return f"{measured} (recorded {recorded})" if measured else recorded
 
 
 # ---- the page -------------------------------------------------------------------------
 
 
-def ratio_table(recs: list[dict[str, Any]]) -> str:
-    """One line per benchmark, machine and metric: mlxd's advantage over the peer, the
-    lowest to the highest over the benchmark's workloads."""
+def ratio_table(recs: list[dict[str, Any]], itself: bool = False) -> str:
+    """One line per benchmark, machine and metric: mlxd's advantage over the peer (or, with
+    ``itself``, over mlxd in another setting), the lowest to the highest over the workloads."""
+    recs = [r for r in recs if against_itself(r) == itself]
     machines = len({r["machine"] for r in recs}) > 1
     body = []
     for record in recs:
@@ -143,17 +169,23 @@ def ratio_table(recs: list[dict[str, Any]]) -> str:
             by_metric.setdefault(str(row["metric"]), []).append(row)
         for metric, rows in by_metric.items():
             low, high = min(map(advantage, rows)), max(map(advantage, rows))
-            span = f"×{low:.2f}" if f"{low:.2f}" == f"{high:.2f}" else f"×{low:.2f} – ×{high:.2f}"
+            same = f"{low:.2f}" == f"{high:.2f}"
+            span = ratio(low) if same else f"{ratio(low)} – {ratio(high)}"
             cells = [f"[{record['name']}](#{anchor(record['name'])})"]
             cells += [number(record["machine"])] if machines else []
             cells += [number(record.get("peer") or "–"), number(metric),
-                      _workloads(rows), f"**{span}**"]  # fmt: skip
+                      _workloads(rows), span]  # fmt: skip
             body.append(cells)
-    header = ["benchmark", *(["machine"] if machines else []), "peer", "metric", "workloads"]
+    peer = "compared with" if itself else "peer"
+    header = ["benchmark", *(["machine"] if machines else []), peer, "metric", "workloads"]
     intro = (
-        "## Against the peer\n\nThe newest records' compared workloads. The advantage is how "
-        "many times better mlxd did than the peer measured in the same run (faster, or more): "
-        "above ×1 mlxd was better; a range spans the workloads.\n\n"
+        "## Against the peer\n\nThe newest records' workloads measured against another "
+        "server or library in the same run. The advantage is how many times better mlxd did "
+        "(faster, or more): above ×1 mlxd was ahead, and only that is bold; a range spans the "
+        "workloads.\n\n"
+        if not itself
+        else "## mlxd against itself\n\nWhat a feature or setting costs or gains, measured "
+        "against mlxd without it in the same run; not a comparison with another server.\n\n"
     )
     return intro + table([*header, "mlxd's advantage"], body) if body else ""
 
@@ -186,8 +218,9 @@ def compared_table(rows: list[dict[str, Any]]) -> str:
     if not rows:
         return ""
     body = (
-        [number(r["workload"]), _metric(r), number(r.get("mlxd", "–")),
-         number(r.get("peer", "–")), f"×{advantage(r):.2f}"]
+        [number(r["workload"]) + (f" (measured {r['measured']})" if r.get("measured") else ""),
+         _metric(r), number(r.get("mlxd", "–")),
+         number(r.get("peer", "–")), ratio(advantage(r))]
         for r in rows
     )  # fmt: skip
     return table(["workload", "metric", "mlxd", "peer", "mlxd's advantage"], body)
@@ -201,6 +234,7 @@ def section(record: dict[str, Any], chart: str | None, subheading: bool) -> str:
         + (f", against {peer}" if peer else "")
         + f":\n\n```sh\n{record['command']}\n```"
     )
+    parts.append(provenance(record))
     if chart:
         parts.append(f"![{record['name']}: mlxd against its peer]({chart})")
     if record.get("notes"):
@@ -215,6 +249,35 @@ def section(record: dict[str, Any], chart: str | None, subheading: bool) -> str:
     return "\n\n".join(parts)
 
 
+PROVENANCE = (
+    ("model", "model"),
+    ("weights", "weights"),
+    ("samples", "sample"),
+    ("spread", "spread"),
+)
+
+
+def provenance(record: dict[str, Any]) -> str:
+    """What the figures rest on: the model, whether its weights are real or random, the
+    sample size and the spread; "not recorded" where an older record does not say."""
+    cells = [f"{label}: {record.get(key) or 'not recorded'}" for key, label in PROVENANCE]
+    return "*" + "; ".join(cells) + ".*"
+
+
+def banner(recs: list[dict[str, Any]]) -> str:
+    """Where the figures come from, while no record is from a GPU or a Mac."""
+    machines = sorted({r["machine"] for r in recs})
+    if any(re.search(r"cuda|metal|gpu|apple|nvidia|h100|h200", m, re.I) for m in machines):
+        return ""
+    return (
+        '!!! warning "Where these figures come from"\n'
+        f"    Every figure on this page comes from {'; '.join(machines)}: MLX's CPU backend, "
+        "with small models. They compare implementations on that machine and say nothing of "
+        "the speed on a GPU or a Mac; GPU (CUDA) and Metal figures are owed "
+        "([Development](development.md#benchmarks))."
+    )
+
+
 def render(results: Path, out: Path) -> Path:
     """Write ``out/benchmarks.md`` and ``out/charts/*.svg``; returns the page."""
     recs = newest(results)
@@ -223,8 +286,11 @@ def render(results: Path, out: Path) -> Path:
     for stale in charts.glob("*.svg"):
         stale.unlink()
     parts = [HEADER.strip()]
-    if table_md := ratio_table(recs):
-        parts.append(table_md)
+    if warning := banner(recs):
+        parts.append(warning)
+    for itself in (False, True):
+        if table_md := ratio_table(recs, itself):
+            parts.append(table_md)
     names = sorted({r["name"] for r in recs})
     for name in names:
         mine = [r for r in recs if r["name"] == name]
@@ -269,21 +335,25 @@ def _arm_panels(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Rows with an ``arm``: one panel per share column, per workload one bar per arm."""
     if not rows or not all("arm" in row for row in rows):
         return []
+    keys = list(dict.fromkeys(k for r in rows for k in r))
     shares = [
         key
-        for key in rows[0]
-        if all(isinstance(r.get(key), float) and 0 <= r[key] <= 1 for r in rows)
+        for key in keys
+        if any(isinstance(r.get(key), float) for r in rows)
+        and all(
+            r.get(key) is None or (isinstance(r[key], float) and 0 <= r[key] <= 1) for r in rows
+        )
     ]
     labels_of = [k for k in rows[0] if k != "arm" and isinstance(rows[0][k], str)]
     arms = list(dict.fromkeys(str(r["arm"]) for r in rows))
     workloads = list(dict.fromkeys(" / ".join(str(r[k]) for k in labels_of) for r in rows))
     panels = []
     for key in shares:
-        series = {arm: [0.0] * len(workloads) for arm in arms}
+        series = {arm: [float("nan")] * len(workloads) for arm in arms}
         for r in rows:
-            series[str(r["arm"])][workloads.index(" / ".join(str(r[k]) for k in labels_of))] = r[
-                key
-            ]
+            where = workloads.index(" / ".join(str(r[k]) for k in labels_of))
+            value = r.get(key)  # None: the arm made no call to share over; no bar, a dash
+            series[str(r["arm"])][where] = float("nan") if value is None else value
         better = "lower" if key in LOWER_IS_BETTER else "higher"
         panels.append({"title": f"{key} (share, {better} is better)", "labels": workloads,
                        "series": series})  # fmt: skip
@@ -323,7 +393,8 @@ def _bars(ax, panel: dict[str, Any], peer: str) -> None:
     ax.invert_yaxis()
     ax.set_title(panel["title"], fontsize=9, loc="left")
     ax.margins(x=0.18)
-    ax.legend(fontsize=8, loc="lower right", frameon=False)
+    # beside the axes, never over a bar
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0), frameon=False)
     for side in ("top", "right"):
         ax.spines[side].set_visible(False)
 

@@ -216,6 +216,32 @@ def test_the_renderer_takes_compared_rows_other_rows_and_flat_figures(tmp_path):
     assert len(charts) == 2 and all(f"charts/{c}" in page for c in charts)  # bench_b: no chart
 
 
+def test_the_page_keeps_peers_and_mlxd_against_itself_apart_and_bolds_only_wins(tmp_path):
+    pytest.importorskip("matplotlib", reason="matplotlib is not installed (scripts/install --test)")
+    from mlxd.scripts import records, render_benchmarks
+
+    results = tmp_path / "results"
+    lose = records.compared("chat", "tok/s", better="higher", mlxd=85.0, peer=100.0)
+    win = records.compared("agents", "tok/s", better="higher", mlxd=200.0, peer=100.0)
+    records.write("bench_p", command="p", peer="mlx_lm.server", rows=[lose, win],
+                  results=results, model="m", weights="random", samples="6 requests")  # fmt: skip
+    records.write("bench_s", command="s", peer="plain decoding", against="itself",
+                  rows=[lose], results=results)  # fmt: skip
+    records.write("bench_f", command="f", figures={"|Δ log-prob|": 0.123456}, results=results)
+    page = render_benchmarks.render(results, tmp_path / "out").read_text()
+    peers, itself = page.split("## mlxd against itself")[0], page.split("## mlxd against itself")[1]
+    assert "[bench_p]" in peers and "[bench_s]" not in peers
+    assert "| [bench_s](#bench_s) | plain decoding |" in itself.split("## bench_f")[0]
+    assert "×0.85 – **×2.00**" in page  # the loss plain, the win bold
+    assert "**×0.85**" not in page
+    assert "| \\|Δ log-prob\\| | 0.123 |" in page  # a pipe escaped, a value rounded
+    assert "weights: random; sample: 6 requests; spread: not recorded" in page
+    assert '!!! warning "Where these figures come from"' in page
+    records.write("bench_g", command="g", figures={"x": 1}, machine_name="NVIDIA H200, CUDA",
+                  results=results)  # fmt: skip
+    assert "!!! warning" not in render_benchmarks.render(results, tmp_path / "o2").read_text()
+
+
 def test_the_newest_record_of_a_benchmark_and_machine_is_the_one_shown(tmp_path):
     from mlxd.scripts import render_benchmarks
 
