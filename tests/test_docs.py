@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
 PAGES = (
     "index.md", "start-macos.md", "start-linux.md", "start-cuda.md", "choosing.md",
-    "clients.md", "deploying.md", "changelog.md", "api.md", "families.md", "tools.md", "models.md", "caching.md", "speculative.md",
+    "clients.md", "deploying.md", "changelog.md", "api.md", "examples.md", "families.md", "tools.md", "models.md", "caching.md", "speculative.md",
     "completion.md", "operations.md", "scaling.md", "troubleshooting.md", "benchmarks.md",
     "development.md",
 )  # fmt: skip
