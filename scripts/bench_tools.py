@@ -13,7 +13,10 @@ maps the expected names the same way. Per model, category and arm the report giv
 - ``valid_args``: the share of those calls whose arguments are a JSON object that validates
   against the tool's schema (jsonschema);
 - ``ast_accuracy``: the share of answers the official AST checker accepts;
-- ``call_in_content``: the share of answers whose content holds call markup.
+- ``call_in_content``: the share of answers whose content holds call markup;
+- ``ran_on_after_call``: the share of answers with a call that went on until ``max_tokens``;
+- ``over_one_call``: answers with more than one call where the request said
+  ``parallel_tool_calls: false`` (every category but ``parallel``).
 
 The arms are mlxd with auto-mode constraints (its default), mlxd without them (the setting
 ``OPT_OUT`` set off) and ``mlx_lm.server`` on the same model directory. Each server is
@@ -224,6 +227,9 @@ def score(case: Case, answer: Answer, check) -> dict:
         "ast": bool(verdict["valid"]),
         "ast_error": verdict.get("error", []),
         "in_content": call_in_content(answer.content),
+        # the answer went on after its calls until max_tokens cut it
+        "ran_on": bool(calls) and answer.finish_reason == "length",
+        "over_one": one_call(case) and len(calls) > 1,
     }
 
 
@@ -242,6 +248,8 @@ def summary(scored: list[dict]) -> dict:
         "valid_args": share(sum(s["valid"] for s in scored), calls),
         "ast_accuracy": share(sum(s["ast"] for s in scored), n),
         "call_in_content": share(sum(s["in_content"] for s in scored), n),
+        "ran_on_after_call": share(sum(s.get("ran_on", False) for s in scored), n),
+        "over_one_call": sum(s.get("over_one", False) for s in scored),
         "errors": sum(s["error"] is not None for s in scored),
     }
 
@@ -259,11 +267,17 @@ class Arm:
     strict: bool | None = None
 
 
+def one_call(case: Case) -> bool:
+    """The categories whose answer is one call: asked with ``parallel_tool_calls: false``."""
+    return not case.id.startswith("parallel")
+
+
 def body(case: Case, arm: Arm, max_tokens: int) -> dict:
     return {
         "messages": case.messages,
         "tools": tools(case.functions, arm.strict),
         "tool_choice": "auto",
+        "parallel_tool_calls": not one_call(case),
         "temperature": 0,
         "max_tokens": max_tokens,
     }
@@ -423,6 +437,8 @@ _COLUMNS = (
     ("valid_args", "valid args", 10),
     ("ast_accuracy", "AST", 6),
     ("call_in_content", "in content", 10),
+    ("ran_on_after_call", "ran on", 7),
+    ("over_one_call", ">1 call", 7),
 )
 
 
@@ -468,7 +484,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--ready-timeout", type=float, default=600.0)
     p.add_argument("--answers", type=Path, default=None, help="append every answer here (JSONL)")
     p.add_argument("--no-record", action="store_true", help="write no docs/results record")
-    p.add_argument("--rescore", type=Path, default=None, help="score a --answers dump again")
+    p.add_argument(
+        "--rescore", type=Path, default=None, help="score a --answers dump again (and record it)"
+    )
     return p
 
 
@@ -483,13 +501,13 @@ def _notes(args) -> str:
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     check = checker()
-    if args.rescore is not None:
-        print(table(rescore(args.rescore, check)))
-        return 0
     rows: list[dict] = []
-    with tempfile.TemporaryDirectory(prefix="mlxd-bench-tools-") as tmp:
-        for model in args.models:
-            rows += run_model(model, args, check, Path(tmp))
+    if args.rescore is not None:  # a dump scored again (recorded unless --no-record)
+        rows = rescore(args.rescore, check)
+    else:
+        with tempfile.TemporaryDirectory(prefix="mlxd-bench-tools-") as tmp:
+            for model in args.models:
+                rows += run_model(model, args, check, Path(tmp))
     print(table(rows))
     if not args.no_record:
         from mlxd.scripts import records

@@ -252,3 +252,14 @@ def test_the_same_tools_compile_once():
     off.compile_lazy(tools, "hermes")
     off.compile_lazy(tools, "hermes")
     assert off.compiled == 2
+
+
+def test_the_tool_call_page_lists_every_format_as_the_registry_has_it():
+    """``docs/tools.md``'s table is ``formats.markup_table()``: regenerate it with
+    ``python -c "from mlxd.actors.families import formats; print(formats.markup_table())"``."""
+    from pathlib import Path
+
+    page = (Path(__file__).parent.parent / "docs" / "tools.md").read_text()
+    start = page.index("<!-- generated: formats.markup_table() -->\n")
+    body = page[start:].split("\n", 1)[1]
+    assert body[: body.index("<!-- end generated -->")] == formats.markup_table()

@@ -807,6 +807,32 @@ def _check(table: tuple[ToolFormat, ...]) -> None:
 _check(FORMATS + FALLBACKS)
 
 
+def markup_table() -> str:
+    """The tool-call page's table of every format's call markup (``docs/tools.md``; a test
+    keeps the page equal to this)."""
+
+    def code(text: str) -> str:
+        return "`" + text.replace("\n", "\\n").replace("|", "\\|") + "`"
+
+    rows = [
+        "| format | opens a call | several calls in one answer | held in auto mode |",
+        "|---|---|---|---|",
+    ]
+    for fmt in FORMATS + FALLBACKS:
+        c = fmt.calls
+        opens = ", ".join(code(o) for o in c.openers) or "—"
+        if c.leading:
+            opens += " as the answer's first non-blank character"
+        several = (
+            "one call per answer"
+            if c.between is None
+            else ("back to back" if not c.between else f"{code(c.between)} between them")
+        )
+        held = "yes" if c.held else f"no: {c.free}"
+        rows.append(f"| `{fmt.name}` | {opens} | {several} | {held} |")
+    return "\n".join(rows) + "\n"
+
+
 @dataclass(frozen=True)
 class Detected:
     """The format chosen for a model, and why."""
