@@ -17,7 +17,6 @@ that may never read gets round to reading it.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 
 import msgspec
@@ -87,7 +86,7 @@ class Mailbox:
         bell: Bell | None = None,
         on_final: Callable[[Mailbox], None] | None = None,
         max_unread: int = 0,
-        on_moved: Callable[[], None] | None = None,
+        on_moved: Callable[[str, bool], None] | None = None,
     ):
         self.request_id = request_id
         # Set once the engine's sequence is over: it ended it itself, or the streamer
@@ -100,7 +99,8 @@ class Mailbox:
         self._closed = False
         self._bell = bell or Bell()
         self._on_final = on_final
-        self._on_moved = on_moved  # the queue moved: this request started, or ended after it
+        # the queue moved: this request started (False), or ended after it had (True)
+        self._on_moved = on_moved
         self._max_unread = max_unread  # 0: no cap
         self._unread = 0
 
@@ -116,7 +116,7 @@ class Mailbox:
             case Started():
                 self._started = event
                 if not self.began and self._on_moved is not None:
-                    self._on_moved()
+                    self._on_moved(self.request_id, False)
                 self.began = True
             case TextDelta():
                 self._deltas.append(event)
@@ -133,7 +133,7 @@ class Mailbox:
                 if self._on_final is not None:
                     self._on_final(self)
                 if self.began and self._on_moved is not None:
-                    self._on_moved()
+                    self._on_moved(self.request_id, True)
         self._bell.ring()
 
     def _not_reading(self) -> Failed:
@@ -178,9 +178,9 @@ class Mailboxes:
         self._emptied = trio.Event()
         self._ended: list[Mailbox] = []
         self._ended_bell = Bell()
-        # when the queue last moved: a request started, or one that had started ended
-        # (what ``admission.queue_timeout_s`` counts from, ``daemon/pipeline.py``)
-        self.moved_at = -math.inf
+        # told (request id, ended) when a request starts or a started one ends: what
+        # restarts the ``admission.queue_timeout_s`` clocks (``daemon/pipeline.py``)
+        self.on_moved: Callable[[str, bool], None] | None = None
 
     def __len__(self) -> int:
         return len(self._open)
@@ -202,11 +202,9 @@ class Mailboxes:
         self._open[request_id] = box
         return box
 
-    def _moved(self) -> None:
-        try:
-            self.moved_at = trio.current_time()
-        except RuntimeError:  # outside trio.run (a sync unit test): no timer to tell
-            pass
+    def _moved(self, request_id: str, ended: bool) -> None:
+        if self.on_moved is not None:
+            self.on_moved(request_id, ended)
 
     def _ended_one(self, box: Mailbox) -> None:
         self._ended.append(box)

@@ -12,12 +12,14 @@ mailbox, so a client that stops reading holds neither.
 Both timeouts live here, in one timer (``Pipeline.expire``), and nowhere else:
 a request that has not started (no ``Started`` yet: queued for a slot,
 tokenizing, or waiting in the engine for memory or a batch place) gets a 503
-``queue_timeout`` with ``Retry-After`` once the queue has not moved for
-``admission.queue_timeout_s``: its wait counts from its arrival or from the
-last time any request started or any started request ended, whichever is later,
-so a queue that moves behind a slow batch never refuses. A request still open
+``queue_timeout`` with ``Retry-After`` once the queue ahead of it has not moved for
+``admission.queue_timeout_s``: its wait counts from its arrival, or from the last
+time a request that arrived before it moved in a way that could admit it (see
+``Timeouts``), so a queue that moves behind a slow batch never refuses, and newer
+requests that overtake it cannot keep it waiting. A request still open
 ``admission.request_timeout_s`` after its arrival gets a 504 ``request_timeout`` (an
-error event once streaming), whether or not its client reads. The failure is put in its mailbox, so ``release_ended`` frees
+error event once streaming), whether or not its client reads. The failure is put in
+its mailbox, so ``release_ended`` frees
 its slot and aborts whatever the admission queue, tokenizer or engine still
 holds of it, as for any other failure. Each session keeps a ``RequestTrace``
 that it hands to the telemetry when it closes.
@@ -26,9 +28,10 @@ that it hands to the telemetry when it closes.
 from __future__ import annotations
 
 import enum
+import itertools
 import math
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 import msgspec
@@ -130,43 +133,76 @@ class Timeouts:
     """When each open request's queue timeout and deadline fall (trio clock, seconds).
 
     A deadline falls ``request_timeout_s`` after the request's arrival. A queue timeout
-    falls ``queue_timeout_s`` after the later of its arrival and ``moved_at`` (when the
-    queue last moved: a request started, or a started one ended), so progress restarts
-    every waiting request's clock. Both keep arrival order as expiry order: each kind
-    is an insertion-ordered dict read from its oldest entry. A delay of 0 turns that
-    timeout off.
+    falls ``queue_timeout_s`` after a waiting request's clock last started: at its
+    arrival, and again whenever a request that arrived **before** it moves in a way
+    that could admit it: one for the same model starts (that model's queue moved up)
+    or ends (its memory and batch place came back), or one for another model ends
+    while ``could_use`` says the waiting request can use what that frees (an admission
+    slot; room to load its model). Requests that arrived after it never restart its
+    clock, so a flow of newer requests (another model's, or short ones that fit where
+    it does not) cannot keep it waiting for ever: the requests ahead of it are finitely
+    many, and ``queue_timeout_s`` after the last of them moved it starts or is refused.
+    Deadlines keep arrival order as expiry order (an insertion-ordered dict read from
+    its oldest entry). A delay of 0 turns that timeout off.
     """
 
     def __init__(self, queue_timeout_s: float = 0.0, request_timeout_s: float = 0.0):
         self.queue_timeout_s, self.request_timeout_s = queue_timeout_s, request_timeout_s
-        self._queue: dict[str, float] = {}  # arrival times
+        self._open: dict[str, tuple[int, str]] = {}  # arrival order and model, per request
+        self._seq = itertools.count()
+        self._queue: dict[str, float] = {}  # not started yet: when its clock last started
         self._deadline: dict[str, float] = {}
 
-    def add(self, request_id: str, now: float) -> None:
+    def add(self, request_id: str, now: float, model: str = "") -> None:
+        self._open[request_id] = (next(self._seq), model)
         if self.queue_timeout_s > 0:
             self._queue[request_id] = now
         if self.request_timeout_s > 0:
             self._deadline[request_id] = now + self.request_timeout_s
 
     def remove(self, request_id: str) -> None:
+        self._open.pop(request_id, None)
         self._queue.pop(request_id, None)
         self._deadline.pop(request_id, None)
 
-    def next_at(self, moved_at: float = -math.inf) -> float:
+    def started(self, request_id: str, now: float) -> None:
+        """It left the queues: the later requests for its model moved up."""
+        self._queue.pop(request_id, None)
+        self._restart(request_id, now, None)
+
+    def ended(
+        self, request_id: str, now: float, could_use: Callable[[str, str], bool] | None = None
+    ) -> None:
+        """A started request ended: later requests for its model, and later ones of any
+        model that ``could_use(request_id, model)`` what it freed, start their clocks again."""
+        self._restart(request_id, now, could_use)
+
+    def _restart(
+        self, request_id: str, now: float, could_use: Callable[[str, str], bool] | None
+    ) -> None:
+        mover = self._open.get(request_id)
+        if mover is None:
+            return
+        seq, model = mover
+        for waiting in self._queue:
+            their_seq, their_model = self._open[waiting]
+            if their_seq > seq and (
+                their_model == model or (could_use is not None and could_use(waiting, their_model))
+            ):
+                self._queue[waiting] = now
+
+    def next_at(self) -> float:
         """The earliest expiry (``inf``: none pending)."""
-        return min(self._queue_due(_first(self._queue), moved_at), _first(self._deadline))
+        queued = min(self._queue.values(), default=math.inf) + self.queue_timeout_s
+        return min(queued, _first(self._deadline))
 
-    def due(self, now: float, moved_at: float = -math.inf) -> tuple[list[str], list[str]]:
+    def due(self, now: float) -> tuple[list[str], list[str]]:
         """Pop and return the requests whose queue timeout, and whose deadline, has come."""
-        queued = []
-        while self._queue and self._queue_due(_first(self._queue), moved_at) <= now:
-            request_id = next(iter(self._queue))
+        limit = now - self.queue_timeout_s
+        queued = [rid for rid, since in self._queue.items() if since <= limit]
+        for request_id in queued:
             del self._queue[request_id]
-            queued.append(request_id)
         return queued, _pop_due(self._deadline, now)
-
-    def _queue_due(self, arrival: float, moved_at: float) -> float:
-        return max(arrival, moved_at) + self.queue_timeout_s
 
 
 def _first(times: dict[str, float]) -> float:
@@ -269,6 +305,23 @@ class Pipeline:
     def __post_init__(self) -> None:
         self._timer = Bell()
         self.telemetry.watch(self.live)
+        self.mailboxes.on_moved = self._moved
+
+    def _moved(self, request_id: str, ended: bool) -> None:
+        """A request started, or a started one ended: the queue clocks it restarts."""
+        now = trio.current_time()
+        if ended:
+            self.timeouts.ended(request_id, now, self._could_use)
+        else:
+            self.timeouts.started(request_id, now)
+
+    def _could_use(self, request_id: str, model: str) -> bool:
+        """Whether a waiting request can use what another model's ending request frees:
+        it waits for an admission slot, or its model waits for room to load."""
+        if self.policy is not None and request_id in self.policy.waiting:
+            return True
+        entry = self.models.entries.get(model) if self.models is not None else None
+        return entry is not None and entry.state == "unloaded"
 
     def live(self) -> Live:
         """What the telemetry reads: the engine's snapshots, admission counts, open
@@ -379,8 +432,7 @@ class Pipeline:
         task_status.started()
         while True:
             self._timer.reset()
-            moved_at = self.mailboxes.moved_at  # progress restarts the queue timeouts
-            queued, late = self.timeouts.due(trio.current_time(), moved_at)
+            queued, late = self.timeouts.due(trio.current_time())
             for request_id in queued:
                 box = self.mailboxes.get(request_id)
                 if box is not None and not box.began and not box.ended:
@@ -389,7 +441,7 @@ class Pipeline:
             for request_id in late:
                 self.mailboxes.deliver(self._deadline_passed(request_id))
             # a wake-up before a timeout that progress moved later finds nothing due
-            with trio.move_on_at(self.timeouts.next_at(moved_at)):
+            with trio.move_on_at(self.timeouts.next_at()):
                 await self._timer.wait()  # rung when a request arrives
 
     def _queue_timeout(self, request_id: str) -> Failed:
@@ -398,8 +450,8 @@ class Pipeline:
             reason="queue_timeout",
             message=(
                 f"waited {self.timeouts.queue_timeout_s:g}s for a slot, memory or a batch "
-                "place while no request started or finished (admission.queue_timeout_s); "
-                "retry later"
+                "place while no request ahead of it started or finished "
+                "(admission.queue_timeout_s); retry later"
             ),
             retry_after=self.retry_after_s,
         )
@@ -419,7 +471,7 @@ class Pipeline:
         embedding request, ``daemon/api/embeddings.py``): its mailbox, trace and timeouts."""
         mailbox = self.mailboxes.register(request_id)
         session = self.sessions[request_id] = Session(self, mailbox, model)
-        self.timeouts.add(request_id, session.trace.start)
+        self.timeouts.add(request_id, session.trace.start, model)
         self._timer.ring()
         return session
 
@@ -429,7 +481,7 @@ class Pipeline:
         mailbox = self.mailboxes.register(request.request_id, bell)
         model = request.model or (self.models.default if self.models else "")
         session = self.sessions[request.request_id] = Session(self, mailbox, model)
-        self.timeouts.add(request.request_id, session.trace.start)
+        self.timeouts.add(request.request_id, session.trace.start, model)
         self._timer.ring()
         try:
             await self.admission.send(Admit(request=request))
