@@ -263,3 +263,44 @@ def test_the_tool_call_page_lists_every_format_as_the_registry_has_it():
     start = page.index("<!-- generated: formats.markup_table() -->\n")
     body = page[start:].split("\n", 1)[1]
     assert body[: body.index("<!-- end generated -->")] == formats.markup_table()
+
+
+@pytest.mark.parametrize("width", [1000, 1024, 1100])
+def test_packed_words_expand_on_the_device_as_numpy_unpacks_them(width):
+    """The mask travels as packed words and is expanded and applied in one fused pass: the
+    same tokens as llguidance's bitmask, tokens past the words not allowed."""
+    import mlx.core as mx
+    from mlxd.actors.engine.runner.logits import _masked
+    from mlxd.actors.lazy_calls import unpack
+
+    rng = np.random.default_rng(width)
+    words = rng.integers(-(2**31), 2**31 - 1, size=32, dtype=np.int64).astype(np.int32)
+    logits = mx.array(rng.standard_normal((1, width)).astype(np.float32))
+    masked = np.array(_masked(logits, words))[0]
+    want = unpack(words, width)
+    assert (np.isfinite(masked) == want).all()
+    assert (masked[want] == np.array(logits)[0][want]).all()
+
+
+def test_the_mask_after_a_special_opener_is_chosen_on_the_device():
+    """A free row whose newest token is the opener gets the grammar's first mask without
+    reading that token on the host; any other token leaves its logits alone."""
+    import mlx.core as mx
+    from mlxd.actors.engine.runner.logits import LazyCallProcessor
+
+    hf = _hf_tokenizer(["<tool_call>", "</tool_call>"])
+    grammar = GrammarCompiler(hf).compile_lazy((BOOK,), "hermes")
+    opener = hf.convert_tokens_to_ids("<tool_call>")
+    assert set(grammar.first_words) == {opener}
+    prompt = hf.encode("Q", add_special_tokens=False)
+    logits = mx.zeros((1, len(hf)))
+    processor = LazyCallProcessor(grammar)
+    processor(mx.array(prompt), logits)
+    text = hf.encode("Hi", add_special_tokens=False)
+    for t in text:
+        processor.readback(t)
+    free = processor(mx.array([*prompt, *text]), logits)
+    assert mx.array_equal(free, logits)
+    held = processor(mx.array([*prompt, *text, opener]), logits)
+    allowed = {hf.decode([i]) for i, v in enumerate(np.array(held)[0]) if v > -1e30}
+    assert allowed and allowed <= {"\n", "{"}
