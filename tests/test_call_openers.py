@@ -304,3 +304,21 @@ def test_the_mask_after_a_special_opener_is_chosen_on_the_device():
     held = processor(mx.array([*prompt, *text, opener]), logits)
     allowed = {hf.decode([i]) for i, v in enumerate(np.array(held)[0]) if v > -1e30}
     assert allowed and allowed <= {"\n", "{"}
+
+
+def test_bounds_read_property_names_as_names():
+    """A property named ``type`` or ``properties`` (BFCL has them) is a name, not a keyword;
+    a malformed ``type`` is left to the schema compiler, not a crash."""
+    schema = {
+        "type": "object",
+        "properties": {
+            "type": {"type": "integer"},
+            "properties": {"type": "object", "properties": {"n": {"type": "number"}}},
+        },
+        "$defs": {"type": {"type": "integer"}},
+    }
+    out = forced.bound_numbers(schema, forced.Bounds(integer_digits=2, fraction_digits=1))
+    assert out["properties"]["type"]["maximum"] == 99
+    assert out["properties"]["properties"]["properties"]["n"]["multipleOf"] == 0.1
+    assert out["$defs"]["type"]["minimum"] == -99
+    assert forced.bound_numbers({"type": {"weird": 1}}, forced.Bounds()) == {"type": {"weird": 1}}

@@ -88,9 +88,16 @@ def bound_numbers(schema: Any, bounds: Bounds) -> Any:
         return [bound_numbers(s, bounds) for s in schema]
     if not isinstance(schema, dict):
         return schema
-    out = {k: (v if k in _LITERAL_KEYS else bound_numbers(v, bounds)) for k, v in schema.items()}
-    kinds = out.get("type")
-    kinds = set(kinds) if isinstance(kinds, list) else {kinds}
+    out: dict[str, Any] = {}
+    for key, sub in schema.items():
+        if key in _LITERAL_KEYS:
+            out[key] = sub
+        elif key in _SCHEMA_MAPS and isinstance(sub, dict):  # names → schemas
+            out[key] = {name: bound_numbers(s, bounds) for name, s in sub.items()}
+        else:
+            out[key] = bound_numbers(sub, bounds)
+    named = out.get("type")
+    kinds = {k for k in (named if isinstance(named, list) else [named]) if isinstance(k, str)}
     if "number" in kinds or "integer" in kinds:
         whole = 10**bounds.integer_digits - 1
         limit = whole if "number" not in kinds else float(whole)
@@ -103,8 +110,12 @@ def bound_numbers(schema: Any, bounds: Bounds) -> Any:
     return out
 
 
-# Keys whose values are data, not subschemas (``const``, ``enum``, defaults, examples).
+# Keys whose values are data, not subschemas (``const``, ``enum``, defaults, examples), and
+# keys whose values map names to subschemas (a property may be named ``type``).
 _LITERAL_KEYS = frozenset({"const", "enum", "default", "examples", "required", "x-guidance"})
+_SCHEMA_MAPS = frozenset(
+    {"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"}
+)
 
 
 class Grammar:
