@@ -26,7 +26,7 @@ import llguidance.hf
 import numpy as np
 from llguidance.numpy import allocate_token_bitmask, fill_next_token_bitmask
 from mlxd.actors.families import forced, formats
-from mlxd.actors.lazy_calls import LazyGrammar
+from mlxd.actors.lazy_calls import LazyGrammar, OpenerGuard, TokenIndex
 from mlxd.protocol.messages import Constraint, Tool
 
 # The layout of JSON answers: one space after ``,`` and ``:`` as ``json.dumps`` writes it (the
@@ -233,6 +233,7 @@ class GrammarCompiler:
         self._cache_size = cache_size
         self._lock = threading.Lock()  # the tokenizer actor's worker threads share it
         self.compiled = 0  # matchers built (not taken from the cache), for tests and benches
+        self._index: TokenIndex | None = None
 
     def grammar_text(
         self, constraint: Constraint, tools: tuple[Tool, ...], fmt: str, prefix: str = ""
@@ -326,6 +327,9 @@ class GrammarCompiler:
             return None
         matcher = self._matcher(grammar, self._llt)
         special, texts = self._openers(markup.openers)
+        guard = None
+        if texts and not markup.leading:
+            guard = OpenerGuard(self._token_index(), matcher.deep_copy(), self._llt, texts)
         return LazyGrammar(
             matcher=matcher,
             tokenizer=self._llt,
@@ -336,12 +340,20 @@ class GrammarCompiler:
             leading=markup.leading,
             reasoning=(reasoning[0].encode(), reasoning[1].encode()) if reasoning else None,
             in_reasoning=in_reasoning,
+            guard=guard,
             first_words={
                 i: _first_words(matcher, i, self._llt.vocab_size)
                 for i, rest in special.items()
                 if not rest
             },
         )
+
+    def _token_index(self) -> TokenIndex:
+        """The vocabulary's ordinary tokens by their bytes (built once, on first need)."""
+        with self._lock:
+            if self._index is None:
+                self._index = TokenIndex(self._llt)
+            return self._index
 
     def _openers(self, openers: tuple[str, ...]) -> tuple[dict[int, bytes], tuple[bytes, ...]]:
         """The openers that start with a special token (its id → the text after it) and

@@ -62,6 +62,9 @@ class LazyGrammar:
     # the engine applies it on the device when the row's last token is that id, with no
     # wait for the host (``runner/logits.py``)
     first_words: dict[int, np.ndarray] = field(default_factory=dict)
+    # a text opener's guard: the line so far → tokens that would complete the opener and go
+    # on off the call's markup (``OpenerGuard``); None: no text openers
+    guard: Any = None
     # A replayed row (after a failed step) rebuilds it from the tokens it emitted: its
     # processor looks for the opener in them again (``runner/logits.LazyCallProcessor``).
     replayable: ClassVar[bool] = True
@@ -94,6 +97,13 @@ class Scanner:
         if self._leading:
             return self._fresh
         return self._cand is not None
+
+    def partial(self) -> bytes | None:
+        """The line so far, blanks stripped, where it may still grow into a text opener
+        (None: it cannot, or the format's openers are not text)."""
+        if self._cand is None or self._leading or self._in_reasoning or not self._texts:
+            return None
+        return self._cand.lstrip()
 
     def after_call(self) -> None:
         """The call could not be held: the answer goes on free (a new line may open one)."""
@@ -268,13 +278,27 @@ class LazyCalls:
 
     def words(self) -> np.ndarray | None:
         """The tokens the grammar allows next, as packed int32 words (bit ``i`` of word
-        ``j``: token ``32 j + i``), or None: free."""
+        ``j``: token ``32 j + i``), or None: free. While a line may still grow into a text
+        opener, every token is allowed but those that would complete it and go on off the
+        call's markup (``OpenerGuard``): a call that opens can always be held."""
         if not self._active:
-            return None
+            return self._guarded()
         if self._matcher.is_stopped():
             return eos_words(self._g.eos_ids, self._bitmask.shape[1])
         fill_next_token_bitmask(self._matcher, self._bitmask)
         return self._bitmask[0]
+
+    def _guarded(self) -> np.ndarray | None:
+        line = self._scanner.partial()
+        if line is None or self._g.guard is None:
+            return None
+        banned = self._g.guard.forbidden(line)
+        if not banned:
+            return None
+        words = np.full(self._bitmask.shape[1], 0xFFFFFFFF, dtype=np.uint32)
+        for token in banned:
+            words[token // 32] &= np.uint32(~(1 << (token % 32)) & 0xFFFFFFFF)
+        return words.view(np.int32)
 
     def allowed(self, width: int) -> np.ndarray | None:
         """The tokens the grammar allows next (a bool row of ``width``), or None: free."""
@@ -298,3 +322,62 @@ def unpack(words: np.ndarray, width: int) -> np.ndarray:
     n = min(width, bits.shape[0])
     allowed[:n] = bits[:n]
     return allowed
+
+
+class TokenIndex:
+    """Every ordinary token's bytes, sorted: the tokens that start with given bytes, by
+    bisection (one per tokenizer, built where a text opener is first compiled)."""
+
+    def __init__(self, tokenizer: Any):
+        pairs = sorted(
+            (tokenizer.decode_bytes([t]), t)
+            for t in range(tokenizer.vocab_size)
+            if not tokenizer.is_special_token(t)
+        )
+        self._keys = [b for b, _ in pairs]
+        self._ids = [t for _, t in pairs]
+
+    def starting_with(self, prefix: bytes) -> list[tuple[bytes, int]]:
+        import bisect
+
+        at = bisect.bisect_left(self._keys, prefix)
+        out = []
+        while at < len(self._keys) and self._keys[at].startswith(prefix):
+            out.append((self._keys[at], self._ids[at]))
+            at += 1
+        return out
+
+
+class OpenerGuard:
+    """The tokens that would complete a text opener and go on off the call's markup (a
+    model echoing its prompt's ``<tool_call></tool_call>`` at the start of a line): such a
+    token would open a call that cannot be held, and nothing sampled can be taken back."""
+
+    def __init__(self, index: TokenIndex, matcher: Any, tokenizer: Any, openers: tuple[bytes, ...]):
+        self._index, self._matcher, self._tokenizer = index, matcher, tokenizer
+        self._openers = openers
+        self._known: dict[bytes, tuple[int, ...]] = {}
+
+    def forbidden(self, line: bytes) -> tuple[int, ...]:
+        """``line``: the line so far, blanks stripped (a prefix of an opener)."""
+        found = self._known.get(line)
+        if found is None:
+            found = self._known[line] = tuple(self._search(line))
+        return found
+
+    def _search(self, line: bytes) -> list[int]:
+        out = []
+        for opener in self._openers:
+            if not opener.startswith(line):
+                continue
+            rest = opener[len(line) :]
+            for data, token in self._index.starting_with(rest):
+                tail = data[len(rest) :]
+                if tail and not self._fits(opener + tail):
+                    out.append(token)
+        return out
+
+    def _fits(self, text: bytes) -> bool:
+        probe = self._matcher.deep_copy()
+        tokens = self._tokenizer.tokenize_bytes(text)
+        return bool(probe.consume_tokens(tokens)) and not probe.is_error()

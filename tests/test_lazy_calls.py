@@ -169,19 +169,26 @@ def test_after_a_call_another_may_follow_or_the_answer_ends():
         jsonschema.validate(args, PARAMS)
 
 
-def test_an_opener_that_went_off_its_markup_does_not_stop_the_next_call():
-    """Gemma 3 echoes the tool prompt ("within <tool_call></tool_call> XML tags") before its
-    call. Where ``<tool_call>`` is text and ``></`` ends it inside one token, that opener
-    is left free, and the real call after it is still held."""
+def test_a_text_opener_cannot_complete_off_its_markup(caplog):
+    """Gemma 3 echoes the tool prompt's ``<tool_call></tool_call>`` at the start of a line.
+    Where ``<tool_call>`` is text and one token (``_call></``) would complete it and go on
+    off the markup, that token is not allowed there (``OpenerGuard``): the model writes
+    something else, no call is left free after its opener, and the real call is held."""
+    import logging
+
     hf = _hf_tokenizer([])
     hf.add_tokens(["_call></"])
     echo = "<tool_call></tool_call> XML tags hold calls.\n"
     assert hf.convert_tokens_to_ids("_call></") in hf.encode(echo, add_special_tokens=False)
-    text = _write(GrammarCompiler(hf), hf, "hermes", echo + _malformed("hermes"))
-    assert text.startswith(echo)
-    _, calls = _calls("hermes", text[len(echo) :])
+    with caplog.at_level(logging.INFO, logger="mlxd.grammar"):
+        text = _write(GrammarCompiler(hf), hf, "hermes", echo + _malformed("hermes"))
+    assert "went on off its markup" not in caplog.text
+    assert "<tool_call></" not in text
+    _, calls = _calls("hermes", text)
     assert [name for name, _ in calls] == ["book"]
     jsonschema.validate(calls[0][1], PARAMS)
+    free = _write(GrammarCompiler(hf), hf, "hermes", echo + _malformed("hermes"), lazy=False)
+    assert free.startswith(echo)  # as scripted without the grammar
 
 
 def test_a_leading_format_takes_a_call_only_at_the_answers_start():
