@@ -26,6 +26,7 @@ from mlxd.daemon.api import anthropic, embeddings, infill, ollama, openai, respo
 from mlxd.daemon.api.body import is_json_type
 from mlxd.daemon.api.common import Validator, json_response
 from mlxd.daemon.api.errors import ApiError, install_errors
+from mlxd.daemon.api.supersede import Superseder
 from mlxd.daemon.connections import FinishResponses
 from mlxd.daemon.pipeline import Pipeline, ServerState
 from mlxd.daemon.security import AllowedHosts, ApiKeys, Cors, well_formed_host
@@ -74,13 +75,14 @@ def create_app(pipeline: Pipeline, settings: Settings) -> QuartTrio:
 
     max_body = settings.server.max_body_bytes
     install_errors(app, openai.ERRORS, on_error, max_body)  # unrouted: OpenAI's format
-    for api in (openai, anthropic):
-        api.install(app, pipeline, validator, select, on_error)
+    newest = Superseder() if settings.fim.supersede else None  # editors' FIM requests
+    openai.install(app, pipeline, validator, select, on_error, newest)
+    anthropic.install(app, pipeline, validator, select, on_error)
     responses.install(app, pipeline, validator, select, on_error, settings.responses)
     limits = embeddings.EmbeddingLimits.of(settings)
     embeddings.install(app, pipeline, validator, select, on_error, limits)
-    ollama.install(app, pipeline, validator, select, on_error, limits)
-    infill.install(app, pipeline, validator, select, on_error, settings.fim)  # llama.cpp's
+    ollama.install(app, pipeline, validator, select, on_error, limits, newest)
+    infill.install(app, pipeline, validator, select, on_error, settings.fim, newest)  # llama.cpp's
 
     @app.get("/health")
     async def health() -> Response:

@@ -286,9 +286,8 @@ class FimSettings(_Section):
 
     max_extra_files: NonNegative = 64  # input_extra entries per request; more is a 400
     repo_name: str = "project"  # the repository name the families' layouts write
-    # a newer FIM request from the same client on the same file ends the older at once
+    # a newer FIM request from the same client on the same file, once started, ends the older
     supersede: bool = True
-    supersede_key_chars: Positive = 256  # how much of the file's head and tail names it
 
 
 class StreamingSettings(_Section):

@@ -375,12 +375,6 @@ async def test_a_client_that_hangs_up_cancels_its_row(streamed):
         assert runner.decode_steps < 5000
 
 
-def test_the_file_key_ignores_the_line_being_typed():
-    key = infill.file_key
-    assert key("a\nb\nde", "f\ng\n", 256) == key("a\nb\ndef(", "f\ng\n", 256)
-    assert key("a\nb\nde", "f\ng\n", 256) != key("x\nb\nde", "f\ng\n", 256)
-
-
 async def test_status_shows_the_fim_format_and_why():
     async with client() as (c, _, _):
         await post(c, "/infill", INFILL)  # the model's prompt builder exists from here on

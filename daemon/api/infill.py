@@ -6,10 +6,10 @@ the model family's FIM tokens (``actors/families/fim.py``) and answers in llama.
 ``/completion`` shape, whole or streamed. It keeps llama.cpp's two stops for completion
 as one types (``TypingStop``): ``n_indent`` (a new line indented less than this ends the
 middle) and ``t_max_predict_ms`` (once this long has passed since the first token, the
-first new line ends it). Completion requests come a few characters apart: a newer one
-from the same client on the same file supersedes the older, which ends at once
-(``Superseder``, ``fim.supersede``) rather than holding a batch row the user no longer
-waits for. Successive requests share their prefix, so the prefix cache serves them;
+first new line ends it). Completion requests come a few characters apart: once a newer
+one from the same client on the same file has started, the older ends at once
+(``daemon/api/supersede.py``, ``fim.supersede``) rather than holding a batch row the
+user no longer waits for. Successive requests share their prefix, so the prefix cache serves them;
 ``tokens_cached`` and ``timings.cache_n`` say how much. Errors use llama.cpp's format.
 """
 
@@ -17,8 +17,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import AsyncIterator, Hashable, Iterator
-from contextlib import contextmanager
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 import msgspec
@@ -33,10 +32,10 @@ from mlxd.daemon.api.common import (
     check,
     collect,
     json_response,
-    start,
 )
 from mlxd.daemon.api.errors import ApiError, ErrorFormat, ErrorReason, OnError, install_errors
 from mlxd.daemon.api.ollama_models import load
+from mlxd.daemon.api.supersede import Superseder, file_key, start_newest
 from mlxd.daemon.pipeline import Pipeline
 from mlxd.daemon.settings import FimSettings
 from mlxd.protocol import llamacpp as wire
@@ -135,72 +134,7 @@ class TypingStop:
         return "" if self.stopped else held
 
 
-# ---- a newer request supersedes an older one ----------------------------------------------
-
-
-@dataclass(eq=False)
-class Ticket:
-    """One FIM request's place in the ``Superseder``: cancelled when a newer one comes."""
-
-    key: Hashable
-    superseded: bool = False
-    scopes: list[trio.CancelScope] = field(default_factory=list)
-
-    def supersede(self) -> None:
-        self.superseded = True
-        for scope in self.scopes:
-            scope.cancel()
-
-
-@contextmanager
-def watching(ticket: Ticket | None) -> Iterator[trio.CancelScope]:
-    """A cancel scope that a newer request cancels (at once if one came already)."""
-    with trio.CancelScope() as scope:
-        if ticket is None:
-            yield scope
-            return
-        if ticket.superseded:
-            scope.cancel()
-        ticket.scopes.append(scope)
-        try:
-            yield scope
-        finally:
-            ticket.scopes.remove(scope)
-
-
-class Superseder:
-    """The newest FIM request per key (client, model, route, file); a newer one
-    supersedes the older at once. No trio here beyond the cancel scopes it is handed."""
-
-    def __init__(self) -> None:
-        self._open: dict[Hashable, Ticket] = {}
-
-    def __len__(self) -> int:
-        return len(self._open)
-
-    def enter(self, key: Hashable) -> Ticket:
-        older = self._open.get(key)
-        if older is not None:
-            older.supersede()
-        ticket = self._open[key] = Ticket(key)
-        return ticket
-
-    def leave(self, ticket: Ticket) -> None:
-        if self._open.get(ticket.key) is ticket:
-            del self._open[ticket.key]
-
-
-def file_key(prefix: str, suffix: str, chars: int) -> tuple[str, str]:
-    """What names the file being edited: its head (the prefix before the cursor's line)
-    and its tail (the suffix after the cursor's line), ``chars`` of each. Typing on a
-    line changes neither."""
-    head = prefix[: prefix.rfind("\n") + 1][:chars]
-    newline = suffix.find("\n")
-    tail = suffix[newline + 1 :][-chars:] if newline >= 0 else ""
-    return head, tail
-
-
-# ---- the request's events, with the stops and the supersession --------------------------------
+# ---- the request's events, through the stops ---------------------------------------------------
 
 
 @dataclass
@@ -231,23 +165,13 @@ class Progress:
 
 
 async def guarded(
-    rest: AsyncIterator[list[ChoiceEvent]],
-    stop: TypingStop,
-    ticket: Ticket | None,
-    progress: Progress,
+    rest: AsyncIterator[list[ChoiceEvent]], stop: TypingStop, progress: Progress
 ) -> AsyncIterator[list[ChoiceEvent]]:
     """``rest`` through ``stop``: its text deltas as ``stop`` releases them, ended
-    (``length``) when it stops, or at once (``abort``) when a newer request supersedes
-    this one. Ending it closes the sessions, which aborts the sequence in the engine."""
+    (``length``) when it stops. Ending it closes the sessions, which aborts the sequence
+    in the engine."""
     try:
-        while True:
-            with watching(ticket) as scope:
-                batch = await anext(rest, None)
-            if scope.cancelled_caught:
-                yield [(0, progress.ended("abort"))]
-                return
-            if batch is None:
-                return
+        async for batch in rest:
             out, ended = _through(batch, stop, progress)
             yield out
             if ended:
@@ -434,30 +358,17 @@ class Infill:
 
     pipeline: Pipeline
     fim: FimSettings
-    superseder: Superseder = field(default_factory=Superseder)
-
-    def key(self, model: str, w: wire.InfillRequest) -> Hashable:
-        head_tail = file_key(w.input_prefix, w.input_suffix, self.fim.supersede_key_chars)
-        return (request.remote_addr, model, "/infill", head_tail)
+    superseder: Superseder | None = None  # None: fim.supersede off
 
     async def run(self, model: str, mv: Validator, w: wire.InfillRequest) -> Response:
         req = infill_request(w, f"infill-{uuid.uuid4().hex}", mv, self.fim)
-        ticket = self.superseder.enter(self.key(model, w)) if self.fim.supersede else None
         progress = Progress()
         answer = Answer(model, w, progress)
-        try:
-            with watching(ticket) as scope:
-                first, rest = await start(self.pipeline, [req], model)
-            if scope.cancelled_caught:  # superseded while it waited for its turn
-                return self._whole(answer, "", progress.ended("abort"))
-            stop = TypingStop(w.n_indent, w.t_max_predict_ms / 1e3)
-            events = guarded(_from(first, rest), stop, ticket, progress)
-            first = await anext(events)
-        except BaseException:
-            if ticket is not None:
-                self.superseder.leave(ticket)
-            raise
-        events = self._leaving(events, ticket)
+        key = (request.remote_addr, model, "/infill", file_key(w.input_prefix, w.input_suffix))
+        first, rest = await start_newest(self.superseder, key, self.pipeline, [req], model)
+        stop = TypingStop(w.n_indent, w.t_max_predict_ms / 1e3)
+        events = guarded(_from(first, rest), stop, progress)
+        first = await anext(events)
         if w.stream:
             return sse.stream(InfillStream(answer), first, events)
         (choice,) = await collect(1, first, events)
@@ -467,16 +378,6 @@ class Infill:
     def _whole(self, answer: Answer, text: str, event: Finished) -> Response:
         body = answer.encode(answer.last(text, event, "\n" in text))
         return Response(body, content_type="application/json")
-
-    async def _leaving(self, events: AsyncIterator[list[ChoiceEvent]], ticket: Ticket | None):
-        """``events``, and the ticket given up when they end however they end."""
-        try:
-            async for batch in events:
-                yield batch
-        finally:
-            if ticket is not None:
-                self.superseder.leave(ticket)
-            await events.aclose()  # type: ignore[attr-defined]
 
 
 async def _from(
@@ -544,11 +445,12 @@ def install(
     select: Select,
     on_error: OnError,
     fim: FimSettings,
+    superseder: Superseder | None = None,
 ) -> Infill:
     """Register ``/infill``, ``/tokenize`` and ``/detokenize`` (and their ``/v1/`` twins
     where llama.cpp has them), their errors in llama.cpp's format."""
     api = Blueprint("llamacpp", __name__)
-    infill = Infill(pipeline, fim)
+    infill = Infill(pipeline, fim, superseder)
 
     @api.post("/infill")
     async def infill_route() -> Response:

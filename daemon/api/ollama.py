@@ -41,12 +41,12 @@ from mlxd.daemon.api.common import (
     json_response,
     merge_tool_calls,
     reasoning_kwargs,
-    start,
 )
 from mlxd.daemon.api.embeddings import EmbeddingLimits, EmbeddingResult, embed
 from mlxd.daemon.api.errors import ApiError, ErrorFormat, OnError, install_errors
 from mlxd.daemon.api.ollama_models import load, unavailable
 from mlxd.daemon.api.ollama_options import keep_alive_seconds, sampling_from, within_context
+from mlxd.daemon.api.supersede import Superseder, file_key, start_newest
 from mlxd.daemon.pipeline import Pipeline
 from mlxd.protocol import ollama as wire
 from mlxd.protocol.messages import (
@@ -530,10 +530,16 @@ async def _fit(pipeline: Pipeline, model: str, req, num_ctx: int | None):
     return msgspec.structs.replace(req, sampling=within_context(req.sampling, num_ctx, prompt))
 
 
-async def _run(pipeline: Pipeline, shape: Shape, model: str, req, w) -> Response:
+async def _run(
+    pipeline: Pipeline, shape: Shape, model: str, req, w, superseder: Superseder | None = None
+) -> Response:
     clock = Clock(pipeline, model)
     req = await _fit(pipeline, model, req, w.options.num_ctx if w.options else None)
-    first, rest = await start(pipeline, [req], model)
+    fim, key = req.fim if isinstance(req, CompletionRequest) else None, None
+    if fim is not None:  # an editor's fill-in: a newer one on the file supersedes it
+        key = (request.remote_addr, model, "/api/generate", file_key(fim.prefix, fim.suffix))
+    newest = superseder if key is not None else None
+    first, rest = await start_newest(newest, key, pipeline, [req], model)
     await _keep_alive(pipeline, model, w.keep_alive)  # after start: the model is busy now
     if w.stream:
         return _ndjson_response(_ndjson(shape, clock, first, rest))
@@ -625,10 +631,13 @@ def install(
     select: Select,
     on_error: OnError,
     limits: EmbeddingLimits,
+    superseder: Superseder | None = None,
 ) -> None:
-    """Register the Ollama routes on the app, their errors in Ollama's format."""
+    """Register the Ollama routes on the app, their errors in Ollama's format;
+    ``superseder``: the editors' FIM requests (``suffix``), None when ``fim.supersede``
+    is off."""
     api = Blueprint("ollama", __name__)
-    _routes(api, pipeline, v, select)
+    _routes(api, pipeline, v, select, superseder)
     _embed_routes(api, pipeline, v, _named(select), limits)
     install_errors(api, ERRORS, on_error, v.max_body_bytes)
     app.register_blueprint(api)
@@ -644,7 +653,13 @@ def _named(select: Select) -> Select:
     return named
 
 
-def _routes(app: Blueprint, pipeline: Pipeline, v: Validator, any_model: Select) -> None:
+def _routes(
+    app: Blueprint,
+    pipeline: Pipeline,
+    v: Validator,
+    any_model: Select,
+    superseder: Superseder | None = None,
+) -> None:
     select = _named(any_model)
 
     def ready() -> None:
@@ -668,7 +683,7 @@ def _routes(app: Blueprint, pipeline: Pipeline, v: Validator, any_model: Select)
         if not w.prompt and not w.images and not w.suffix:
             return await _load_only(pipeline, shape, model, w.keep_alive)
         req = generate_request(w, f"ollama-{uuid.uuid4().hex}", mv)
-        return await _run(pipeline, shape, model, req, w)
+        return await _run(pipeline, shape, model, req, w, superseder)
 
     @app.get("/api/tags")
     async def tags() -> Response:

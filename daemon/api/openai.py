@@ -38,6 +38,7 @@ from mlxd.daemon.api.common import (
     usage_of,
 )
 from mlxd.daemon.api.errors import ApiError, ErrorFormat, ErrorReason, OnError, install_errors
+from mlxd.daemon.api.supersede import Superseder, file_key, start_newest
 from mlxd.daemon.pipeline import Pipeline
 from mlxd.protocol import openai as wire
 from mlxd.protocol.messages import (
@@ -564,10 +565,20 @@ async def chat(pipeline: Pipeline, v: Validator, model: str, w: wire.ChatComplet
     return json_response(body)
 
 
-async def complete(pipeline: Pipeline, v: Validator, model: str, w: wire.CompletionRequest):
+async def complete(
+    pipeline: Pipeline,
+    v: Validator,
+    model: str,
+    w: wire.CompletionRequest,
+    superseder: Superseder | None = None,
+):
     rid = f"cmpl-{uuid.uuid4().hex}"
     requests = completion_requests(w, rid, v)
-    first, rest = await start(pipeline, requests, model)  # type: ignore[arg-type]
+    fim, key = requests[0].fim, None
+    if fim is not None:  # an editor's insertion: a newer one on the file supersedes it
+        key = (request.remote_addr, model, "/v1/completions", file_key(fim.prefix, fim.suffix))
+    newest = superseder if key is not None else None
+    first, rest = await start_newest(newest, key, pipeline, requests, model)  # type: ignore[arg-type]
     # After start: token-id prompts have been checked against the vocabulary.
     echo = _echo(requests[0].prompt, pipeline, model) if w.echo else ""
     if w.stream:
@@ -585,16 +596,25 @@ async def complete(pipeline: Pipeline, v: Validator, model: str, w: wire.Complet
 
 
 def install(
-    app: QuartTrio, pipeline: Pipeline, v: Validator, select: Select, on_error: OnError
+    app: QuartTrio,
+    pipeline: Pipeline,
+    v: Validator,
+    select: Select,
+    on_error: OnError,
+    superseder: Superseder | None = None,
 ) -> None:
-    """Register the OpenAI routes on the app, their errors in OpenAI's format."""
+    """Register the OpenAI routes on the app, their errors in OpenAI's format;
+    ``superseder``: the editors' FIM requests (``suffix``), None when ``fim.supersede``
+    is off."""
     api = Blueprint("openai", __name__)
-    _routes(api, pipeline, v, select)
+    _routes(api, pipeline, v, select, superseder)
     install_errors(api, ERRORS, on_error, v.max_body_bytes)
     app.register_blueprint(api)
 
 
-def _routes(app: Blueprint, pipeline: Pipeline, v: Validator, select: Select) -> None:
+def _routes(
+    app: Blueprint, pipeline: Pipeline, v: Validator, select: Select, superseder: Superseder | None
+) -> None:
     @app.post("/v1/chat/completions")
     async def chat_completions() -> Response:
         w = v.decode(wire.chat_decoder, await request.get_data(cache=False))
@@ -605,7 +625,7 @@ def _routes(app: Blueprint, pipeline: Pipeline, v: Validator, select: Select) ->
     async def completions() -> Response:
         w = v.decode(wire.completion_decoder, await request.get_data(cache=False))
         model, mv = select(w.model)
-        return await complete(pipeline, mv, model, w)
+        return await complete(pipeline, mv, model, w, superseder)
 
     @app.get("/v1/models")
     async def models() -> Response:
