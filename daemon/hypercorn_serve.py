@@ -12,13 +12,19 @@ included; one past it is answered 503 and closed at once.
 
 hypercorn has no hook for either, so ``serve`` is ``hypercorn.trio.run.worker_serve``
 (plain TCP only, which is all mlxd binds) with the connection handler wrapped. It
-leans on hypercorn's ``TCPServer``, ``Lifespan`` and ``WorkerContext``: their contract
-is checked at import (version and signatures); when it does not hold, ``serve`` is
-``hypercorn.trio.serve`` unguarded, with one warning.
+leans on hypercorn's ``TCPServer``, ``Lifespan`` and ``WorkerContext``: the contract
+is checked at import: the source of the ``worker_serve`` this mirrors must be the one
+it was written from (its digest, per tested version: ``MIRRORED``), and the
+constructors must take what it passes them. ``pyproject.toml`` pins hypercorn to the
+tested release. When the contract does not hold, ``serve`` refuses to start while
+``server.max_connections`` is set (``GuardUnavailable``, naming the setting that turns
+the cap off: mlxd does not run without a cap it was told to keep); with the cap off it
+is ``hypercorn.trio.serve`` unguarded (no HTTP/2 idle close), with one warning.
 """
 
 from __future__ import annotations
 
+import hashlib
 import inspect
 import logging
 import math
@@ -28,6 +34,7 @@ from functools import partial
 from importlib.metadata import version
 from typing import Any
 
+import hypercorn.trio.run
 import trio
 from hypercorn.config import Config
 from hypercorn.trio import serve as hypercorn_serve
@@ -42,7 +49,9 @@ log = logging.getLogger("mlxd.http")
 
 H2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
 _LINGER_S = 1.0  # the most a refused connection is held open
-TESTED = ("0.17", "0.18")  # hypercorn versions whose worker_serve this mirrors
+# hypercorn's versions whose ``worker_serve`` ``_worker_serve`` mirrors, each with the
+# sha256 of that function's source (``inspect.getsource``) as the tested release has it
+MIRRORED = {"0.18.0": "8dc8347a9fc357ca334f8c3e4bcf0368176510a96d434f21a5eb4c9ec4103726"}
 _REFUSAL = (
     b"HTTP/1.1 503 Service Unavailable\r\nRetry-After: 1\r\nConnection: close\r\n"
     b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n%s"
@@ -53,11 +62,17 @@ _REFUSAL_BODY = (
 )
 
 
+def _digest(function: Callable[..., Any]) -> str:
+    return hashlib.sha256(inspect.getsource(function).encode()).hexdigest()
+
+
 def _contract() -> str | None:
     """Why the guarded server cannot run on this hypercorn (None: it can)."""
     found = version("hypercorn")
-    if not found.startswith(TESTED):
-        return f"hypercorn {found} is not one of the tested {', '.join(TESTED)}"
+    if found not in MIRRORED:
+        return f"hypercorn {found} is not the tested {', '.join(MIRRORED)}"
+    if _digest(hypercorn.trio.run.worker_serve) != MIRRORED[found]:
+        return f"hypercorn {found}'s worker_serve is not the source mlxd's server mirrors"
     expected = {
         TCPServer: ["app", "config", "context", "state", "stream"],
         Lifespan: ["app", "config", "state"],
@@ -70,6 +85,19 @@ def _contract() -> str | None:
 
 
 BROKEN = _contract()
+
+
+class GuardUnavailable(ValueError):
+    """``server.max_connections`` is set, and the guard that enforces it cannot run."""
+
+
+def _unguarded(why: str, limit: int) -> GuardUnavailable:
+    return GuardUnavailable(
+        f"server.max_connections = {limit} needs mlxd's connection guard, which cannot run "
+        f"here ({why}); install the hypercorn pyproject.toml pins, or set "
+        "server.max_connections = 0 to serve without a connection cap (and without the "
+        "HTTP/2 idle close)"
+    )
 
 
 class ConnectionGuard:
@@ -176,9 +204,12 @@ async def serve(
     shutdown_trigger: Callable[..., Awaitable[None]],
     task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Serve ``app`` as ``hypercorn.trio.serve`` does, each connection guarded and counted
-    (unguarded, with one warning, where hypercorn's contract does not hold)."""
+    """Serve ``app`` as ``hypercorn.trio.serve`` does, each connection guarded and counted.
+    Where hypercorn's contract does not hold: ``GuardUnavailable`` with a connection cap,
+    else unguarded with one warning."""
     if BROKEN is not None:
+        if connections.limit:
+            raise _unguarded(BROKEN, connections.limit)
         log.warning("connections unguarded (no HTTP/2 idle close, no max_connections): %s", BROKEN)
         await hypercorn_serve(
             app, config, shutdown_trigger=shutdown_trigger, task_status=task_status

@@ -13,9 +13,11 @@ from __future__ import annotations
 import json
 import os
 
+import hypercorn.trio.run
 import pytest
 import trio
 from mlxd.daemon import hypercorn_serve
+from mlxd.daemon.cli import _startup_cause
 
 from tests.conftest import real_server, settings_with
 
@@ -218,14 +220,38 @@ async def health(url: str) -> bytes:
 def test_the_guard_holds_on_the_installed_hypercorn_and_not_on_an_untested_one(monkeypatch):
     assert hypercorn_serve.BROKEN is None
     monkeypatch.setattr(hypercorn_serve, "version", lambda _: "0.19.0")
-    assert "hypercorn 0.19.0 is not one of the tested" in hypercorn_serve._contract()
+    assert "hypercorn 0.19.0 is not the tested 0.18.0" in hypercorn_serve._contract()
 
 
-async def test_out_of_contract_it_serves_through_plain_hypercorn_with_one_warning(
+def test_the_contract_is_the_source_of_the_mirrored_function(monkeypatch):
+    """Same version and constructors, but a worker_serve that is not the one mirrored."""
+    original = hypercorn_serve.inspect.getsource
+
+    def changed(obj):
+        text = original(obj)
+        return text + "    # changed\n" if obj is hypercorn.trio.run.worker_serve else text
+
+    monkeypatch.setattr(hypercorn_serve.inspect, "getsource", changed)
+    assert "worker_serve is not the source" in hypercorn_serve._contract()
+
+
+async def test_out_of_contract_with_max_connections_it_refuses_to_start(monkeypatch):
+    monkeypatch.setattr(hypercorn_serve, "BROKEN", "hypercorn 0.19.0 is not the tested 0.18.0")
+    with pytest.raises(BaseExceptionGroup) as refused:
+        async with real_server(settings_with(server={"max_connections": 8})):
+            pass
+    cause = _startup_cause(refused.value)  # what `mlxd serve` reports, on one line
+    assert isinstance(cause, hypercorn_serve.GuardUnavailable)
+    message = str(cause)
+    assert "server.max_connections = 8" in message and "hypercorn 0.19.0" in message
+    assert "server.max_connections = 0" in message  # the setting that turns it off
+
+
+async def test_out_of_contract_without_a_cap_it_serves_through_plain_hypercorn_with_one_warning(
     monkeypatch, caplog
 ):
-    monkeypatch.setattr(hypercorn_serve, "BROKEN", "hypercorn 0.19.0 is not one of the tested")
-    async with real_server() as (url, _, _):
+    monkeypatch.setattr(hypercorn_serve, "BROKEN", "hypercorn 0.19.0 is not the tested 0.18.0")
+    async with real_server(settings_with(server={"max_connections": 0})) as (url, _, _):
         answer = await health(url)
     assert answer.startswith(b"HTTP/1.1 200")
     assert caplog.text.count("connections unguarded") == 1
