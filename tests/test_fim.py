@@ -233,3 +233,33 @@ def test_mlxd_parse_shows_the_fim_format_and_why(qwen_dir, monkeypatch, capsys):
     assert parse_cmd.parse_command(args) == 0  # type: ignore[arg-type]
     report = json.loads(capsys.readouterr().out)
     assert report["fim"]["format"] == "qwen" and "<|fim_prefix|>" in report["fim"]["why"]
+
+
+class _BigVocab:
+    """A tokenizer whose vocabulary is 250k entries (Qwen3.5's is 248k), FIM tokens among
+    them or not."""
+
+    def __init__(self, fim_tokens: bool):
+        self.table = {f"tok{i}": i for i in range(250_000)}
+        if fim_tokens:
+            names = ("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>", "<|file_sep|>")
+            self.table.update({n: 250_000 + i for i, n in enumerate(names)})
+
+    def get_vocab(self) -> dict[str, int]:
+        return dict(self.table)
+
+    def encode(self, text, add_special_tokens=True, split_special_tokens=False):
+        return [ord(c) for c in text]
+
+
+@pytest.mark.parametrize("fim_tokens", [True, False])
+def test_a_builder_keeps_the_fim_ids_not_the_vocabulary(fim_tokens):
+    builder = fim.FimBuilder(_BigVocab(fim_tokens))
+    assert len(builder.vocab) <= len(fim.NAMES)  # a few dozen ids, not 250k entries
+    if fim_tokens:
+        assert builder.format is not None and builder.format.name == "qwen"
+        assert builder.vocab["<|fim_middle|>"] == 250_002
+        tokens, _ = builder.tokens(PARTS)
+        assert 250_000 in tokens and 250_002 in tokens
+    else:
+        assert builder.format is None and builder.vocab == {}

@@ -127,6 +127,10 @@ FORMATS: tuple[FimFormat, ...] = (
     ),
 )
 BY_NAME = {f.name: f for f in FORMATS}
+# Every token name an entry looks up: a builder keeps these ids, not the vocabulary.
+NAMES = frozenset(
+    name for f in FORMATS for name in (*f.tokens, *f.ends, *f.repo_tokens, *f.requires) if name
+)
 
 
 @dataclass(frozen=True)
@@ -224,11 +228,13 @@ class FimError(ValueError):
 
 
 class FimBuilder:
-    """One model's FIM layout: its format (or None), its token ids, its leading specials."""
+    """One model's FIM layout: its format (or None), the ids of the FIM token names any
+    entry uses (``NAMES``, a few dozen: the vocabulary itself is not kept), its leading
+    specials."""
 
     def __init__(self, tokenizer: Any, template: str = "", vocab: Mapping[str, int] | None = None):
         self.tokenizer = tokenizer
-        self.vocab = dict(vocab if vocab is not None else _vocab(tokenizer))
+        self.vocab = known_ids(vocab if vocab is not None else _vocab(tokenizer))
         found = detect(template, self.vocab)
         self.format, self.why = found.format, found.why
         self.lead = _leading_specials(tokenizer) if self.format else []
@@ -260,6 +266,11 @@ class FimBuilder:
     @property
     def ends(self) -> tuple[int, ...]:
         return end_ids(self.format, self.vocab) if self.format else ()
+
+
+def known_ids(vocab: Mapping[str, int]) -> dict[str, int]:
+    """The ids of the names in ``NAMES`` that ``vocab`` holds."""
+    return {name: vocab[name] for name in NAMES if name in vocab}
 
 
 def _vocab(tokenizer: Any) -> Mapping[str, int]:
