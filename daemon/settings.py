@@ -288,6 +288,7 @@ class FimSettings(_Section):
     repo_name: str = "project"  # the repository name the families' layouts write
     # a newer FIM request from the same client on the same file, once started, ends the older
     supersede: bool = True
+    max_detokenize_tokens: Positive = 131_072  # token ids per /detokenize request; more: a 400
 
 
 class StreamingSettings(_Section):

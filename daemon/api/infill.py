@@ -405,18 +405,14 @@ async def _tokenizer(pipeline: Pipeline, model: str):
 
 def tokenize(info, w: wire.TokenizeRequest) -> wire.TokenizeResponse:
     """llama.cpp's ``/tokenize``: ``add_special`` puts the BOS first, ``parse_special``
-    false keeps special tokens spelled in the text as text."""
+    false keeps special tokens spelled in the text as text (a 400 where the model's
+    tokenizer cannot)."""
     try:
         w.content.encode("utf-8")
     except UnicodeEncodeError as exc:
         raise ApiError("invalid_request", "content is not UTF-8 text", param="content") from exc
     tokenizer = info.tokenizer
-    try:
-        ids = tokenizer.encode(
-            w.content, add_special_tokens=w.add_special, split_special_tokens=not w.parse_special
-        )
-    except TypeError:  # a tokenizer without split_special_tokens
-        ids = tokenizer.encode(w.content, add_special_tokens=w.add_special)
+    ids = _encode(tokenizer, w.content, w.add_special, w.parse_special)
     if not w.with_pieces:
         return wire.TokenizeResponse(tokens=list(ids))
     texts = TokenTexts(tokenizer)
@@ -428,11 +424,38 @@ def tokenize(info, w: wire.TokenizeRequest) -> wire.TokenizeResponse:
     return wire.TokenizeResponse(tokens=pieces)
 
 
-def detokenize(info, w: wire.DetokenizeRequest, v: Validator) -> wire.DetokenizeResponse:
-    v.for_model(info.vocab_size).token_ids(w.tokens, "tokens")
+def _encode(tokenizer, content: str, add_special: bool, parse_special: bool) -> list[int]:
+    try:
+        return tokenizer.encode(
+            content, add_special_tokens=add_special, split_special_tokens=not parse_special
+        )
+    except TypeError:  # a tokenizer without split_special_tokens: it parses them
+        if not parse_special:
+            raise ApiError(
+                "invalid_request",
+                "parse_special: false is not available for this model: its tokenizer cannot "
+                "keep special tokens spelled in the text as text; leave parse_special out "
+                "(true)",
+                param="parse_special",
+            ) from None
+        return tokenizer.encode(content, add_special_tokens=add_special)
+
+
+def detokenize(info, w: wire.DetokenizeRequest) -> wire.DetokenizeResponse:
+    """llama.cpp's ``/detokenize`` (on a worker thread: the ids are checked first)."""
     return wire.DetokenizeResponse(
         content=info.tokenizer.decode(w.tokens, skip_special_tokens=False)
     )
+
+
+def _check_detokenize(info, w: wire.DetokenizeRequest, v: Validator, fim: FimSettings) -> None:
+    check(
+        len(w.tokens) <= fim.max_detokenize_tokens,
+        "tokens",
+        f"at most {fim.max_detokenize_tokens} tokens per /detokenize request "
+        "(fim.max_detokenize_tokens)",
+    )
+    v.for_model(info.vocab_size).token_ids(w.tokens, "tokens")
 
 
 # ---- routes ---------------------------------------------------------------------------------
@@ -470,7 +493,8 @@ def install(
         w = v.decode(wire.detokenize_decoder, await request.get_data(cache=False))
         model, _ = select(w.model)
         info = await _tokenizer(pipeline, model)
-        return json_response(detokenize(info, w, v))
+        _check_detokenize(info, w, v, fim)
+        return json_response(await trio.to_thread.run_sync(detokenize, info, w))
 
     install_errors(api, ERRORS, on_error, v.max_body_bytes)
     app.register_blueprint(api)
