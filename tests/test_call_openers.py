@@ -61,25 +61,59 @@ def qwen(tmp_path_factory):
     )
 
 
-def test_qwen35_prose_spelling_the_tag_in_ordinary_tokens_is_prose(qwen):
-    compiler = GrammarCompiler(qwen)
-    grammar = compiler.compile_lazy((BOOK,), "qwen3_coder")
-    special = qwen.convert_tokens_to_ids("<tool_call>")
+@pytest.fixture(scope="module")
+def deepseek(tmp_path_factory):
+    from transformers import AutoTokenizer
+
+    from scripts import real_tokenizers
+
+    return AutoTokenizer.from_pretrained(
+        real_tokenizers.deepseek_v4_tokenizer(tmp_path_factory.mktemp("deepseek"))
+    )
+
+
+@pytest.mark.parametrize(
+    ("vocab", "fmt", "opener"),
+    [
+        ("qwen", "qwen3_coder", "<tool_call>"),
+        ("qwen", "hermes", "<tool_call>"),
+        ("deepseek", "deepseek_v3", "<｜tool▁calls▁begin｜>"),
+    ],
+)
+def test_real_vocabularies_prose_spelling_the_opener_is_prose(request, vocab, fmt, opener):
+    """Qwen3.5's and DeepSeek V4's real tokenizers: the opener is one special token; the
+    same text in ordinary tokens, in prose or a code fence, opens nothing; the token opens a
+    call even mid-line."""
+    hf = request.getfixturevalue(vocab)
+    grammar = GrammarCompiler(hf).compile_lazy((BOOK,), fmt)
+    special = hf.convert_tokens_to_ids(opener)
     assert grammar.special == {special: b""} and grammar.text_openers == ()
-    prose = qwen.encode(" The tag <tool_call> opens a call.", add_special_tokens=False)
-    spelled = qwen.encode(" <tool_call>", add_special_tokens=False, split_special_tokens=True)
-    assert special not in prose or special not in spelled
-    for script in (
-        [*qwen.encode(" The tag", add_special_tokens=False), *spelled],
-        qwen.encode("```\n", add_special_tokens=False) + spelled[1:],
-    ):
-        assert special not in script and len(script) >= 3
+    spelled = [t for ch in opener for t in hf.encode(ch, add_special_tokens=False)]
+    assert special not in spelled and len(spelled) >= 3
+    for lead in ("The tag ", "", "```\n"):
         calls = LazyCalls(grammar)
-        calls.consume(script)
-        assert not calls.active and calls.words() is None
+        calls.consume([*hf.encode(lead, add_special_tokens=False), *spelled])
+        calls.consume(hf.encode(" opens a call.", add_special_tokens=False))
+        assert not calls.active and calls.words() is None, lead
     calls = LazyCalls(grammar)
-    calls.consume([*qwen.encode("Sure.", add_special_tokens=False), special])
-    assert calls.active  # the token itself opens a call, even mid-line
+    calls.consume([*hf.encode("Sure.", add_special_tokens=False), special])
+    assert calls.active
+
+
+def test_smollm2_prose_and_code_mentioning_the_tag_stay_free(smollm_tokenizer):
+    """SmolLM2's real vocabulary has no ``<tool_call>`` token: mid-line and fenced mentions
+    are prose, one at the start of a line is a call."""
+    from transformers import AutoTokenizer
+
+    hf = AutoTokenizer.from_pretrained(smollm_tokenizer)
+    compiler = GrammarCompiler(hf)
+    for prose in (
+        "Wrap it as <tool_call>{...}</tool_call> and send it.",
+        "Like this:\n```\n<tool_call>\n{}\n</tool_call>\n```\nDone.",
+    ):
+        assert _write(compiler, hf, "hermes", prose) == prose
+    text = _write(compiler, hf, "hermes", "Booking.\n" + _bad("hermes"))
+    jsonschema.validate(_calls("hermes", text)[1][0][1], PARAMS)
 
 
 @pytest.mark.parametrize("fmt", TEXT)
