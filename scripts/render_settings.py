@@ -41,7 +41,7 @@ SEE = {
     "admission.queue_timeout_s": "[The queue timeout](#the-queue-timeout)",
     "tokenizer.tool_format": "[Model families](families.md#every-tool-call-format)",
     "tokenizer.reasoning_tags": "[Model families](families.md#every-reasoning-markup)",
-    "tokenizer.constrain_auto_calls": "[Tool calls in auto mode](api.md#tool-calls-in-auto-mode)",
+    "tokenizer.constrain_auto_calls": "[Tool calls in auto mode](api/index.md#tool-calls-in-auto-mode)",
     "engine.prefill_chunk_tokens": "[Backend defaults](#backend-defaults)",
     "engine.kv_bits": "[Quantized KV](caching.md#quantized-kv)",
     "prefix_cache.disk_dir": "[Disk tier](caching.md#disk-tier)",

@@ -21,7 +21,8 @@ ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
 PAGES = (
     "index.md", "start-macos.md", "start-linux.md", "start-cuda.md", "choosing.md",
-    "clients.md", "deploying.md", "changelog.md", "api.md", "examples.md", "families.md", "tools.md", "models.md", "caching.md", "speculative.md",
+    "clients.md", "deploying.md", "changelog.md", "api/index.md", "api/openai.md", "api/anthropic.md",
+    "api/ollama.md", "api/llamacpp.md", "api/mlxd.md", "families.md", "tools.md", "models.md", "caching.md", "speculative.md",
     "completion.md", "operations.md", "scaling.md", "troubleshooting.md", "benchmarks.md",
     "development.md",
 )  # fmt: skip
@@ -65,7 +66,7 @@ def test_the_site_builds_in_strict_mode(tmp_path):
     warnings = [line for line in done.stderr.splitlines() if "WARNING" in line]
     assert done.returncode == 0, "\n".join(warnings) or done.stderr[-3000:]
     for name in PAGES:
-        built = "index.html" if name == "index.md" else f"{name[:-3]}/index.html"
+        built = name[:-3] + ".html" if name.endswith("index.md") else f"{name[:-3]}/index.html"
         assert (tmp_path / "site" / built).is_file(), built
 
 
@@ -108,7 +109,8 @@ def test_every_subcommand_is_on_the_operations_page():
     assert not missing, _missing("subcommands", "operations.md", missing)
 
 
-def _routes() -> list[tuple[str, frozenset[str]]]:
+def _app():
+    """The daemon's app over a pipeline that runs nothing: its routes, not its answers."""
     from mlxd.actors.mailbox import Mailboxes
     from mlxd.daemon.app import create_app
     from mlxd.daemon.history import History
@@ -118,10 +120,13 @@ def _routes() -> list[tuple[str, frozenset[str]]]:
     admission, _ = trio.open_memory_channel(1)
     engine, _ = trio.open_memory_channel(1)
     pipeline = Pipeline(admission, engine, Mailboxes(), history=History())
-    app = create_app(pipeline, load_settings(None, None, {}))
+    return create_app(pipeline, load_settings(None, None, {}))
+
+
+def _routes() -> list[tuple[str, frozenset[str]]]:
     return [
         (rule.rule, frozenset(rule.methods - {"HEAD", "OPTIONS"}))
-        for rule in app.url_map.iter_rules()
+        for rule in _app().url_map.iter_rules()
         if rule.endpoint != "static"  # Quart's own static folder, which mlxd does not use
     ]
 
@@ -133,17 +138,26 @@ def _route_pattern(rule: str) -> re.Pattern[str]:
     return re.compile(body + r"(?![\w/{-])")
 
 
-def test_every_route_is_on_the_api_page():
+def test_every_route_is_on_the_api_pages():
+    """A row of the overview's route table per route (with its methods), and the page it
+    links to, the route's API's, has the route too."""
     routes = _routes()
     assert len(routes) > 25
-    lines = _page("api.md").splitlines()
-    missing = []
+    lines = _page("api/index.md").splitlines()
+    missing, unlinked = [], []
     for rule, methods in sorted(routes, key=lambda r: r[0]):
         pattern = _route_pattern(rule)
         rows = [line for line in lines if pattern.search(line)]
-        if not any(all(re.search(rf"\b{m}\b", row) for m in methods) for row in rows):
-            missing.append(f"{'/'.join(sorted(methods))} {rule}")
-    assert not missing, _missing("routes", "api.md", missing)
+        rows = [row for row in rows if all(re.search(rf"\b{m}\b", row) for m in methods)]
+        name = f"{'/'.join(sorted(methods))} {rule}"
+        if not rows:
+            missing.append(name)
+            continue
+        linked = re.search(r"\]\((\w+\.md)(#[\w-]+)?\)", rows[0])
+        if not linked or not pattern.search(_page(f"api/{linked.group(1)}")):
+            unlinked.append(f"{name} ({linked.group(0) if linked else 'no link'})")
+    assert not missing, _missing("routes", "api/index.md", missing)
+    assert not unlinked, f"routes not on the API page their row links to: {', '.join(unlinked)}"
 
 
 def test_a_route_pattern_matches_only_its_own_path():
@@ -162,7 +176,7 @@ def test_the_readme_is_a_front_door_of_at_most_400_lines():
     # the two set-up commands CI runs, and links into the site
     assert "./scripts/install && .venv/bin/mlxd serve" in readme
     assert "./scripts/install --test && ./scripts/test" in readme
-    linked = set(re.findall(r"\]\(docs/([a-z_-]+\.md)", readme))
+    linked = set(re.findall(r"\]\(docs/([a-z_/-]+\.md)", readme))
     assert set(PAGES) - {"index.md"} <= linked, set(PAGES) - linked
 
 
