@@ -98,6 +98,10 @@ class Scanner:
             return self._fresh
         return self._cand is not None
 
+    def in_reasoning(self) -> bool:
+        """Inside the reasoning block (an opener there is reasoning text)."""
+        return self._in_reasoning
+
     def partial(self) -> bytes | None:
         """The line so far, blanks stripped, where it may still grow into a text opener
         (None: it cannot, or the format's openers are not text)."""
@@ -233,6 +237,9 @@ class LazyCalls:
 
     def may_open(self) -> bool:
         return not self._active and self._scanner.may_open()
+
+    def in_reasoning(self) -> bool:
+        return self._scanner.in_reasoning()
 
     def readback(self, token: int) -> None:
         """The engine read this row's next sampled token back."""

@@ -356,3 +356,29 @@ def test_bounds_read_property_names_as_names():
     assert out["properties"]["properties"]["properties"]["n"]["multipleOf"] == 0.1
     assert out["$defs"]["type"]["minimum"] == -99
     assert forced.bound_numbers({"type": {"weird": 1}}, forced.Bounds()) == {"type": {"weird": 1}}
+
+
+def test_an_opener_token_inside_the_reasoning_block_is_not_masked_on_the_device():
+    """The device-side mask after a special opener applies only in the answer: inside the
+    reasoning block the opener is reasoning text, and the next token stays free."""
+    import mlx.core as mx
+    from mlxd.actors.engine.runner.logits import LazyCallProcessor
+
+    hf = _hf_tokenizer(["<tool_call>", "</tool_call>", "<think>", "</think>"])
+    tags = ("<think>", "</think>")
+    grammar = GrammarCompiler(hf).compile_lazy((BOOK,), "hermes", tags, True)
+    opener = hf.convert_tokens_to_ids("<tool_call>")
+    prompt = hf.encode("Q<think>", add_special_tokens=False)
+    logits = mx.zeros((1, len(hf)))
+    processor = LazyCallProcessor(grammar)
+    processor(mx.array(prompt), logits)
+    text = hf.encode("Maybe", add_special_tokens=False)
+    for t in text:
+        processor.readback(t)
+    assert mx.array_equal(processor(mx.array([*prompt, *text, opener]), logits), logits)
+    processor.readback(opener)
+    after = hf.encode(" no.</think>\nOK", add_special_tokens=False)
+    for t in after:
+        processor.readback(t)
+    held = processor(mx.array([*prompt, *text, opener, *after, opener]), logits)
+    assert not mx.array_equal(held, logits)  # in the answer, the opener's mask applies

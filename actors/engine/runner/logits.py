@@ -134,7 +134,7 @@ class LazyCallProcessor:
         words = calls.words()
         if words is not None:
             return _masked(logits, words)
-        if self._grammar.first_words and answered > 0:
+        if self._grammar.first_words and answered > 0 and not calls.in_reasoning():
             return self._after_opener(tokens[-1], logits)
         return logits
 
