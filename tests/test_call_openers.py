@@ -382,3 +382,31 @@ def test_an_opener_token_inside_the_reasoning_block_is_not_masked_on_the_device(
         processor.readback(t)
     held = processor(mx.array([*prompt, *text, opener, *after, opener]), logits)
     assert not mx.array_equal(held, logits)  # in the answer, the opener's mask applies
+
+
+def test_on_the_cpu_a_free_row_reads_its_newest_token_instead():
+    """``opener_mask_on_device = false`` (the CPU's row of the backend table): no select over
+    the vocabulary on free steps; the row reads its newest token, and the opener's mask
+    comes from the grammar on the host, the same tokens as the device's choice."""
+    import mlx.core as mx
+    from mlxd.actors.engine import backend_policy
+    from mlxd.actors.engine.runner.logits import LazyCallProcessor
+
+    assert not backend_policy.for_backend("cpu").opener_mask_on_device
+    assert backend_policy.for_backend("cuda").opener_mask_on_device
+    hf = _hf_tokenizer(["<tool_call>", "</tool_call>"])
+    opener = hf.convert_tokens_to_ids("<tool_call>")
+    prompt = hf.encode("Q", add_special_tokens=False)
+    text = hf.encode("Hi", add_special_tokens=False)
+    logits = mx.zeros((1, len(hf)))
+    masks = []
+    for on_device in (True, False):
+        grammar = GrammarCompiler(hf).compile_lazy((BOOK,), "hermes")
+        processor = LazyCallProcessor(grammar, on_device=on_device)
+        processor(mx.array(prompt), logits)
+        free = processor(mx.array([*prompt, *text]), logits)
+        if not on_device:
+            assert free is logits  # no op at all on a free step
+        masks.append(np.array(processor(mx.array([*prompt, *text, opener]), logits)))
+    assert (np.isfinite(masks[0]) == np.isfinite(masks[1])).all()
+    assert np.isfinite(masks[1]).sum() < len(hf)

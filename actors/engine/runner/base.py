@@ -83,10 +83,14 @@ def make_sampler(params: SamplingParams, drawn: int = 0):
 
 
 def make_processors(
-    params: SamplingParams, grammar: object | None = None, resumed: int = 0
+    params: SamplingParams,
+    grammar: object | None = None,
+    resumed: int = 0,
+    opener_on_device: bool = True,
 ) -> list:
     """A bounds-checked bias, penalties from mlx-lm; a grammar mask last, so nothing can undo it
-    (``resumed``: a lazy call grammar replays the row's last tokens, its own)."""
+    (``resumed``: a lazy call grammar replays the row's last tokens, its own;
+    ``opener_on_device``: the backend table's ``opener_mask_on_device``)."""
     processors = [bias_processor(params.logit_bias)] if params.logit_bias else []
     processors += make_logits_processors(
         repetition_penalty=params.repetition_penalty if params.repetition_penalty != 1.0 else None,
@@ -99,7 +103,7 @@ def make_processors(
     if isinstance(grammar, CompiledGrammar):
         processors.append(GrammarProcessor(grammar))
     elif isinstance(grammar, LazyGrammar):
-        processors.append(LazyCallProcessor(grammar, resumed))
+        processors.append(LazyCallProcessor(grammar, resumed, opener_on_device))
     return processors
 
 
@@ -597,7 +601,12 @@ class MlxRunner:
             # depend on where the row's last step left the shared matcher
             request.grammar.matcher.reset()
             request.grammar.matcher.consume_tokens(list(request.prompt_tokens[-request.resumed :]))
-        processors = make_processors(request.sampling, request.grammar, request.resumed)
+        processors = make_processors(
+            request.sampling,
+            request.grammar,
+            request.resumed,
+            self._policy.opener_mask_on_device,
+        )
         for p in processors:
             if isinstance(p, LazyCallProcessor):  # fed the tokens each step reads back
                 self._readers[request.request_id] = p

@@ -110,10 +110,13 @@ class LazyCallProcessor:
     mask depends on that token (a call is open, or a text opener may complete) does the
     row read it here, which waits for the step that sampled it."""
 
-    def __init__(self, grammar: LazyGrammar, resumed: int = 0):
+    def __init__(self, grammar: LazyGrammar, resumed: int = 0, on_device: bool = True):
         self._grammar = grammar
         self._calls = LazyCalls(grammar)
         self._resumed = resumed
+        # the backend table's ``opener_mask_on_device``: else a row whose format opens
+        # with a special token reads its newest token each step (cheaper on the CPU)
+        self._read_newest = bool(grammar.special) and not on_device
         self._start: int | None = None  # context length before the answer's first token
         self._first: tuple[mx.array, mx.array] | None = None  # opener ids, their masks
 
@@ -127,7 +130,8 @@ class LazyCallProcessor:
             self._start = n - self._resumed  # the first call sees the prompt (and the replay)
         calls = self._calls
         answered = n - self._start  # the answer's tokens in the context, the newest unread
-        if calls.consumed < answered and (calls.active or calls.may_open() or self._resumed):
+        wanted = calls.active or calls.may_open() or self._resumed or self._read_newest
+        if calls.consumed < answered and wanted:
             self._resumed = 0
             # sync: the next mask depends on the newest token
             calls.consume_from(calls.consumed, tokens[self._start + calls.consumed :].tolist())
