@@ -138,6 +138,8 @@ class LazyCallProcessor:
         words = calls.words()
         if words is not None:
             return _masked(logits, words)
+        if self._read_newest:
+            return logits  # the newest token is read: an opener has made the row active
         if self._grammar.first_words and answered > 0 and not calls.in_reasoning():
             return self._after_opener(tokens[-1], logits)
         return logits
