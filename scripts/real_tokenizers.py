@@ -24,6 +24,7 @@ import argparse
 import hashlib
 import json
 import os
+import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -226,6 +227,100 @@ def build_real_tokenizer_model(kind: str, out: Path | None = None) -> Path:
         build_text_model(model, tokenizer_dir, staging / "model")
         try:
             os.rename(staging / "model", out)  # atomic: a parallel build may have won
+        except OSError:
+            if not (out / "model.safetensors").exists():
+                raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return out
+
+
+def ordinary_tokens(tokenizer_dir: Path) -> dict[bytes, int]:
+    """Each ordinary (not added) token's bytes → its id, for a byte-level BPE vocabulary."""
+    from tokenizers import Tokenizer, decoders
+
+    backend = Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json"))
+    decoder = decoders.ByteLevel()
+    added = set(backend.get_added_tokens_decoder())
+    out: dict[bytes, int] = {}
+    for piece, token_id in backend.get_vocab(with_added_tokens=False).items():
+        if token_id not in added:
+            text = decoder.decode([piece])
+            if "\ufffd" not in text:  # a token that is part of a character: not used here
+                out.setdefault(text.encode(), token_id)
+    return out
+
+
+def spell(
+    vocab: dict[bytes, int], tail: list[int], pieces: list[str | int], context: int = 4
+) -> list[int]:
+    """An answer for a scripted model (``tiny_models.build_script_model``) after a prompt
+    ending in ``tail``: ``pieces`` (text in ordinary tokens; an int: that token id) spelled
+    so that no ``context`` tokens in a row are followed by two different tokens. Text is
+    cut at its newlines; each line's spellings (fewest tokens first) are tried in turn."""
+    units: list[list[list[int]]] = []  # each unit's spellings
+    for piece in pieces:
+        if isinstance(piece, int):
+            units.append([[piece]])
+            continue
+        units += [_spellings(vocab, line.encode()) for line in re.split(r"(\n)", piece) if line]
+
+    def search(unit: int, written: list[int], seen: dict) -> list[int] | None:
+        if unit == len(units):
+            return written[len(tail) :]
+        for tokens in units[unit]:
+            now, added = [*written], dict(seen)
+            for token in tokens:
+                if added.setdefault(tuple(now[-context:]), token) != token:
+                    break
+                now.append(token)
+            else:
+                if (found := search(unit + 1, now, added)) is not None:
+                    return found
+        return None
+
+    found = search(0, list(tail), {})
+    if found is None:
+        raise ValueError(f"no spelling of {pieces!r} with {context} tokens of context")
+    return found
+
+
+def _spellings(vocab: dict[bytes, int], text: bytes, limit: int = 64) -> list[list[int]]:
+    """Up to ``limit`` ways to write ``text`` in tokens of ``vocab``, fewest tokens first."""
+    longest = max(map(len, vocab))
+    ways: dict[int, list[list[int]]] = {len(text): [[]]}
+    for at in range(len(text) - 1, -1, -1):
+        found = []
+        for end in range(at + 1, min(len(text), at + longest) + 1):
+            token = vocab.get(text[at:end])
+            if token is not None:
+                found += [[token, *rest] for rest in ways.get(end, [])]
+        ways[at] = sorted(found, key=len)[:limit]
+    if not ways[0]:
+        raise ValueError(f"{text!r} cannot be written in this vocabulary")
+    return ways[0]
+
+
+def build_scripted_model(kind: str, *scripts: tuple[list[int], list[int]]) -> Path:
+    """A model wearing the ``kind`` tokenizer that writes each script's answer greedily after
+    a prompt ending in its tail (``tiny_models.build_script_model``). Built once into
+    ``.cache/real-tokenizers/KIND-script-KEY``, keyed by the tokenizer and the scripts."""
+    from mlxd.scripts import tiny_models
+
+    tiny_models.script_steps(list(scripts), 4)  # raises before anything is built
+    parts = [_key(kind), json.dumps(scripts), Path(tiny_models.__file__).read_text()]
+    key = hashlib.sha256("\0".join(parts).encode()).hexdigest()[:12]
+    out = CACHE / f"{kind}-script-{key}"
+    if (out / "model.safetensors").exists():
+        return out
+    tokenizer_dir = build_real_tokenizer_model(kind)
+    staging = Path(tempfile.mkdtemp(prefix=f".{kind}-script-", dir=out.parent))
+    try:
+        built = tiny_models.build_script_model(
+            tokenizer_dir, list(scripts), staging / "model", vocab_size(tokenizer_dir)
+        )
+        try:
+            os.rename(built, out)  # atomic: a parallel build may have won
         except OSError:
             if not (out / "model.safetensors").exists():
                 raise

@@ -148,6 +148,154 @@ def build_text_model(
     return out
 
 
+# A scripted model (``build_script_model``): one llama layer; its sizes follow the script.
+SCRIPTED = {
+    "model_type": "llama",
+    "intermediate_size": 16,
+    "num_hidden_layers": 1,
+    "head_dim": 64,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 100.0,
+    "max_position_embeddings": 8192,
+    "tie_word_embeddings": False,
+}
+
+# (the prompt's last tokens, the answer): what a scripted model writes after that prompt
+Script = tuple[list[int], list[int]]
+
+
+def script_steps(scripts: list[Script], context: int) -> list[tuple[tuple[int, ...], int]]:
+    """Each step of the answers: (its last ``context`` tokens, oldest first, the next
+    token). Raises where one context is followed by two different tokens."""
+    steps: dict[tuple[int, ...], int] = {}
+    for tail, answer in scripts:
+        written = list(tail)
+        for token in answer:
+            seen = tuple(written[-context:])
+            if steps.setdefault(seen, token) != token:
+                raise ValueError(f"{seen} is followed by {steps[seen]} and by {token}")
+            written.append(token)
+    return list(steps.items())
+
+
+def _script_head(steps, slot: dict[int, int], context: int) -> dict[int, np.ndarray]:
+    """Each next token's weights on its context's features (token at distance d: block d),
+    by a perceptron, until each step's next token scores 1 above every other and above 0
+    (every unscripted token's score)."""
+    n = len(slot)
+    examples = []
+    for seen, successor in steps:
+        f = np.zeros(context * n)
+        for d, token in enumerate(reversed(seen)):
+            if token in slot:
+                f[d * n + slot[token]] = 1.0
+        examples.append((f, successor))
+    weights = {s: np.zeros(context * n) for _, s in steps}
+    for _ in range(1000):
+        wrong = 0
+        for f, want in examples:
+            score = {t: float(w @ f) for t, w in weights.items()}
+            rival = max((t for t in score if t != want), key=score.__getitem__, default=None)
+            if score[want] < 1.0 or (rival is not None and score[rival] > score[want] - 1.0):
+                weights[want] += f
+                if rival is not None and score[rival] > score[want] - 1.0:
+                    weights[rival] -= f
+                wrong += 1
+        if not wrong:
+            return weights
+    raise ValueError("no weights write these scripts: spell them with other tokens")
+
+
+def build_script_model(
+    tokenizer_dir: Path,
+    scripts: list[Script],
+    out: Path,
+    vocab_size: int,
+    context: int = 4,
+    logit: float = 10.0,
+) -> Path:
+    """A model that writes each script's answer greedily after its prompt's last tokens: the
+    next token is a function of the last ``context`` tokens. (A bigram cannot write
+    Qwen3.5's call markup: each of its tags ends in the token ``>`` and a newline, itself
+    one token, and what follows differs.)
+
+    The residual stream: dimension 0 is 1 for every token; then one block per distance
+    ``d`` in 0 … context - 1, one dimension per scripted token in each: the token ``d``
+    back, one-hot (zero for the rest of the vocabulary). Block 0 is the embedding; head
+    ``d`` of the attention fills block ``d`` (``_lookback``). The MLP writes nothing
+    (``down_proj`` zero). ``lm_head`` scores each next token on these features, fitted so
+    that each step's next token wins by a margin; a context of unscripted tokens scores
+    every token 0 (a grammar's mask then leaves its lowest allowed id)."""
+    steps = script_steps(scripts, context)
+    tokens = sorted({t for seen, s in steps for t in (*seen, s)})
+    n = len(tokens)
+    if n > SCRIPTED["head_dim"]:
+        raise ValueError(f"{n} scripted tokens: at most {SCRIPTED['head_dim']}")
+    heads = context  # head 0 idles: ``context`` heads divide the hidden size
+    hidden = -(-(1 + context * n) // (8 * heads)) * 8 * heads
+    config = {**SCRIPTED, "vocab_size": vocab_size, "hidden_size": hidden}
+    config |= {"num_attention_heads": heads, "num_key_value_heads": heads}
+    embed = np.zeros((vocab_size, hidden), dtype=np.float32)
+    embed[:, 0] = 1.0
+    embed[tokens, 1 + np.arange(n)] = 1.0
+    head = np.zeros((vocab_size, hidden), dtype=np.float32)
+    slot = {t: i for i, t in enumerate(tokens)}  # offset in each block
+    for successor, w in _script_head(steps, slot, context).items():
+        head[successor, 1 : 1 + context * n] = logit * w
+    weights = {"model.embed_tokens.weight": embed, "lm_head.weight": head}
+    for name, value in _lookback(config, n, context).items():
+        weights[f"model.layers.0.self_attn.{name}.weight"] = value
+    return _save_llama(config, weights, tokenizer_dir, out)
+
+
+def _lookback(config: dict[str, Any], n: int, context: int) -> dict[str, np.ndarray]:
+    """Attention whose head ``d`` reads the token ``d`` back: constant queries and keys whose
+    RoPE phases agree only at distance ``d`` (there the score exceeds the next best, at
+    ``d`` ± 1, by 240 or more), and a value that copies the token's one-hot into block ``d``."""
+    hidden, head_dim, heads = config["hidden_size"], config["head_dim"], context
+    # RoPE pairs dimension j with j + head_dim / 2, at frequency rope_theta ** (-2j / head_dim)
+    half = head_dim // 2
+    theta = config["rope_theta"] ** (-np.arange(half) * 2.0 / head_dim)
+    one_hot = np.sqrt(hidden / 2)  # dimension 0, or a scripted token's, after the RMSNorm
+    amplitude = np.sqrt(2048 / hidden)  # the scores' scale whatever the hidden size
+    q = np.zeros((heads * head_dim, hidden), dtype=np.float32)
+    k, v = np.zeros_like(q), np.zeros_like(q)
+    o = np.zeros((hidden, heads * head_dim), dtype=np.float32)
+    for d in range(1, context):
+        at = d * head_dim
+        q[at : at + half, 0] = amplitude
+        k[at : at + half, 0] = amplitude * np.cos(d * theta)
+        k[at + half : at + head_dim, 0] = amplitude * np.sin(d * theta)
+        for i in range(n):
+            v[at + i, 1 + i] = 1.0
+            o[1 + d * n + i, at + i] = 1.0 / one_hot
+    return {"q_proj": q, "k_proj": k, "v_proj": v, "o_proj": o}
+
+
+def _save_llama(
+    config: dict[str, Any], arrays: dict[str, np.ndarray], tokenizer_dir: Path, out: Path
+) -> Path:
+    """An mlx-lm llama directory: ``arrays`` by name, every norm 1, every other weight 0."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+
+    module = importlib.import_module("mlx_lm.models.llama")
+    model = module.Model(module.ModelArgs.from_dict(dict(config)))
+    weights = {}
+    for name, value in tree_flatten(model.parameters()):
+        if name in arrays:
+            weights[name] = mx.array(arrays[name])
+        elif name.endswith("norm.weight"):
+            weights[name] = mx.ones(value.shape, dtype=mx.float32)
+        else:
+            weights[name] = mx.zeros(value.shape, dtype=mx.float32)
+    out.mkdir(parents=True, exist_ok=True)
+    mx.save_safetensors(str(out / "model.safetensors"), weights)
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    copy_tokenizer(tokenizer_dir, out)
+    return out
+
+
 def write_weight_index(out: Path) -> Path:
     """``model.safetensors.index.json`` for a one-file checkpoint: mlx-lm's ``sharded_load``
     reads it to find each pipeline stage's files."""
