@@ -230,11 +230,6 @@ async def test_digits_without_end_end_the_number(tmp_path):
         assert [a.get("days") for a in _arguments(free)] == [None], free["message"]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="forced.bound_numbers writes maximum 10**18 - 1, which llguidance reads as a "
-    "double (10**18): 1000000000000000000, 19 digits, passes",
-)
 async def test_an_integer_has_at_most_max_integer_digits(tmp_path):
     """``tokenizer.max_integer_digits`` (18): the number the model would write forever ends
     with at most 18 digits."""

@@ -26,6 +26,7 @@ Pure Python: no trio, no mlx.
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -99,7 +100,9 @@ def bound_numbers(schema: Any, bounds: Bounds) -> Any:
     named = out.get("type")
     kinds = {k for k in (named if isinstance(named, list) else [named]) if isinstance(k, str)}
     if "number" in kinds or "integer" in kinds:
-        whole = 10**bounds.integer_digits - 1
+        # llguidance reads bounds as doubles, where 10**18 - 1 is 10**18 (19 digits): the
+        # largest double below 10**N is exact, an integer, and has N digits
+        whole = int(math.nextafter(float(10**bounds.integer_digits), 0.0))
         limit = whole if "number" not in kinds else float(whole)
         if "minimum" not in out and "exclusiveMinimum" not in out:
             out["minimum"] = -limit
