@@ -12,11 +12,11 @@ mailbox, so a client that stops reading holds neither.
 Both timeouts live here, in one timer (``Pipeline.expire``), and nowhere else:
 a request that has not started (no ``Started`` yet: queued for a slot,
 tokenizing, or waiting in the engine for memory or a batch place) gets a 503
-``queue_timeout`` with ``Retry-After`` once the queue ahead of it has not moved for
+``queue_timeout`` with ``Retry-After`` once the queue has not moved for it for
 ``admission.queue_timeout_s``: its wait counts from its arrival, or from the last
-time a request that arrived before it moved in a way that could admit it (see
+time a request moved in a way that could admit it (its own model's, see
 ``Timeouts``), so a queue that moves behind a slow batch never refuses, and newer
-requests that overtake it cannot keep it waiting. A request still open
+requests that keep overtaking it cannot keep it waiting for ever. A request still open
 ``admission.request_timeout_s`` after its arrival gets a 504 ``request_timeout`` (an
 error event once streaming), whether or not its client reads. The failure is put in
 its mailbox, so ``release_ended`` frees
@@ -134,27 +134,31 @@ class Timeouts:
 
     A deadline falls ``request_timeout_s`` after the request's arrival. A queue timeout
     falls ``queue_timeout_s`` after a waiting request's clock last started: at its
-    arrival, and again whenever a request that arrived **before** it moves in a way
-    that could admit it: one for the same model starts (that model's queue moved up)
-    or ends (its memory and batch place came back), or one for another model ends
-    while ``could_use`` says the waiting request can use what that frees (an admission
-    slot; room to load its model). Requests that arrived after it never restart its
-    clock, so a flow of newer requests (another model's, or short ones that fit where
-    it does not) cannot keep it waiting for ever: the requests ahead of it are finitely
-    many, and ``queue_timeout_s`` after the last of them moved it starts or is refused.
-    Deadlines keep arrival order as expiry order (an insertion-ordered dict read from
-    its oldest entry). A delay of 0 turns that timeout off.
+    arrival, and again whenever another request moves in a way that could admit it:
+    one for the same model starts (that model's queue moved up) or ends (its memory and
+    batch place came back), or one for another model ends while ``could_use`` says the
+    waiting request can use what that frees (an admission slot; room to load its
+    model). Requests that arrived before it always count. Requests that arrived after
+    it count only during its first ``queue_timeout_s``: prompts are built in parallel,
+    so some may reach the engine's queue ahead of it, but a flow of newer requests that
+    keeps overtaking it (another model's never count; higher ``priority``) cannot keep
+    it waiting for ever. The requests ahead of it are finitely many, so it starts or is
+    refused by ``2 * queue_timeout_s`` after its arrival, or ``queue_timeout_s`` after
+    the last older request moved, whichever is later. Deadlines keep arrival order as
+    expiry order (an insertion-ordered dict read from its oldest entry). A delay of 0
+    turns that timeout off.
     """
 
     def __init__(self, queue_timeout_s: float = 0.0, request_timeout_s: float = 0.0):
         self.queue_timeout_s, self.request_timeout_s = queue_timeout_s, request_timeout_s
-        self._open: dict[str, tuple[int, str]] = {}  # arrival order and model, per request
+        # arrival order, model and arrival time, per open request
+        self._open: dict[str, tuple[int, str, float]] = {}
         self._seq = itertools.count()
         self._queue: dict[str, float] = {}  # not started yet: when its clock last started
         self._deadline: dict[str, float] = {}
 
     def add(self, request_id: str, now: float, model: str = "") -> None:
-        self._open[request_id] = (next(self._seq), model)
+        self._open[request_id] = (next(self._seq), model, now)
         if self.queue_timeout_s > 0:
             self._queue[request_id] = now
         if self.request_timeout_s > 0:
@@ -166,14 +170,14 @@ class Timeouts:
         self._deadline.pop(request_id, None)
 
     def started(self, request_id: str, now: float) -> None:
-        """It left the queues: the later requests for its model moved up."""
+        """It left the queues: the waiting requests for its model moved up."""
         self._queue.pop(request_id, None)
         self._restart(request_id, now, None)
 
     def ended(
         self, request_id: str, now: float, could_use: Callable[[str, str], bool] | None = None
     ) -> None:
-        """A started request ended: later requests for its model, and later ones of any
+        """A started request ended: the waiting requests for its model, and those of any
         model that ``could_use(request_id, model)`` what it freed, start their clocks again."""
         self._restart(request_id, now, could_use)
 
@@ -183,12 +187,14 @@ class Timeouts:
         mover = self._open.get(request_id)
         if mover is None:
             return
-        seq, model = mover
+        seq, model, _ = mover
         for waiting in self._queue:
-            their_seq, their_model = self._open[waiting]
-            if their_seq > seq and (
-                their_model == model or (could_use is not None and could_use(waiting, their_model))
-            ):
+            their_seq, their_model, arrival = self._open[waiting]
+            ahead = seq < their_seq or now - arrival < self.queue_timeout_s
+            usable = their_model == model or (
+                could_use is not None and could_use(waiting, their_model)
+            )
+            if ahead and usable:
                 self._queue[waiting] = now
 
     def next_at(self) -> float:
@@ -450,7 +456,7 @@ class Pipeline:
             reason="queue_timeout",
             message=(
                 f"waited {self.timeouts.queue_timeout_s:g}s for a slot, memory or a batch "
-                "place while no request ahead of it started or finished "
+                "place while no request that could make room for it started or finished "
                 "(admission.queue_timeout_s); retry later"
             ),
             retry_after=self.retry_after_s,

@@ -155,7 +155,7 @@ class Progress:
             self.completion += event.tokens
 
     def ended(self, reason: str) -> Finished:
-        """The request's end where mlxd ended it (a typing stop, a newer request)."""
+        """The request's end where a typing stop ended it."""
         return Finished(
             finish_reason=reason,  # type: ignore[arg-type]
             prompt_tokens=self.prompt,
