@@ -28,7 +28,30 @@ def machine() -> str:
     named = os.environ.get("MLXD_MACHINE")
     if named:
         return named
-    return f"{platform.system()} {platform.machine()}, {os.cpu_count()} cores, CPU backend"
+    cores, system = os.cpu_count(), platform.system()
+    flags, cpu = _cpuinfo()
+    if system == "Linux" and "hypervisor" in flags:  # one name for the VM every record ran on
+        blas = ", OpenBLAS" if "openblas" in os.environ.get("LD_PRELOAD", "") else ""
+        brand = f" ({cpu})" if cpu else ""
+        return f"shared {cores}-core Linux VM{brand}, CPU backend{blas}"
+    return f"{system} {platform.machine()}, {cores} cores, CPU backend"
+
+
+def _cpuinfo() -> tuple[set[str], str]:
+    """Linux: the CPU's flags and its brand's first two words (``AMD EPYC``); else empty."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set(), ""
+    flags: set[str] = set()
+    brand = ""
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() == "flags" and not flags:
+            flags = set(value.split())
+        elif key.strip() == "model name" and not brand:
+            brand = " ".join(value.split()[:2])
+    return flags, brand
 
 
 def command(argv: list[str] | None = None, module: str | None = None) -> str:
