@@ -410,3 +410,21 @@ def test_on_the_cpu_a_free_row_reads_its_newest_token_instead():
         masks.append(np.array(processor(mx.array([*prompt, *text, opener]), logits)))
     assert (np.isfinite(masks[0]) == np.isfinite(masks[1])).all()
     assert np.isfinite(masks[1]).sum() < len(hf)
+
+
+@pytest.mark.parametrize(("kind", "digits"), [("integer", 18), ("number", 15)])
+def test_the_digit_bound_is_exact_in_llguidance(kind, digits):
+    """llguidance compares bounds as doubles: no value with one digit more passes (an
+    integer at 18 digits; a number's integer part at 15, where its ranges are exact)."""
+    import llguidance
+    from mlxd.actors.grammar import _byte_tokenizer
+
+    schema = forced.bound_numbers({"type": kind}, forced.Bounds(integer_digits=18))
+    grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, {"whitespace_flexible": False})
+
+    def accepts(text: str) -> bool:
+        matcher = llguidance.LLMatcher(_byte_tokenizer(), grammar, log_level=0)
+        return matcher.consume_tokens(list(text.encode())) and not matcher.is_error()
+
+    assert accepts("1" + "0" * (digits - 1)) and accepts("-" + "1" * digits)
+    assert not accepts("1" + "0" * digits) and not accepts("-1" + "0" * digits)

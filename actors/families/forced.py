@@ -77,7 +77,7 @@ class Bounds:
     ``tokenizer.max_fraction_digits``): without a bound, greedy decoding can write
     ``1000000…`` until ``max_tokens`` cuts the call. No exponent is written."""
 
-    integer_digits: int = 18  # an int64 holds every 18-digit integer
+    integer_digits: int = 18  # an int64 holds every 18-digit integer (a number: at most 15)
     fraction_digits: int = 10  # llguidance's ``multipleOf`` takes at most 10 (1e-12 is inexact)
 
 
@@ -101,8 +101,10 @@ def bound_numbers(schema: Any, bounds: Bounds) -> Any:
     kinds = {k for k in (named if isinstance(named, list) else [named]) if isinstance(k, str)}
     if "number" in kinds or "integer" in kinds:
         # llguidance reads bounds as doubles, where 10**18 - 1 is 10**18 (19 digits): the
-        # largest double below 10**N is exact, an integer, and has N digits
-        whole = int(math.nextafter(float(10**bounds.integer_digits), 0.0))
+        # largest double below 10**N is exact, an integer, and has N digits. A number's
+        # range is exact in llguidance only to 15 digits (1e18 passed a 9.99e17 maximum).
+        digits = bounds.integer_digits if "number" not in kinds else min(bounds.integer_digits, 15)
+        whole = int(math.nextafter(float(10**digits), 0.0))
         limit = whole if "number" not in kinds else float(whole)
         if "minimum" not in out and "exclusiveMinimum" not in out:
             out["minimum"] = -limit
