@@ -47,6 +47,7 @@ from typing import Any
 
 CATEGORIES = ("simple_python", "multiple", "parallel")
 MODELS = ("smollm2", "gemma3")
+MODEL_NAMES = {"smollm2": "SmolLM2-135M", "gemma3": "Gemma 3 270M Q4_K_M (loaded as float32)"}
 ARMS = ("constrained", "unconstrained", "mlx_lm")
 # The setting that turns auto-mode constraints off: (section, key).
 OPT_OUT = ("tokenizer", "constrain_auto_calls")
@@ -493,8 +494,11 @@ def _parser() -> argparse.ArgumentParser:
 def _notes(args) -> str:
     return (
         f"The first {args.limit} cases of each BFCL v4 category, tool_choice auto, greedy, "
-        f"max_tokens {args.max_tokens}; AST accuracy by bfcl-eval's own checker. valid_args is "
-        "over the calls made, the other shares over all answers."
+        f"max_tokens {args.max_tokens}; parallel_tool_calls false but in 'parallel'. AST "
+        "accuracy by bfcl-eval's own checker. valid_args is over the calls made, the other "
+        "shares over all answers; ran_on_after_call: answers with a call cut by max_tokens. "
+        "A base model: the server is judged by what it guarantees (valid, bounded, ended "
+        "calls), not by the model's accuracy."
     )
 
 
@@ -512,9 +516,20 @@ def main(argv: list[str] | None = None) -> int:
     if not args.no_record:
         from mlxd.scripts import records
 
-        command = records.command(module="mlxd.scripts.bench_tools")
+        argv = [a for a in sys.argv[1:] if not a.startswith("--answers")]
+        command = records.command(argv, module="mlxd.scripts.bench_tools")
+        peer = "mlx_lm.server" if "mlx_lm" in args.arms else "mlxd without the constraint"
         path = records.write(
-            "bench_tools", command=command, peer="mlx_lm.server", rows=rows, notes=_notes(args)
+            "bench_tools",
+            command=command,
+            peer=peer,
+            against="peer" if "mlx_lm" in args.arms else "itself",
+            rows=rows,
+            notes=_notes(args),
+            model=", ".join(MODEL_NAMES[m] for m in args.models),
+            weights="real",
+            samples=f"{args.limit} BFCL cases per category, {sum(r['calls'] for r in rows)} calls",
+            spread="one greedy run (deterministic)",
         )
         print(f"record: {path}")
     return 1 if any(r["errors"] for r in rows) else 0
