@@ -42,10 +42,30 @@ class Flag:
     repeat: bool = False
     choices: tuple[str, ...] | None = None
     also: tuple[tuple[str, Any], ...] = ()
+    gather: Callable[[list[Any]], Any] = list  # a repeated flag's values as the setting
+
 
     @property
     def dest(self) -> str:
         return self.name.removeprefix("--").replace("-", "_")
+
+
+def adapter_pair(text: str) -> tuple[str, str]:
+    """``--adapter NAME=DIR`` as (name, directory)."""
+    name, sep, path = text.partition("=")
+    if not (sep and name.strip() and path.strip()):
+        raise argparse.ArgumentTypeError(f"{text!r} is not NAME=DIR")
+    return name.strip(), path.strip()
+
+
+def adapter_table(pairs: list[tuple[str, str]]) -> dict[str, str]:
+    """The ``--adapter`` flags as ``model.adapters``; a name given twice is an error."""
+    table: dict[str, str] = {}
+    for name, path in pairs:
+        if name in table:
+            raise SettingsError(f"--adapter: {name!r} given twice")
+        table[name] = path
+    return table
 
 
 FLAGS = (
@@ -55,6 +75,9 @@ FLAGS = (
          choices=("auto", "text", "vision")),
     Flag("--served-model-name", ("model.served_id",),
          "the model id clients send (default: from the path)"),
+    Flag("--adapter", ("model.adapters",),
+         "a LoRA adapter requests choose by NAME, over the model (repeatable; NAME=DIR)",
+         type=adapter_pair, repeat=True, gather=adapter_table),
     Flag("--chat-template", ("model.chat_template",),
          "the server's chat template (a Jinja string or a file) instead of the model's"),
     Flag("--api-key", ("auth.api_keys",), "an accepted API key (repeatable); none: no auth",
@@ -85,7 +108,9 @@ def _settings_options(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--config", type=Path, help="TOML file overriding config/default.toml")
     for flag in FLAGS:
-        kw: dict[str, Any] = {"action": "append"} if flag.repeat else {"type": flag.type}
+        kw: dict[str, Any] = {"type": flag.type}
+        if flag.repeat:
+            kw["action"] = "append"
         setting = " + ".join(flag.sets)
         parser.add_argument(
             flag.name, choices=flag.choices, help=f"{flag.help} ({setting})", dest=flag.dest, **kw
@@ -145,6 +170,7 @@ def _overrides(args: argparse.Namespace) -> dict:
     for flag in FLAGS:
         value = getattr(args, flag.dest, None)
         if value is not None:
+            value = flag.gather(value) if flag.repeat else value
             for dotted in flag.sets:
                 _put(tree, dotted, value)
             for dotted, fixed in flag.also:

@@ -67,6 +67,12 @@ class ModelSettings(_Section):
     dequantize_on_cpu: bool = True
     kind: Literal["auto", "text", "vision", "embedding"] = "auto"
     chat_template: str = ""
+    # LoRA adapters chosen per request (served id → adapter directory), over this model
+    adapters: dict[str, str] = {}
+    # adapters resident at once per model, and the memory they may take (least recently
+    # used idle ones are dropped); a [[models]] entry's own values (0) default to these
+    max_adapters: Positive = 8
+    adapter_memory_mb: Positive = 1024
 
     def chat_template_text(self) -> str:
         """The server's chat template: ``chat_template`` itself when it holds a Jinja tag,
@@ -325,6 +331,10 @@ class ModelEntry(_Section):
     pooling: Literal["auto", "mean", "cls", "last"] = "auto"
     matryoshka_dimensions: list[Annotated[int, msgspec.Meta(ge=1)]] = []
     adapter_path: str = ""  # an mlx-lm LoRA adapter directory applied at load; "" = none
+    # LoRA adapters chosen per request: served id → directory (mlx-lm's or PEFT's files)
+    adapters: dict[str, str] = {}
+    max_adapters: NonNegative = 0  # 0 = model.max_adapters
+    adapter_memory_mb: NonNegative = 0  # 0 = model.adapter_memory_mb
     max_batch: NonNegative = 0  # 0 = engine.max_batch
     preload: bool = False  # load at start-up instead of on first use
     chat_template: str = ""  # a Jinja string or a file; "" = model.chat_template's rule
@@ -336,6 +346,11 @@ class ModelEntry(_Section):
     def __post_init__(self) -> None:
         where = f"models {self.id!r}: "
         _check_output_formats(self.tool_format or "auto", self.reasoning_tags or "auto", where)
+        _check_adapters(self.adapters, f"{where}adapters")
+        _require(
+            not (self.adapters and self.kind == "embedding"),
+            f"{where}adapters: an embedding model takes no LoRA adapters",
+        )
 
     def chat_template_text(self, fallback: str) -> str:
         """This entry's chat template (a Jinja string, or the file it names), else
@@ -352,6 +367,29 @@ class ModelEntry(_Section):
             raise ValueError(
                 f"models {self.id!r}: chat_template: cannot read {path}: {exc}"
             ) from None
+
+
+def _check_adapters(adapters: Mapping[str, str], where: str) -> None:
+    """Each adapter's served id and directory, as one table of them names them."""
+    for name, path in adapters.items():
+        _require(name.strip() == name != "", f"{where}: an empty or padded adapter id {name!r}")
+        _require(path.strip() != "", f"{where}: adapter {name!r} has no path")
+
+
+def check_adapter_ids(entries: list[ModelEntry]) -> None:
+    """``ValueError`` unless every adapter's id is unique among the served models' ids and
+    their adapters' (``[model]``'s id is known only once it loads: checked again then)."""
+    ids = {e.id for e in entries if e.id}
+    seen: dict[str, str] = {}
+    for entry in entries:
+        for name in entry.adapters:
+            owner = entry.id or "[model]"
+            _require(name not in ids, f"adapters: {name!r} ({owner}) is a model's id")
+            _require(
+                name not in seen,
+                f"adapters: {name!r} is named twice ({seen.get(name)} and {owner})",
+            )
+            seen[name] = owner
 
 
 class EmbeddingsSettings(_Section):
@@ -455,6 +493,17 @@ class Settings(_Section):
             sum(m.preload for m in self.models) <= self.model_pool.max_loaded,
             "models: more entries with preload = true than model_pool.max_loaded",
         )
+        _require(
+            not (self.models and self.model.adapters),
+            "model.adapters (--adapter) is for the one [model]; with [[models]], give each "
+            "entry its own adapters table",
+        )
+        _check_adapters(self.model.adapters, "model.adapters")
+        _require(
+            not (self.model.adapters and self.model.kind == "embedding"),
+            "model.adapters: an embedding model takes no LoRA adapters",
+        )
+        check_adapter_ids(self.model_entries())
 
     def model_entries(self) -> list[ModelEntry]:
         """The served models: ``[[models]]``, or ``[model]`` as one preloaded entry (its id
@@ -462,7 +511,11 @@ class Settings(_Section):
         if self.models:
             return list(self.models)
         m = self.model
-        return [ModelEntry(id=m.served_id, path=m.path, kind=m.kind, preload=True)]
+        return [
+            ModelEntry(
+                id=m.served_id, path=m.path, kind=m.kind, preload=True, adapters=dict(m.adapters)
+            )
+        ]
 
 
 class SettingsError(ValueError):
@@ -500,11 +553,14 @@ def _field_type(section: str, key: str) -> Any:
 
 def _env_value(name: str, text: str, kind: Any) -> Any:
     """An environment variable's text as a value of the setting's type: numbers and booleans
-    parsed, a list as a JSON array or comma-separated; constraints checked."""
+    parsed, a list as a JSON array or comma-separated, a table as a JSON object; constraints
+    checked."""
     bare = typing.get_args(kind)[0] if typing.get_origin(kind) is Annotated else kind
     try:
         raw: Any = text
-        if typing.get_origin(bare) is list:
+        if typing.get_origin(bare) is dict:  # a table: a JSON object
+            raw = msgspec.json.decode(text)
+        elif typing.get_origin(bare) is list:
             raw = msgspec.json.decode(text) if text.lstrip().startswith("[") else text.split(",")
             raw = [item.strip() if isinstance(item, str) else item for item in raw]
             raw = [item for item in raw if item != ""]

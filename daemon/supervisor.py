@@ -107,6 +107,8 @@ def load_options(
         max_batch=e.max_batch or s.engine.max_batch,
         kind=e.kind,
         adapter_path=Path(e.adapter_path).expanduser() if e.adapter_path else None,
+        max_adapters=e.max_adapters or m.max_adapters,
+        adapter_memory_bytes=(e.adapter_memory_mb or m.adapter_memory_mb) << 20,
         prefill_streams=prefill_streams(s),
         chunked_linear_attention=auto_or(s.engine.chunked_linear_attention),
         # the limit is part of the "auto" choice: true batches every row, false none

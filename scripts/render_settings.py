@@ -121,7 +121,7 @@ def parse(text: str) -> list[Section]:
 class Values:
     """What a setting accepts: a list of choices, or a number in a range, or free text."""
 
-    kind: str  # "choices", "int", "float", "str", "list"
+    kind: str  # "choices", "int", "float", "str", "list", "table"
     choices: tuple[Any, ...] = ()
     low: float | None = None
     low_open: bool = False  # low itself refused (> rather than >=)
@@ -201,6 +201,8 @@ def values(path: str, kind: Any) -> Values:
             choices += typing.get_args(part)
         elif typing.get_origin(part) is list:
             return Values("list")
+        elif typing.get_origin(part) is dict:
+            return Values("table")
         elif part is str:
             return Values("str")
         else:
@@ -222,6 +224,8 @@ def describe(v: Values) -> str:
         text = ", ".join(f"`{_toml(c)}`" for c in v.choices)
     elif v.kind == "list":
         text = "a list of strings"
+    elif v.kind == "table":
+        text = "a table of strings"
     elif v.kind == "str":
         text = "a string"
     else:

@@ -32,6 +32,8 @@ SETTINGS = {
         "cache_dir": "/tmp/mlxd-cache",
         "dequantize_on_cpu": False,
         "kind": "text",
+        "max_adapters": 3,
+        "adapter_memory_mb": 64,
     },
     "engine": {
         "max_batch": 5,
@@ -73,6 +75,8 @@ EXPECTED = LoadOptions(
     dequantize_on_cpu=False,
     max_batch=5,
     kind="text",
+    max_adapters=3,
+    adapter_memory_bytes=64 << 20,
     prefill_streams=3,
     chunked_linear_attention=False,
     batch_prefill=True,
@@ -196,6 +200,7 @@ def test_a_models_entry_brings_its_own_path_batch_adapter_and_features(tmp_path)
         "path": "/models/a",
         "kind": "vision",
         "adapter_path": str(tmp_path / "lora"),
+        "max_adapters": 2,
         "max_batch": 3,
         "speculative": {"enabled": True, "drafter": "mtp", "num_draft_tokens": 2},
         "spec_prefill": {"enabled": False},
@@ -213,6 +218,9 @@ def test_a_models_entry_brings_its_own_path_batch_adapter_and_features(tmp_path)
     assert a.speculative == SpeculativeOptions(drafter="mtp", num_draft_tokens=2)
     assert a.spec_prefill is None
     assert (b.path, b.max_batch, b.adapter_path) == ("", 5, None)
+    # an entry's adapter limits, else [model]'s
+    assert (a.max_adapters, a.adapter_memory_bytes) == (2, 64 << 20)
+    assert (b.max_adapters, b.adapter_memory_bytes) == (3, 64 << 20)
     assert b.speculative == EXPECTED.speculative
     rest = ("prefill_streams", "chunked_linear_attention", "prefix_cache", "memory")
     assert all(getattr(a, k) == getattr(b, k) == getattr(EXPECTED, k) for k in rest)

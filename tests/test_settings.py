@@ -127,3 +127,77 @@ def test_chat_template_is_a_jinja_string_or_a_file(tmp_path):
     missing = load_settings(overrides={"model": {"chat_template": str(tmp_path / "none.jinja")}})
     with pytest.raises(ValueError, match="model.chat_template: cannot read .*none.jinja"):
         missing.model.chat_template_text()
+
+
+# ---- LoRA adapters per request --------------------------------------------------------------
+
+
+def test_adapter_flags_fill_the_one_model_s_adapters_table(tmp_path):
+    from mlxd.daemon import cli
+
+    config = tmp_path / "c.toml"
+    config.write_text('[model]\nadapters = { sql = "/a/sql" }\n')
+    argv = ["serve", "m", "--config", str(config), "--adapter", "chat=~/chat"]
+    settings = cli.effective_settings(cli._parser().parse_args(argv))
+    (entry,) = settings.model_entries()
+    assert entry.adapters == {"sql": "/a/sql", "chat": "~/chat"}  # the flag adds to the file's
+
+
+@pytest.mark.parametrize("value", ["sql", "=/a", "sql=", " = "])
+def test_an_adapter_flag_is_name_equals_dir(value, capsys):
+    from mlxd.daemon import cli
+
+    with pytest.raises(SystemExit):
+        cli._parser().parse_args(["serve", "m", "--adapter", value])
+    assert "NAME=DIR" in capsys.readouterr().err
+
+
+def test_an_adapter_flag_names_an_adapter_once():
+    from mlxd.daemon import cli
+
+    args = cli._parser().parse_args(["serve", "m", "--adapter", "a=/x", "--adapter", "a=/y"])
+    with pytest.raises(SettingsError, match="'a' given twice"):
+        cli.effective_settings(args)
+
+
+def _models(*entries: dict, **model) -> dict:
+    return {"models": list(entries), "model": model}
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (_models({"id": "a", "adapters": {"b": "/x"}}, {"id": "b"}), "'b' .*is a model's id"),
+        (
+            _models({"id": "a", "adapters": {"x": "/1"}}, {"id": "b", "adapters": {"x": "/2"}}),
+            "'x' is named twice",
+        ),
+        (_models({"id": "a", "adapters": {"": "/x"}}), "empty or padded adapter id"),
+        (_models({"id": "a", "adapters": {" x": "/x"}}), "empty or padded adapter id"),
+        (_models({"id": "a", "adapters": {"x": ""}}), "adapter 'x' has no path"),
+        (
+            _models({"id": "e", "kind": "embedding", "adapters": {"x": "/x"}}),
+            "embedding model takes no LoRA adapters",
+        ),
+        (_models({"id": "a"}, adapters={"x": "/x"}), "give each entry its own adapters"),
+        ({"model": {"adapters": {"x": ""}}}, "adapter 'x' has no path"),
+        ({"model": {"served_id": "x", "adapters": {"x": "/x"}}}, "'x' .*is a model's id"),
+        ({"model": {"max_adapters": 0}}, "max_adapters"),
+    ],
+)
+def test_adapter_ids_are_unique_named_and_have_a_path(overrides, message):
+    with pytest.raises(SettingsError, match=message):
+        load_settings(overrides=overrides)
+
+
+def test_a_models_entry_s_adapters_and_limits():
+    s = load_settings(
+        overrides=_models({"id": "a", "adapters": {"x": "/x"}, "max_adapters": 2}, {"id": "b"})
+    )
+    a, b = s.model_entries()
+    assert (a.adapters, a.max_adapters, b.adapters, b.max_adapters) == ({"x": "/x"}, 2, {}, 0)
+
+
+def test_an_environment_variable_sets_the_adapters_table_as_json():
+    env = {"MLXD_MODEL__ADAPTERS": '{"sql": "/a/sql"}'}
+    assert load_settings(environ=env).model.adapters == {"sql": "/a/sql"}
