@@ -231,6 +231,19 @@ class OutputSpec(msgspec.Struct, frozen=True, kw_only=True):
     end_ids: tuple[int, ...] = ()
 
 
+class AdapterRef(msgspec.Struct, frozen=True, kw_only=True):
+    """A LoRA adapter over a served base model, as a request names it to the engine.
+
+    ``name``: its served id; ``path``: its directory (mlx-lm's or PEFT's files);
+    ``fingerprint``: what its files hold (sizes and modification times), so a snapshot
+    made with an adapter is never reused once its files change.
+    """
+
+    name: str
+    path: str
+    fingerprint: str = ""
+
+
 class TokenizedRequest(msgspec.Struct, frozen=True, kw_only=True):
     """A request ready for the generation actor (``max_tokens`` always set).
 
@@ -255,6 +268,9 @@ class TokenizedRequest(msgspec.Struct, frozen=True, kw_only=True):
     # many tokens it generated itself. Its seeded sampler skips that many draws and its
     # grammar consumes them, so it goes on exactly where it stopped.
     resumed: int = 0
+    # The LoRA adapter its rows decode with (None: the base model's own weights). The
+    # model registry resolves a served adapter id to it; ``model`` is then the base's id.
+    adapter: AdapterRef | None = None
 
 
 # ---- admission inbox ----------------------------------------------------------------
@@ -338,7 +354,15 @@ class Unload(msgspec.Struct, frozen=True, kw_only=True):
     model: str
 
 
-EngineInbox = Submit | Abort | ClearCache | Load | KeepAlive | Embed | Unload
+class UnloadAdapter(msgspec.Struct, frozen=True, kw_only=True):
+    """The adapter ``name`` of base ``model`` is no longer served: its weights are dropped
+    once no running request uses it (``POST /v1/unload_lora_adapter``)."""
+
+    model: str
+    name: str
+
+
+EngineInbox = Submit | Abort | ClearCache | Load | KeepAlive | Embed | Unload | UnloadAdapter
 
 
 # ---- generation actor outbox --------------------------------------------------------

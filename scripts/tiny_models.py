@@ -635,3 +635,94 @@ def build_bert_embedding_model(out: Path, pooling: str = "cls", seed: int = 0) -
     tokenizer.save_pretrained(str(out))
     _sentence_transformers_files(out, pooling, config["hidden_size"])
     return out
+
+
+# ---- LoRA adapters (per-request adapters: tests and ``bench_lora``) -----------------
+
+LORA_KEYS = ("self_attn.q_proj", "self_attn.v_proj", "mlp.down_proj")
+
+
+def build_lora_adapter(
+    model_dir: Path,
+    out: Path,
+    *,
+    kind: str = "lora",
+    rank: int = 4,
+    scale: float = 2.0,
+    num_layers: int = 2,
+    keys: tuple[str, ...] = LORA_KEYS,
+    seed: int = 0,
+    spread: float = 0.2,
+) -> Path:
+    """An mlx-lm adapter directory as ``mlx_lm.lora`` writes one (``adapter_config.json``
+    + ``adapters.safetensors``), with random ``lora_a`` / ``lora_b`` (and, for DoRA, a
+    magnitude 20% off the base's row norms), on the last ``num_layers`` layers. Keys an
+    architecture lacks (a hybrid's linear-attention layers) are skipped by mlx-lm."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+    from mlx_lm.tuner.utils import linear_to_lora_layers
+    from mlx_lm.utils import load
+
+    model, _ = load(str(model_dir))
+    params = {"rank": rank, "scale": scale, "dropout": 0.0, "keys": list(keys)}
+    linear_to_lora_layers(model, num_layers, params, use_dora=kind == "dora")
+    mx.random.seed(seed)
+    weights = {}
+    for name, w in tree_flatten(model.trainable_parameters()):
+        if name.endswith(("lora_a", "lora_b")):
+            weights[name] = mx.random.normal(w.shape) * spread
+        elif name.endswith(".m"):
+            weights[name] = w * (1 + 0.2 * mx.random.uniform(-1, 1, w.shape))
+    out.mkdir(parents=True, exist_ok=True)
+    mx.save_safetensors(str(out / "adapters.safetensors"), weights)
+    config = {"fine_tune_type": kind, "num_layers": num_layers, "lora_parameters": params}
+    (out / "adapter_config.json").write_text(json.dumps(config, indent=2))
+    return out
+
+
+def peft_from_mlx(adapter: Path, out: Path, alpha_over_rank: float | None = None) -> Path:
+    """The same adapter in PEFT's layout (``adapter_model.safetensors``: A [r, in], B
+    [out, r] under ``base_model.model.``; ``lora_alpha / r`` is the scale)."""
+    import mlx.core as mx
+
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    lora = config["lora_parameters"]
+    tensors = mx.load(str(adapter / "adapters.safetensors"))
+    weights, modules = {}, set()
+    for name, w in tensors.items():
+        module, leaf = name.rsplit(".", 1)
+        stem = f"base_model.model.{module}"
+        modules.add(module.rsplit(".", 1)[1])
+        if leaf == "lora_a":
+            weights[f"{stem}.lora_A.weight"] = w.T
+        elif leaf == "lora_b":
+            weights[f"{stem}.lora_B.weight"] = w.T
+        else:
+            weights[f"{stem}.lora_magnitude_vector"] = w
+    out.mkdir(parents=True, exist_ok=True)
+    mx.save_safetensors(str(out / "adapter_model.safetensors"), weights)
+    rank = lora["rank"]
+    peft = {
+        "peft_type": "LORA",
+        "r": rank,
+        "lora_alpha": (alpha_over_rank or lora["scale"]) * rank,
+        "target_modules": sorted(modules),
+        "use_dora": config["fine_tune_type"] == "dora",
+        "use_rslora": False,
+        "fan_in_fan_out": False,
+        "bias": "none",
+        "modules_to_save": None,
+    }
+    (out / "adapter_config.json").write_text(json.dumps(peft, indent=2))
+    return out
+
+
+def fuse_adapter(model: Any, adapter: Path) -> Any:
+    """``model`` with an mlx-lm adapter fused in, as ``mlx_lm.fuse`` does it."""
+    from mlx.utils import tree_unflatten
+    from mlx_lm.tuner.utils import load_adapters
+
+    model = load_adapters(model, str(adapter))
+    fused = [(n, m.fuse()) for n, m in model.named_modules() if hasattr(m, "fuse")]
+    model.update_modules(tree_unflatten(fused))
+    return model

@@ -51,6 +51,7 @@ from mlxd.protocol.messages import (
     Load,
     Submit,
     Unload,
+    UnloadAdapter,
 )
 
 log = logging.getLogger("mlxd.engine")
@@ -107,6 +108,8 @@ def _handle(pool: ModelPool, message: EngineInbox) -> None:
             pool.set_keep_alive(model, seconds)
         case Unload(model=model):
             pool.unload_idle(model)
+        case UnloadAdapter(model=model, name=name):
+            pool.unload_adapter(model, name)
 
 
 def _drain(inbox: trio.MemoryReceiveChannel[EngineInbox]) -> list[EngineInbox]:

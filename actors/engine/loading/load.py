@@ -25,6 +25,8 @@ from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.utils import dequantize_model
 from mlx_lm.utils import load as mlx_lm_load
 from mlxd.actors.engine import backend_policy
+from mlxd.actors.engine.adapters import multi_lora
+from mlxd.actors.engine.adapters.bank import AdapterBank
 from mlxd.actors.engine.kernels import linear_attention
 from mlxd.actors.engine.loading.gguf.convert import (
     convert_gguf,
@@ -34,6 +36,7 @@ from mlxd.actors.engine.loading.gguf.convert import (
 from mlxd.actors.engine.loading.gguf.tensors import Storage
 from mlxd.actors.engine.loading.sources import hub_snapshot, model_source
 from mlxd.actors.engine.runner import disk_codec
+from mlxd.actors.engine.runner.disk_tier import slug
 from mlxd.actors.engine.runner.base import MlxRunner
 from mlxd.actors.engine.runner.embedding import (
     ENCODERS,
@@ -416,7 +419,8 @@ def load_served(options: LoadOptions, shard: Shard | None = None) -> tuple[MlxRu
         log.warning("engine.kv_bits: %s is a vision model; its KV stays full precision", model_id)
     if kind == "vision":
         extras = {"memory": o.memory, "speculative": o.speculative, "spec_prefill": o.spec_prefill}
-        return _load_vision(model_id, model_dir, o.max_batch, o.dequantize_on_cpu, extras)
+        runner, info = _load_vision(model_id, model_dir, o.max_batch, o.dequantize_on_cpu, extras)
+        return runner, dataclasses.replace(info, adapters_refused=_VISION_ADAPTERS)
     model, tokenizer, config = load_model(
         model_dir, dequantize_on_cpu=o.dequantize_on_cpu, shard=shard, adapter_path=o.adapter_path
     )
@@ -452,13 +456,50 @@ def load_served(options: LoadOptions, shard: Shard | None = None) -> tuple[MlxRu
             make_cache=make_cache,
         )
     else:
+        bank, refused = _adapter_bank(model, model_id, o, shard)
         runner = MlxRunner(
-            model, stops, o.max_batch, prefix_cache=cache, spec_prefill=on, make_cache=make_cache
+            model,
+            stops,
+            o.max_batch,
+            prefix_cache=cache,
+            spec_prefill=on,
+            make_cache=make_cache,
+            adapters=bank,
         )
+        if bank is not None:
+            info = dataclasses.replace(info, lora_targets=dict(bank.targets))
+    if draft is not None:
+        refused = (
+            "speculative decoding is on for it (speculative.enabled): no adapter row is drafted for"
+        )
+    info = dataclasses.replace(info, adapters_refused=refused if not info.lora_targets else "")
     runner.spec_stats = runner.spec_stats or off
     runner.spec_prefill_stats = sparse.stats if sparse is not None else None
     _prefill_policy(runner, o)
     return runner, dataclasses.replace(info, memory=memory_model(runner, o.memory))
+
+
+_VISION_ADAPTERS = "it is a vision model (adapters per request serve text models only)"
+
+
+def _adapter_bank(
+    model: nn.Module, model_id: str, o: LoadOptions, shard: Shard | None
+) -> tuple[AdapterBank | None, str]:
+    """The model's per-request LoRA adapters (``actors/engine/adapters``), or None and
+    why not: MLX's layers must hold the wrapper's contract, the model must be on one
+    rank, and an adapter fused at load (``adapter_path``) leaves no plain layer to wrap."""
+    if shard is not None:
+        return None, "it is served over several ranks (distributed)"
+    if o.adapter_path is not None:
+        return None, f"an adapter is already applied to it at load ({o.adapter_path})"
+    broken = multi_lora.check_contract()
+    if broken:
+        log.warning("%s: no LoRA adapters per request: %s", model_id, broken)
+        return None, f"this MLX cannot serve them ({broken})"
+    bank = AdapterBank(
+        model, model_id, max_adapters=o.max_adapters, memory_bytes=o.adapter_memory_bytes
+    )
+    return bank, ""
 
 
 def _prefill_policy(runner: MlxRunner, o: LoadOptions) -> None:
@@ -487,7 +528,13 @@ def _attach_disk(cache: PrefixCache | None, o: LoadOptions, model_dir: Path, mak
         "draft_model": o.speculative.draft_model if o.speculative else "",
     }
     key = disk_codec.namespace_key(model_dir, o.adapter_path, make_cache(), extra)
-    disk_codec.attach(cache, o.disk_tier.store.space(o.disk_tier.slug, key))
+    store, base_slug = o.disk_tier.store, o.disk_tier.slug
+
+    def for_adapter(name: str, fingerprint: str):
+        """An adapter's own space: its slug under the base's, its files in the key."""
+        return store.space(slug(f"{base_slug}.lora.{name}"), {**key, "adapter": fingerprint})
+
+    disk_codec.attach(cache, store.space(base_slug, key), for_adapter)
 
 
 def _quantized_kv(model: nn.Module, o: LoadOptions, sparse: SpecPrefill | None):

@@ -20,6 +20,7 @@ import copy
 import ctypes
 import ctypes.util
 import functools
+import hashlib
 import logging
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
@@ -33,16 +34,19 @@ from mlx_lm.generate import BatchGenerator
 from mlx_lm.models.cache import ArraysCache, make_prompt_cache
 from mlx_lm.sample_utils import greedy_sampler, make_logits_processors
 from mlxd.actors.engine import backend_policy
+from mlxd.actors.engine.adapters.bank import AdapterBank
+from mlxd.actors.engine.adapters.files import AdapterError
+from mlxd.actors.engine.adapters.multi_lora import RowAdapters
 from mlxd.actors.engine.kernels.openblas import OpenBlas
 from mlxd.actors.engine.runner import caches
-from mlxd.actors.engine.runner.caches import check_batchable, layer_kinds
+from mlxd.actors.engine.runner.caches import RowSlots, check_batchable, layer_kinds
 from mlxd.actors.engine.runner.disk_codec import DiskReads
 from mlxd.actors.engine.runner.guards import RowGuard, bias_processor
 from mlxd.actors.engine.runner.logits import GrammarProcessor, LazyCallProcessor, token_logprobs
 from mlxd.actors.engine.runner.prefix_cache import PrefixCache
 from mlxd.actors.engine.runner.sampling import scaled_logits
 from mlxd.actors.engine.scheduler.memory import AttentionLayer, Layer, StateLayer
-from mlxd.actors.engine.scheduler.types import Decoded
+from mlxd.actors.engine.scheduler.types import Decoded, InvalidRequest
 from mlxd.actors.engine.speculative.spec_prefill import SpecPrefill, positioned, set_position
 from mlxd.actors.grammar import CompiledGrammar
 from mlxd.actors.lazy_calls import LazyGrammar
@@ -198,8 +202,14 @@ class MlxRunner:
         decode_model: Callable[..., mx.array] | None = None,
         prefix_cache: PrefixCache | None = None,
         spec_prefill: SpecPrefill | None = None,
+        adapters: AdapterBank | None = None,
     ):
         self.model = model
+        # LoRA adapters chosen per request (None: this runner serves the base only)
+        self.adapters = adapters
+        self._slots: dict[str, int] = {}  # request → its adapter slot (held until removed)
+        self._ns: dict[str, tuple[int, ...]] = {}  # request → its prefix-cache namespace
+        self._adapter_errors: dict[str, Exception] = {}  # an adapter that failed to load
         self.prefix_cache = prefix_cache
         # the disk tier's reads (None: no disk tier); see ``disk_codec``
         disk = prefix_cache.disk if prefix_cache is not None else None
@@ -215,6 +225,8 @@ class MlxRunner:
         check_batchable(cache, self._make_cache())
         log.info("per-layer caches: %s", layer_kinds(cache))
         self._decode_model = decode_model or model
+        if adapters is not None:
+            self._decode_model = AdapterStep(self._decode_model, adapters.rows)
         self._stop_tokens = [[t] for t in stop_tokens]
         self._max_batch = max_batch
         self._policy = backend_policy.for_backend(backend_policy.detect())
@@ -269,9 +281,15 @@ class MlxRunner:
     def start(self, request: TokenizedRequest) -> int:
         """Set up the request's cache (from the prefix cache if it can); return tokens reused."""
         prompt = request.prompt_tokens
+        rid = request.request_id
+        error = self._adapter_errors.pop(rid, None)
+        if error is not None:
+            raise error
+        if request.adapter is not None and rid not in self._slots:
+            self._hold_adapter(request, waiting=False)
         if request.cache_key:
-            self._keys[request.request_id] = request.cache_key
-        cache, done = self._cached(prompt, request.cache_key)
+            self._keys[rid] = request.cache_key
+        cache, done = self._cached(prompt, request.cache_key, self._ns.get(rid, ()))
         marks = sorted(c for c in request.checkpoints if done < c < len(prompt) - 1)
         pending = Pending(request, cache, done, checkpoints=marks)
         if self.spec_prefill is not None:
@@ -289,15 +307,25 @@ class MlxRunner:
         from that snapshot. K agents sending the same system prompt at once compute it once.
         Exact boundaries, so hybrid (SSM) models share too. A request whose prompt the
         disk tier covers further than RAM waits ("disk") while its file is read."""
+        if request.adapter is not None and request.request_id not in self._slots:
+            try:
+                if not self._hold_adapter(request, waiting=True):
+                    return "adapter"  # every resident adapter is in use: wait for a row
+            except Exception as exc:  # noqa: BLE001 - its own start fails with it
+                self._adapter_errors[request.request_id] = exc
+                return None
+        ns = self._ns.get(request.request_id, ())
         idle = not self._pending and not self._rid_to_uid
-        if self._disk and self._disk.waiting(request.request_id, request.prompt_tokens, idle):
+        if self._disk and self._disk.waiting(request.request_id, ns + request.prompt_tokens, idle):
             return "disk"
         if self.prefix_cache is None or not self._pending:
             return None
         prompt = request.prompt_tokens
         block = self.prefix_cache.block_size
-        have = self.prefix_cache.peek(prompt, len(prompt) - 1)
+        have = max(self.prefix_cache.peek(ns + prompt, len(ns) + len(prompt) - 1) - len(ns), 0)
         for rid, pending in self._pending.items():
+            if self._ns.get(rid, ()) != ns:
+                continue  # another adapter's (or the base's) prefix is not this one's
             other = pending.request.prompt_tokens
             limit = min(len(prompt), len(other)) - 1
             boundary = common_prefix_length(prompt, other, limit) // block * block
@@ -313,15 +341,64 @@ class MlxRunner:
         pending = self._pending.get(request_id)
         return pending.sparse.skipped if pending is not None and pending.sparse else 0
 
-    def _cached(self, prompt: tuple[int, ...], key: str = "") -> tuple[list[Any], int]:
+    def _cached(
+        self, prompt: tuple[int, ...], key: str = "", ns: tuple[int, ...] = ()
+    ) -> tuple[list[Any], int]:
+        """The best snapshot for ``prompt`` in namespace ``ns`` (an adapter's; () the
+        base's), copied and trimmed, and how many prompt tokens it covers."""
         pc = self.prefix_cache
-        hit = pc.lookup(prompt, len(prompt) - 1, key) if pc is not None else None
-        if hit is None:
+        keyed = ns + prompt
+        hit = pc.lookup(keyed, len(keyed) - 1, key) if pc is not None else None
+        if hit is None or hit.length <= len(ns):
             return self._make_cache(), 0
         # New cache objects over the same (immutable) buffers: never share a snapshot.
         cache = copy.deepcopy(hit.entry.snapshot)
         caches.trim(cache, len(hit.entry.tokens) - hit.length)
-        return cache, hit.length
+        return cache, hit.length - len(ns)
+
+    # ---- adapters ------------------------------------------------------------------
+
+    def _hold_adapter(self, request: TokenizedRequest, *, waiting: bool) -> bool:
+        """Take a slot of the request's adapter (loading it); False: no room now (only
+        when ``waiting``; a start that cannot wait raises). Raises the adapter's error."""
+        ref = request.adapter
+        assert ref is not None
+        if self.adapters is None:
+            raise InvalidAdapter(
+                f"model {request.model!r} serves no LoRA adapter per request on this runner"
+            )
+        try:
+            slot = self.adapters.acquire(ref)
+        except AdapterError as exc:
+            raise InvalidRequest(str(exc), param="model") from None
+        if slot is None:
+            if waiting:
+                return False
+            raise InvalidAdapter(f"adapter {ref.name!r}: no room (every resident adapter in use)")
+        self._slots[request.request_id] = slot
+        ns = namespace(ref.fingerprint or ref.path)
+        self._ns[request.request_id] = ns
+        spaces = self.prefix_cache.disk_spaces if self.prefix_cache is not None else None
+        if spaces is not None:  # its snapshots' own space in the disk tier
+            spaces.register(ns, ref.name, ref.fingerprint or ref.path)
+        return True
+
+    def _drop_adapter(self, request_id: str) -> None:
+        slot = self._slots.pop(request_id, None)
+        self._ns.pop(request_id, None)
+        self._adapter_errors.pop(request_id, None)
+        if slot is not None and self.adapters is not None:
+            self.adapters.release(slot)
+
+    def unload_adapter(self, name: str) -> None:
+        if self.adapters is not None:
+            self.adapters.unload(name)
+
+    def _rows(self, request_ids: list[str]) -> AbstractContextManager[None]:
+        """The forward passes run inside serve these requests' rows, in this order."""
+        if self.adapters is None:
+            return contextlib.nullcontext()
+        return self.adapters.rows.using([self._slots.get(r, 0) for r in request_ids])
 
     def _remember(
         self,
@@ -351,7 +428,7 @@ class MlxRunner:
         """Prefill up to ``budget`` prompt tokens; return how many are left (0: decoding)."""
         pending = self._pending[request_id]
         if pending.sparse is not None:
-            with mx.stream(self._stream):
+            with mx.stream(self._stream), self._rows([request_id]):
                 self.spec_prefill.step(self.model, pending.cache, pending.sparse, budget)
                 mx.eval([c.state for c in pending.cache])  # sync: as in the plain chunk below
             if pending.remaining == 0:
@@ -359,7 +436,7 @@ class MlxRunner:
             return pending.remaining
         n = pending.next_stop(budget)
         if n > 0:
-            with self._blas_for(n), mx.stream(self._stream):
+            with self._blas_for(n), mx.stream(self._stream), self._rows([request_id]):
                 self._prefill_chunk(pending, n)
                 # sync: the chunk runs (and fails) here, as this request's own, not inside
                 # the batched decode step that would otherwise evaluate it
@@ -380,7 +457,8 @@ class MlxRunner:
         pending.done += n
         if n > 0 and pending.done in pending.checkpoints:
             prefix = pending.request.prompt_tokens[: pending.done]
-            self._remember(prefix, pending.cache, live=True, key=pending.request.cache_key)
+            ns = self._ns.get(pending.request.request_id, ())
+            self._remember(ns + prefix, pending.cache, live=True, key=pending.request.cache_key)
         if pending.remaining == 0:
             self._join_batch(self._pending.pop(pending.request.request_id))
         return pending.remaining
@@ -457,7 +535,8 @@ class MlxRunner:
                     layer.merge([caches[i][j] for i in live])
                     for j, layer in enumerate(caches[live[0]])
                 ]
-            self.model(mx.array(chunks), cache=batch)
+            with self._rows([rows[i][0].request.request_id for i in live]):
+                self.model(mx.array(chunks), cache=batch)
             mx.eval(
                 [c.state for c in batch]
             )  # sync: a failed pass raises here (rows retried alone)
@@ -519,7 +598,8 @@ class MlxRunner:
         if any(padding):
             for c in batch:
                 c.prepare(lengths=lengths, right_padding=padding)
-        self.model(mx.array(tokens), cache=batch)
+        with self._rows([p.request.request_id for p, _ in rows]):
+            self.model(mx.array(tokens), cache=batch)
         if any(padding):
             for c in batch:
                 c.finalize()
@@ -553,7 +633,10 @@ class MlxRunner:
                 self.model(chunk[:, a:b], cache=pending.cache)
 
     def _batch_cache(self, pending: Pending) -> list[Any]:
-        """The cache list that joins the batch (a VLM appends per-sequence state)."""
+        """The cache list that joins the batch (a VLM appends per-sequence state; with
+        adapters, the row's slot rides at the end: ``AdapterStep`` reads it)."""
+        if self.adapters is not None:
+            return [*pending.cache, RowSlots([self._slots.get(pending.request.request_id, 0)])]
         return pending.cache
 
     def _joining(self, pending: Pending) -> list[Any]:
@@ -561,7 +644,10 @@ class MlxRunner:
         attention layers positioned (so every cache merged into a batch carries positions)."""
         prompt = pending.request.prompt_tokens
         if pending.sparse is None:
-            self._remember(prompt[:-1], pending.cache, live=True, key=pending.request.cache_key)
+            ns = self._ns.get(pending.request.request_id, ())
+            self._remember(
+                ns + prompt[:-1], pending.cache, live=True, key=pending.request.cache_key
+            )
         if self.spec_prefill is None:
             return pending.cache
         cache = positioned(pending.cache)
@@ -651,6 +737,7 @@ class MlxRunner:
                 del self._uid_to_rid[r.uid], self._rid_to_uid[rid]
                 self._remember_finished(rid, r.all_tokens, r.prompt_cache)  # a fresh copy
                 self._top.pop(rid, None)
+                self._drop_adapter(rid)
         return out
 
     def _remember_finished(
@@ -658,10 +745,12 @@ class MlxRunner:
     ) -> None:
         """A finished request's cache, unless SpecPrefill skipped part of its prompt."""
         key = self._keys.pop(request_id, "")
+        ns = self._ns.get(request_id, ())
+        cache = [c for c in cache if not isinstance(c, RowSlots)]  # the batch's, not the row's
         if request_id in self._sparse:
             self._sparse.discard(request_id)
         else:
-            self._remember(tokens, cache, live=live, key=key)
+            self._remember(ns + tuple(tokens), cache, live=live, key=key)
 
     def _logprobs(self, responses: list) -> dict:
         """Logprobs for the responses whose requests asked, in one batched computation."""
@@ -683,6 +772,7 @@ class MlxRunner:
                 self._remember_finished(request_id, tokens, cache, live=True)
         self._sparse.discard(request_id)
         self._keys.pop(request_id, None)
+        self._drop_adapter(request_id)
         if self._disk is not None:
             self._disk.forget(request_id)
 
@@ -733,6 +823,8 @@ class MlxRunner:
         self._readers.clear()
         self._sparse.intersection_update(self._pending)
         self._keys = {rid: k for rid, k in self._keys.items() if rid in self._pending}
+        for rid in [r for r in self._slots if r not in self._pending]:
+            self._drop_adapter(rid)
         self._guard.take()
         mx.clear_cache()
 
@@ -818,3 +910,34 @@ def _layer_of(cache: Any) -> Layer:
     arrays = [a for _, a in tree_flatten((cache.keys, cache.values))]
     per_token = sum(a.nbytes // a.shape[2] for a in arrays)
     return AttentionLayer(bytes_per_token=int(per_token), window=getattr(cache, "max_size", None))
+
+
+class InvalidAdapter(InvalidRequest):
+    """A request's adapter cannot be served by this runner now (its own failure, a 400)."""
+
+    def __init__(self, message: str):
+        super().__init__(message, param="model")
+
+
+class AdapterStep:
+    """What BatchGenerator calls each decode step when adapters are on: the rows'
+    adapter slots ride at the end of the batch's cache list (``RowSlots``), in the
+    batch's own row order; the model runs on the other entries with them set."""
+
+    def __init__(self, model: Callable[..., mx.array], rows: RowAdapters):
+        self.model, self.rows = model, rows
+
+    def __call__(self, inputs: mx.array, cache: list[Any]) -> mx.array:
+        layers = cache[:-1]
+        with self.rows.using(cache[-1].slots):
+            out = self.model(inputs, cache=layers)
+        cache[:-1] = layers  # some models swap a layer's cache object inside the list
+        return out
+
+
+def namespace(identity: str) -> tuple[int, ...]:
+    """The prefix-cache namespace of an adapter: one negative number (no token is
+    negative) from its identity, put before its rows' tokens in every snapshot key, so
+    an adapter row never reuses the base's or another adapter's prefix."""
+    digest = hashlib.sha256(identity.encode()).digest()
+    return (-(int.from_bytes(digest[:7], "little") + 1),)

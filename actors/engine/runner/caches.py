@@ -140,6 +140,57 @@ class RowDeltas:
         return self.values.nbytes
 
 
+class RowSlots:
+    """Each sequence's adapter slot (``actors/engine/adapters``; 0: the base), kept in
+    step with the batch's rows like ``RowDeltas``: BatchGenerator's merge / filter /
+    extend / extract order it as they order the cache, so the decode step reads the
+    rows' slots in the batch's own row order. Host-side numbers only: no array, no
+    tokens, no bytes."""
+
+    def __init__(self, slots: Sequence[int]):
+        self.slots = list(slots)
+
+    @classmethod
+    def merge(cls, rows: Sequence[RowSlots]) -> RowSlots:
+        return cls([s for r in rows for s in r.slots])
+
+    def filter(self, batch_indices) -> None:
+        keep = batch_indices.tolist() if hasattr(batch_indices, "tolist") else batch_indices
+        self.slots = [self.slots[i] for i in keep]
+
+    def extend(self, other: RowSlots) -> None:
+        self.slots = self.slots + other.slots
+
+    def extract(self, idx: int) -> RowSlots:
+        return RowSlots([self.slots[idx]])
+
+    def prepare(self, **kwargs) -> None:
+        pass
+
+    def finalize(self) -> None:
+        pass
+
+    @property
+    def state(self) -> list[Any]:
+        return []
+
+    def is_trimmable(self) -> bool:
+        return True
+
+    def trim(self, n: int) -> int:
+        return n
+
+    def empty(self) -> bool:
+        return False
+
+    def size(self) -> int:
+        return 0
+
+    @property
+    def nbytes(self) -> int:
+        return 0
+
+
 def _contiguous(x: Any) -> Any:
     return mx.contiguous(x) if isinstance(x, mx.array) else x
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import importlib
 import logging
+from collections.abc import Callable
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
@@ -153,23 +154,53 @@ def namespace_key(
     }
 
 
+class Spaces:
+    """Which disk space a RAM snapshot belongs to. The RAM tier keys an adapter's
+    snapshots by its namespace (one negative number before the tokens, ``MlxRunner``'s
+    ``namespace``); on disk each adapter has a space of its own (its files' fingerprint
+    in the space's key), where the snapshots are stored under their plain tokens."""
+
+    def __init__(self, base: DiskView, for_adapter: Callable[[str, str], DiskView] | None):
+        self.base, self._for_adapter = base, for_adapter
+        self._views: dict[tuple[int, ...], DiskView] = {}
+
+    def register(self, ns: tuple[int, ...], name: str, fingerprint: str) -> None:
+        """An adapter's namespace gets its space (once; nothing without a factory)."""
+        if ns and ns not in self._views and self._for_adapter is not None:
+            self._views[ns] = self._for_adapter(name, fingerprint)
+
+    @staticmethod
+    def split(tokens: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """(namespace, plain tokens) of a RAM key."""
+        if tokens and tokens[0] < 0:
+            return tokens[:1], tokens[1:]
+        return (), tokens
+
+    def view(self, ns: tuple[int, ...]) -> DiskView | None:
+        return self.base if not ns else self._views.get(ns)
+
+
 class DiskSpill:
     """The RAM tier's hooks: encode the snapshot (here), write it (I/O thread) now when
     RAM evicts it, within ``write_behind_s`` when RAM has just made it."""
 
-    def __init__(self, view: DiskView):
-        self.view = view
+    def __init__(self, spaces: Spaces):
+        self.spaces = spaces
         self._refused: set[str] = set()
 
     def __call__(self, entry: Entry, behind: bool = False) -> None:
+        ns, tokens = Spaces.split(entry.tokens)
+        view = self.spaces.view(ns)
+        if view is None or not tokens:
+            return  # an adapter without a space of its own: RAM only
         try:
-            enc = encode(entry.snapshot, len(entry.tokens))
+            enc = encode(entry.snapshot, len(tokens))
         except Unserializable as exc:
             if str(exc) not in self._refused:  # once per kind of layer
                 self._refused.add(str(exc))
                 log.warning("prefix cache on disk: a snapshot is not stored: %s", exc)
             return
-        self.view.spill(entry.tokens, entry.trimmable, enc, behind=behind)
+        view.spill(tokens, entry.trimmable, enc, behind=behind)
 
     def behind(self, entry: Entry) -> None:
         self(entry, behind=True)
@@ -180,21 +211,25 @@ class DiskReads:
 
     def __init__(self, cache: PrefixCache, view: DiskView):
         self.cache, self.view = cache, view
-        self._reads: dict[str, Future[Loaded | None]] = {}
+        self.spaces: Spaces = cache.disk_spaces or Spaces(view, None)
+        self._reads: dict[str, tuple[Future[Loaded | None], tuple[int, ...]]] = {}
 
     def waiting(self, request_id: str, prompt: tuple[int, ...], idle: bool) -> bool:
         """Whether the request must wait for the disk (a read is on). ``idle``: nothing
         else runs, so the engine thread may block on the read briefly instead of spinning."""
-        read = self._reads.get(request_id)
-        if read is None:
+        ns, plain = Spaces.split(prompt)
+        found = self._reads.get(request_id)
+        if found is None:
             if not self.view.ready:  # the index is being rebuilt at start-up
                 if idle:
                     self.view.when_ready(_IDLE_WAIT_S)
                 return not self.view.ready
-            read = self._start(prompt)
+            read = self._start(ns, plain)
             if read is None:
                 return False
-            self._reads[request_id] = read
+            self._reads[request_id] = (read, ns)
+        else:
+            read = found[0]
         if not read.done() and idle:
             try:
                 read.result(_IDLE_WAIT_S)
@@ -203,20 +238,23 @@ class DiskReads:
         if not read.done():
             return True
         del self._reads[request_id]
-        self._land(read)
+        self._land(read, ns)
         return False
 
-    def _start(self, prompt: tuple[int, ...]) -> Future[Loaded | None] | None:
+    def _start(self, ns: tuple[int, ...], prompt: tuple[int, ...]) -> Future[Loaded | None] | None:
+        view = self.spaces.view(ns)
+        if view is None:
+            return None
         limit = len(prompt) - 1
-        found = self.view.best(prompt, limit)
-        if found is None or found[1] <= self.cache.peek(prompt, limit):
+        found = view.best(prompt, limit)
+        if found is None or found[1] + len(ns) <= self.cache.peek(ns + prompt, len(ns) + limit):
             return None
         entry, _ = found
-        if entry.tokens in self.cache:
+        if ns + entry.tokens in self.cache:
             return None
-        return self.view.read(entry)
+        return view.read(entry)
 
-    def _land(self, read: Future[Loaded | None]) -> None:
+    def _land(self, read: Future[Loaded | None], ns: tuple[int, ...] = ()) -> None:
         try:
             loaded = read.result()
         except OSError as exc:
@@ -230,18 +268,22 @@ class DiskReads:
             log.warning("prefix cache on disk: %s cannot be loaded: %r", loaded.entry.path, exc)
             self.view.store.discard(loaded.entry)
             return
-        tokens, trimmable = loaded.entry.tokens, caches.can_trim(snapshot)
+        tokens, trimmable = ns + loaded.entry.tokens, caches.can_trim(snapshot)
         self.cache.insert(tokens, snapshot, caches.nbytes(snapshot), trimmable, from_disk=True)
 
     def forget(self, request_id: str) -> None:
         self._reads.pop(request_id, None)
 
 
-def attach(cache: PrefixCache, view: DiskView) -> None:
+def attach(
+    cache: PrefixCache, view: DiskView, for_adapter: Callable[[str, str], DiskView] | None = None
+) -> None:
     """Give a RAM tier its disk tier: evictions spill there, new snapshots are written
-    behind (``write_behind_s`` > 0), counters show it."""
+    behind (``write_behind_s`` > 0), counters show it. ``for_adapter(name, fingerprint)``:
+    the space of an adapter's snapshots (None: adapters' snapshots stay in RAM)."""
     cache.disk = view
-    spill = DiskSpill(view)
+    cache.disk_spaces = Spaces(view, for_adapter)
+    spill = DiskSpill(cache.disk_spaces)
     cache.on_evict = spill
     if view.store.write_behind_s > 0:
         cache.on_insert = spill.behind

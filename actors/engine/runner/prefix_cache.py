@@ -91,6 +91,7 @@ class PrefixCache:
     # a snapshot was just made (not one read back from disk): the disk tier's write-behind
     on_insert: Callable[[Entry], None] | None = None
     disk: Any = None  # the disk tier's view (``disk_tier.DiskView``), for its counters
+    disk_spaces: Any = None  # which disk space a snapshot goes to (``disk_codec.Spaces``)
 
     def __post_init__(self) -> None:
         self.stats.max_bytes = self.max_bytes

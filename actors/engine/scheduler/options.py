@@ -97,6 +97,10 @@ class LoadOptions:
     max_batch: int
     kind: str = "auto"  # text, vision or embedding; auto: text or vision from the config
     adapter_path: Path | None = None  # an mlx-lm LoRA adapter applied at load
+    # LoRA adapters chosen per request (``actors/engine/adapters``): at most this many
+    # resident at once, within this many bytes (least recently used idle ones evicted)
+    max_adapters: int = 8
+    adapter_memory_bytes: int = 1 << 30
     prefill_streams: int | None = None  # MLX streams a prefill chunk is split over (None: auto)
     chunked_linear_attention: bool | None = None  # Qwen3.5 GatedDeltaNet (None: where it pays)
     batch_prefill: bool | None = None  # every row shares passes, or none (None: the table's)

@@ -188,6 +188,14 @@ class ModelPool:
             elif tier != "disk":
                 runner.clear_cache()
 
+    def unload_adapter(self, model: str, name: str) -> None:
+        """``model``'s adapter ``name`` is no longer served: its runner drops its weights
+        once no running row uses them (nothing where the model is not loaded)."""
+        slot = self.loaded.get(model)
+        drop = getattr(slot.core.runner, "unload_adapter", None) if slot is not None else None
+        if drop is not None:
+            drop(name)
+
     def spill(self, model: str, *, wait: bool) -> None:
         """Write ``model``'s prefix-cache snapshots to the disk tier, where it has one
         (before an unload, and at shutdown with ``wait``), so a reload starts warm."""

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -129,6 +129,11 @@ class ModelInfo:
     embedding: EmbeddingInfo | None = None  # an embedding model's traits (kind "embedding")
     warmup: Warmup | None = None  # None: the model was not warmed up
     chat_template: ChatTemplateStatus | None = None  # which template serves it, and why
+    # LoRA adapters per request: the linear layers an adapter may target, module path →
+    # (input dims, output dims); empty when this model's runner takes no adapters, and
+    # ``adapters_refused`` then says why (a vision model, speculative decoding, ...)
+    lora_targets: dict[str, tuple[int, int]] = field(default_factory=dict)
+    adapters_refused: str = ""
 
 
 KINDS = ("auto", "text", "vision", "embedding")
