@@ -14,21 +14,32 @@ submitted) and waits for the news, at most ``load_timeout_s``, with at most
 ``max_waiting`` requests per model; past either bound, and within
 ``failed_retry_s`` of a failed load, the request fails with a ``ModelUnavailable``
 that names the reason.
+
+LoRA adapters are served ids of their own over a base entry (``Adapter``): a request
+naming one is built with its base's prompt builder and submitted to the base with an
+``AdapterRef``. Before the first request on an adapter, and whenever its files change
+or its base reloads, its files are checked against the base's linear layers
+(``ModelInfo.lora_targets``) on a worker thread: a mismatch fails that request (a 400
+naming the module and shapes) and marks the adapter failed, while the base and the
+other adapters serve on.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import trio
+from mlxd.actors.engine.adapters import files
 from mlxd.actors.engine.scheduler.pool import ModelEvent
 from mlxd.actors.engine.scheduler.types import ModelInfo
 from mlxd.actors.grammar import GrammarCompiler
 from mlxd.actors.mailbox import Mailboxes
 from mlxd.actors.streamer import StreamState
 from mlxd.actors.tokenizer import ModelUnavailable, PromptBuilder, TokenizerOptions
-from mlxd.protocol.messages import EngineInbox, EngineStep, Failed, Load
+from mlxd.protocol.messages import AdapterRef, EngineInbox, EngineStep, Failed, Load
 
 log = logging.getLogger("mlxd")
 
@@ -67,8 +78,49 @@ class Entry:
     stream: StreamState | None = None
 
 
+@dataclass
+class Adapter:
+    """One served LoRA adapter over the entry ``base``. ``state``: ``unchecked`` (no
+    request has used it yet), ``ready`` (its files fit the base) or ``failed`` (``error``
+    says why); the check holds for the files' ``fingerprint`` and the base's info."""
+
+    name: str
+    base: str
+    path: str  # its directory, ``~`` expanded
+    source: str = "settings"  # or "api" (POST /v1/load_lora_adapter)
+    state: str = "unchecked"
+    error: str = ""
+    fingerprint: str = ""  # of the files last checked
+    checked_of: ModelInfo | None = None  # the base's info they were checked against
+    nbytes: int = 0  # what its tensors take once loaded (known once checked)
+
+    def ref(self) -> AdapterRef:
+        return AdapterRef(name=self.name, path=self.path, fingerprint=self.fingerprint)
+
+
+def expand(path: str) -> str:
+    """An adapter's directory as served: ``~`` expanded."""
+    return str(Path(path).expanduser())
+
+
+def _adapter_refusal(info: ModelInfo) -> str:
+    """Why the model takes no adapters ("" when it takes them)."""
+    if info.adapters_refused:
+        return info.adapters_refused
+    return "" if info.lora_targets else "its runner takes no LoRA adapters"
+
+
+def check_files(path: str, targets: Mapping[str, tuple[int, int]], base: str) -> int:
+    """The adapter's bytes once loaded; ``files.AdapterError`` unless its files fit the base
+    (a worker thread: it reads the config and the safetensors header)."""
+    found = files.inspect(Path(path))
+    found.check(targets, base)
+    return found.nbytes
+
+
 class ModelRegistry:
-    """Every served model's entry, in configuration order (the first is the default)."""
+    """Every served model's entry, in configuration order (the first is the default), and
+    the LoRA adapters served over them."""
 
     def __init__(
         self,
@@ -80,15 +132,29 @@ class ModelRegistry:
         *,
         accept_other_ids: bool | str = "auto",
         kinds: dict[str, str] | None = None,
+        adapters: Mapping[str, Mapping[str, str]] | None = None,
     ):
         self.entries = {i: Entry(i, kind=(kinds or {}).get(i, "auto")) for i in ids}
+        self.adapters: dict[str, Adapter] = {}
+        for base, table in (adapters or {}).items():
+            for name, path in table.items():
+                if name in self.entries:  # [model]'s id is known only once it has loaded
+                    raise ValueError(f"adapters: {name!r} ({base}) is a model's id")
+                self.adapters[name] = Adapter(name, base, expand(path))
         self.default = ids[0]
         self.engine, self.mailboxes = engine, mailboxes
         self.prompts, self.options = prompts, options
         # "auto": a one-model daemon serves any id (clients hard-code theirs); with several
-        # models an unknown id is more likely a typo than an alias.
-        auto = accept_other_ids == "auto"
-        self.accept_other_ids = len(ids) == 1 if auto else bool(accept_other_ids)
+        # models, or LoRA adapters (ever), an unknown id is more likely a typo than an alias.
+        self.auto_ids = accept_other_ids == "auto"
+        self.accept_other_ids = len(ids) == 1 if self.auto_ids else bool(accept_other_ids)
+        self._no_aliases()
+
+    def _no_aliases(self) -> None:
+        """With adapters an unknown id is not an alias ("auto"): a typo of an adapter's id,
+        or one unloaded, must not be answered by the base."""
+        if self.auto_ids and self.adapters:
+            self.accept_other_ids = False
 
     # ---- lookups ---------------------------------------------------------------------
 
@@ -97,14 +163,46 @@ class ModelRegistry:
         id → None (a 404), or the default when ``accept_other_ids``."""
         if not requested:
             return self.default
-        if requested in self.entries:
+        if requested in self.entries or requested in self.adapters:
             return requested
         return self.default if self.accept_other_ids else None
 
+    def base_of(self, model: str) -> str:
+        """The entry that serves ``model``: an adapter's base, else the model itself."""
+        adapter = self.adapters.get(model)
+        return adapter.base if adapter is not None else model
+
     def info(self, model: str) -> ModelInfo | None:
-        """The model's last loaded info (None: never loaded yet)."""
-        entry = self.entries.get(model)
+        """The model's (an adapter's: its base's) last loaded info (None: never loaded yet)."""
+        entry = self.entries.get(self.base_of(model))
         return entry.info if entry else None
+
+    def target(self, model: str, request_id: str) -> tuple[str, AdapterRef | None]:
+        """Where a request on ``model`` goes: the entry's id, and the adapter its rows decode
+        with (None: the base's own weights). ``ModelUnavailable`` for an adapter unloaded
+        since the request chose it."""
+        adapter = self.adapters.get(model)
+        if adapter is not None:
+            return adapter.base, adapter.ref()
+        if model not in self.entries:
+            raise ModelUnavailable(self._gone(model, request_id))
+        return model, None
+
+    def _gone(self, model: str, request_id: str | None) -> Failed:
+        return Failed(
+            request_id=request_id or "",
+            reason="invalid_request",
+            param="model",
+            message=f"adapter {model!r} was unloaded (POST /v1/unload_lora_adapter)",
+        )
+
+    def _entry(self, model: str, request_id: str | None) -> Entry:
+        """The entry serving ``model`` (an adapter's base); ``ModelUnavailable`` for an
+        adapter unloaded since the request chose it."""
+        entry = self.entries.get(self.base_of(model))
+        if entry is None:
+            raise ModelUnavailable(self._gone(model, request_id))
+        return entry
 
     # ---- the engine's news (trio thread) ---------------------------------------------
 
@@ -128,8 +226,9 @@ class ModelRegistry:
         """The model's prompt builder once it is loaded (asking the engine to load it).
 
         Raises ``ModelUnavailable`` when the request may not wait (too many wait, the
-        load takes too long, or the model failed to load), or for an embedding model."""
-        entry = self.entries[model]
+        load takes too long, or the model failed to load), for an embedding model, and for
+        an adapter whose files do not fit its base (a 400)."""
+        entry = self._entry(model, request_id)
         if entry.kind == "embedding":
             raise ModelUnavailable(
                 Failed(
@@ -140,16 +239,19 @@ class ModelRegistry:
                     "only, not chat or completions",
                 )
             )
-        await self.loaded(model, request_id)
+        info = await self.loaded(model, request_id)
+        adapter = self.adapters.get(model)
+        if adapter is not None:
+            await self.check_adapter(adapter, info, request_id)
         return await self.builder(entry)
 
     async def loaded(self, model: str, request_id: str | None) -> ModelInfo:
-        """The model's info once it is loaded (asking the engine to load it; ``request_id``
-        keeps it loaded until that request is submitted or aborted). Raises
-        ``ModelUnavailable`` as ``prepare`` does."""
-        entry = self.entries[model]
+        """The model's (an adapter's: its base's) info once it is loaded (asking the engine
+        to load it; ``request_id`` keeps it loaded until that request is submitted or
+        aborted). Raises ``ModelUnavailable`` as ``prepare`` does."""
+        entry = self._entry(model, request_id)
         self._check_failed(entry, request_id)
-        await self.engine.send(Load(model=model, request_id=request_id))
+        await self.engine.send(Load(model=entry.id, request_id=request_id))
         if entry.state != "loaded":
             await self._wait_loaded(entry, request_id)
         assert entry.info is not None, "a loaded model without its info"
@@ -198,6 +300,72 @@ class ModelRegistry:
 
     def _load_failed(self, entry: Entry, request_id: str | None) -> Failed:
         return Failed(request_id=request_id or "", reason="model_load_failed", message=entry.error)
+
+    # ---- adapters ----------------------------------------------------------------------
+
+    async def check_adapter(
+        self, adapter: Adapter, info: ModelInfo, request_id: str | None
+    ) -> None:
+        """``ModelUnavailable`` (a 400 naming the adapter) unless the adapter's files fit its
+        loaded base ``info``; checked again once its files or the base's info change."""
+        fingerprint = await trio.to_thread.run_sync(files.fingerprint, Path(adapter.path))
+        if fingerprint != adapter.fingerprint or adapter.checked_of is not info:
+            error, nbytes = "", 0
+            refusal = _adapter_refusal(info)
+            if refusal:
+                error = f"model {adapter.base!r} takes no LoRA adapters: {refusal}"
+            else:
+                try:
+                    nbytes = await trio.to_thread.run_sync(
+                        check_files, adapter.path, info.lora_targets, adapter.base
+                    )
+                except files.AdapterError as exc:
+                    error = str(exc)
+            adapter.fingerprint, adapter.checked_of, adapter.nbytes = fingerprint, info, nbytes
+            adapter.state, adapter.error = ("failed", error) if error else ("ready", "")
+            if error:
+                log.warning("adapter %r cannot serve: %s", adapter.name, error)
+        if adapter.state == "failed":
+            raise ModelUnavailable(
+                Failed(
+                    request_id=request_id or "",
+                    reason="invalid_request",
+                    param="model",
+                    message=f"adapter {adapter.name!r} cannot be served: {adapter.error}",
+                )
+            )
+
+    def adapter_id_taken(self, name: str) -> bool:
+        return name in self.entries or name in self.adapters
+
+    async def add_adapter(self, name: str, path: str, base: str, request_id: str) -> Adapter:
+        """Check the adapter's files against ``base`` (loading it; ``request_id`` pins it
+        until the caller aborts that id) and serve it as ``name``. Raises
+        ``ModelUnavailable``: the base cannot load, or the files do not fit (a 400);
+        ``ValueError``: ``name`` is taken."""
+        adapter = Adapter(name, base, expand(path), source="api")
+        info = await self.loaded(base, request_id)
+        await self.check_adapter(adapter, info, request_id)
+        if self.adapter_id_taken(name):  # another load took it meanwhile
+            raise ValueError(f"{name!r} is already a served model or adapter id")
+        self.adapters[name] = adapter
+        self._no_aliases()
+        log.info("adapter %r (%s) serves over %r", name, adapter.path, base)
+        return adapter
+
+    def remove_adapter(self, name: str) -> Adapter | None:
+        """Stop serving the adapter ``name`` (None: there is none); new requests on it 404."""
+        adapter = self.adapters.pop(name, None)
+        if adapter is not None:
+            log.info("adapter %r no longer served", name)
+        return adapter
+
+    def adapter_state(self, adapter: Adapter) -> str:
+        """The adapter as a listing shows it: ``failed`` when its check failed, else its
+        base's state."""
+        if adapter.state == "failed":
+            return "failed"
+        return self.entries[adapter.base].state
 
     async def builder(self, entry: Entry) -> PromptBuilder:
         """The entry's prompt builder for its current info (the grammar compiler reads

@@ -52,6 +52,7 @@ from mlxd.actors.tools import (
 from mlxd.actors.vision import ImageLimits, VisionError, VisionProcessor, load_images, split_images
 from mlxd.protocol.messages import (
     Abort,
+    AdapterRef,
     AdmittedRequest,
     ChatRequest,
     Failed,
@@ -581,6 +582,11 @@ class Builders(Protocol):
         """The model's builder once it is loaded; raises ``ModelUnavailable``."""
         ...
 
+    def target(self, model: str, request_id: str) -> tuple[str, AdapterRef | None]:
+        """The engine's model for a request on ``model`` and the LoRA adapter it decodes
+        with (an adapter's id: its base's and its own); raises ``ModelUnavailable``."""
+        ...
+
 
 class OneModel:
     """``Builders`` for a single, loaded model (tests and tools that build one graph)."""
@@ -590,6 +596,9 @@ class OneModel:
 
     async def prepare(self, model: str, request_id: str | None) -> PromptBuilder:
         return self.builder
+
+    def target(self, model: str, request_id: str) -> tuple[str, AdapterRef | None]:
+        return model, None
 
 
 async def _tokenize_one(
@@ -619,7 +628,13 @@ async def _tokenize_one(
     if _gone(mailboxes, rid):  # the client left (or the drain ended it): no orphan work
         await outbox.send(Abort(request_id=rid))
         return
-    await outbox.send(Submit(request=msgspec.structs.replace(tokenized, model=model)))
+    try:  # an adapter's request: its base's model, with the adapter
+        base, adapter = builders.target(model, rid)
+    except ModelUnavailable as exc:
+        mailboxes.deliver(msgspec.structs.replace(exc.failed, request_id=rid))
+        return
+    tokenized = msgspec.structs.replace(tokenized, model=base, adapter=adapter)
+    await outbox.send(Submit(request=tokenized))
 
 
 def _gone(mailboxes: Mailboxes, request_id: str) -> bool:

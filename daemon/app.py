@@ -3,7 +3,8 @@
 ``daemon/api/openai.py`` serves OpenAI chat/completions/models,
 ``daemon/api/embeddings.py`` OpenAI embeddings, ``daemon/api/anthropic.py`` Anthropic Messages and ``daemon/api/responses.py``
 the OpenAI Responses API, ``daemon/api/ollama.py`` Ollama's ``/api/*``,
-``daemon/api/infill.py`` llama.cpp's ``/infill``, ``/tokenize`` and ``/detokenize``, over the shared
+``daemon/api/infill.py`` llama.cpp's ``/infill``, ``/tokenize`` and ``/detokenize``,
+``daemon/api/adapters.py`` vLLM's LoRA adapter load and unload, over the shared
 plumbing in ``daemon/api/common.py``.
 Errors before the first token get a real status code; errors after it end the
 stream with an error event. Each API module answers the errors raised on its
@@ -22,7 +23,7 @@ from __future__ import annotations
 import msgspec
 import trio
 from mlxd.daemon import dashboard
-from mlxd.daemon.api import anthropic, embeddings, infill, ollama, openai, responses
+from mlxd.daemon.api import adapters, anthropic, embeddings, infill, ollama, openai, responses
 from mlxd.daemon.api.body import is_json_type
 from mlxd.daemon.api.common import Validator, json_response
 from mlxd.daemon.api.errors import ApiError, install_errors
@@ -51,14 +52,15 @@ def create_app(pipeline: Pipeline, settings: Settings) -> QuartTrio:
     validator = Validator(settings)
 
     def select(requested: str | None) -> tuple[str, Validator]:
-        """The served model a request's ``model`` names (none: the default), and the
-        validator for it; unknown: a 404 in the calling API's format."""
+        """The served model a request's ``model`` names (none: the default; a LoRA
+        adapter's id stays the adapter's, which its responses echo), and the validator for
+        it; unknown: a 404 in the calling API's format."""
         models = pipeline.models
         if pipeline.state is not ServerState.READY or models is None:
             raise ApiError("not_ready", f"server is {pipeline.state.value}", retry_after=1)
         model = models.find(requested)
         if model is None:
-            served = ", ".join(repr(m) for m in models.entries)
+            served = ", ".join(repr(m) for m in [*models.entries, *models.adapters])
             raise ApiError(
                 "model_not_found",
                 f"model {requested!r} not found; this server serves {served}",
@@ -96,6 +98,7 @@ def create_app(pipeline: Pipeline, settings: Settings) -> QuartTrio:
         )
 
     _install_engine_routes(app, pipeline, select)
+    adapters.install(app, pipeline, validator)  # vLLM's LoRA adapter routes
     _install_observability(app, pipeline, settings, select)
     open_paths = _OPEN_PATHS
     if settings.dashboard.enabled:  # the page at / (its data routes need the API key)

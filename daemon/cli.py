@@ -44,7 +44,6 @@ class Flag:
     also: tuple[tuple[str, Any], ...] = ()
     gather: Callable[[list[Any]], Any] = list  # a repeated flag's values as the setting
 
-
     @property
     def dest(self) -> str:
         return self.name.removeprefix("--").replace("-", "_")

@@ -266,7 +266,12 @@ class Pipeline:
         return _sum_stats(list(self.model_stats.values()))
 
     def stats_of(self, model: str) -> EngineStats:
-        return self.model_stats.get(model, EngineStats())
+        """The engine's snapshot of ``model`` (an adapter's: its base's)."""
+        return self.model_stats.get(self._base(model), EngineStats())
+
+    def _base(self, model: str) -> str:
+        """The entry serving ``model``: an adapter's base (its requests share its queue)."""
+        return self.models.base_of(model) if self.models is not None else model
 
     async def count_tokens(self, request: AdmittedRequest) -> int:
         """Prompt tokens of a request, rendered as it would be served (worker thread).
@@ -326,7 +331,7 @@ class Pipeline:
         it waits for an admission slot, or its model waits for room to load."""
         if self.policy is not None and request_id in self.policy.waiting:
             return True
-        entry = self.models.entries.get(model) if self.models is not None else None
+        entry = self.models.entries.get(self._base(model)) if self.models is not None else None
         return entry is not None and entry.state == "unloaded"
 
     def live(self) -> Live:
@@ -350,6 +355,7 @@ class Pipeline:
             kv_bytes_per_token=memory.kv_bytes_per_token if memory else 0,
             state_bytes=memory.state_bytes if memory else 0,
             models=self._models(),
+            adapters=self._adapters(),
         )
 
     def _models(self) -> list[wire.ServedModel]:
@@ -375,6 +381,22 @@ class Pipeline:
                 engine=self.model_stats.get(e.id) if e.state == "loaded" else None,
             )
             for e in self.models.entries.values()
+        ]
+
+    def _adapters(self) -> list[wire.ServedAdapter]:
+        if self.models is None:
+            return []
+        return [
+            wire.ServedAdapter(
+                id=a.name,
+                base=a.base,
+                path=a.path,
+                source=a.source,
+                state=self.models.adapter_state(a),
+                error=a.error,
+                bytes=a.nbytes,
+            )
+            for a in self.models.adapters.values()
         ]
 
     def _admission(self) -> wire.AdmissionStatus:
@@ -477,7 +499,7 @@ class Pipeline:
         embedding request, ``daemon/api/embeddings.py``): its mailbox, trace and timeouts."""
         mailbox = self.mailboxes.register(request_id)
         session = self.sessions[request_id] = Session(self, mailbox, model)
-        self.timeouts.add(request_id, session.trace.start, model)
+        self.timeouts.add(request_id, session.trace.start, self._base(model))
         self._timer.ring()
         return session
 
@@ -487,7 +509,7 @@ class Pipeline:
         mailbox = self.mailboxes.register(request.request_id, bell)
         model = request.model or (self.models.default if self.models else "")
         session = self.sessions[request.request_id] = Session(self, mailbox, model)
-        self.timeouts.add(request.request_id, session.trace.start, model)
+        self.timeouts.add(request.request_id, session.trace.start, self._base(model))
         self._timer.ring()
         try:
             await self.admission.send(Admit(request=request))

@@ -5,6 +5,7 @@
       └──────────────────────────── mailboxes (merge, never block) ◀─────────────────────┘
     HTTP ──Abort (session close)──▶ engine ◀──Abort (stop string)── streamer
     tokenizer ──Load (model not loaded)──▶ engine ──EngineNews (model events)──▶ registry
+    HTTP ──UnloadAdapter (POST /v1/unload_lora_adapter)──▶ engine
     pipeline.expire (queue timeout, deadline) ──Failed──▶ mailboxes
     mailbox final event ──▶ pipeline.release_ended ──Abort/Release──▶ engine, admission
     engine ──EngineNews (stats per model, each step)──▶ pipeline ◀── /metrics, /v1/status
@@ -343,6 +344,7 @@ async def run_actors(
             registry_options(s),
             accept_other_ids=s.model.accept_other_ids,
             kinds={i: e.kind for i, e in zip(ids, s.model_entries(), strict=True)},
+            adapters={i: e.adapters for i, e in zip(ids, s.model_entries(), strict=True)},
         )
         pipeline.speculative = {
             i: _speculates(s, e) for i, e in zip(ids, s.model_entries(), strict=True)

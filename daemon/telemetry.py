@@ -141,6 +141,7 @@ class Live:
     kv_bytes_per_token: int = 0  # the memory model's estimates (0: no memory gate)
     state_bytes: int = 0
     models: list[wire.ServedModel] = dataclasses.field(default_factory=list)
+    adapters: list[wire.ServedAdapter] = dataclasses.field(default_factory=list)
 
 
 class Telemetry:
@@ -447,6 +448,7 @@ def status_snapshot(live: Live, t: Telemetry, settings: Settings, now: float) ->
         uptime_s=round(time.monotonic() - t.started, 3),
         model=live.model,
         models=live.models,
+        adapters=live.adapters,
         requests=wire.RequestsStatus(running=running, waiting=waiting),
         admission=live.admission,
         engine=s,

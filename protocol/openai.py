@@ -314,8 +314,18 @@ class ModelCard(msgspec.Struct, kw_only=True):
     status: str | None = None
 
 
+class AdapterCard(ModelCard, kw_only=True):
+    """A served LoRA adapter, as vLLM lists its ``--lora-modules``: ``parent`` the served
+    model it adapts, ``root`` its directory; ``error`` (mlxd's) why its ``status`` is
+    ``failed`` (its files do not fit the base), else ``null``."""
+
+    parent: str
+    root: str
+    error: str | None = None
+
+
 class ModelList(msgspec.Struct, kw_only=True):
-    data: list[ModelCard]
+    data: list[ModelCard | AdapterCard]
     object: str = "list"
 
 

@@ -136,6 +136,21 @@ class ServedModel(msgspec.Struct, kw_only=True):
     engine: EngineStats | None
 
 
+class ServedAdapter(msgspec.Struct, kw_only=True):
+    """One served LoRA adapter over the model ``base``; ``source``: ``settings`` or ``api``
+    (``POST /v1/load_lora_adapter``). ``state``: ``failed`` when its files do not fit its
+    base (``error`` says why), else its base's; ``bytes``: its tensors once loaded (0 until
+    a request has used it)."""
+
+    id: str
+    base: str
+    path: str
+    source: str
+    state: str
+    error: str
+    bytes: int
+
+
 class Status(msgspec.Struct, kw_only=True):
     """The server; ``model`` is the default model, ``engine`` every loaded model's counts
     added up, and ``models`` each served model on its own."""
@@ -152,3 +167,4 @@ class Status(msgspec.Struct, kw_only=True):
     speculative: list[SpeculativeCounters]  # one per drafter; [] when speculation is not configured
     spec_prefill: SpecPrefillCounters | None  # None when SpecPrefill is not configured
     settings: dict[str, Any]
+    adapters: list[ServedAdapter] = []  # the LoRA adapters served over ``models``

@@ -92,6 +92,11 @@ async def embed(
 ) -> EmbeddingResult:
     """Embed ``inputs`` with ``model`` (see the module docstring)."""
     assert pipeline.models is not None, "embed before the actors run"
+    check(
+        model not in pipeline.models.adapters,
+        "model",
+        f"{model!r} is a LoRA adapter of a chat model: it does not serve embeddings",
+    )
     entry = pipeline.models.entries[model]
     check(
         entry.kind == "embedding",

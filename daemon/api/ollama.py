@@ -353,7 +353,7 @@ class Clock:
 
     def _entry(self):
         models = self.pipeline.models
-        return models.entries.get(self.model) if models else None
+        return models.entries.get(models.base_of(self.model)) if models else None
 
     def token(self) -> None:
         if self.first is None:

@@ -12,6 +12,7 @@ import uuid
 from datetime import UTC, datetime
 from pathlib import Path
 
+import msgspec
 import trio
 from mlxd.actors.tokenizer import ModelUnavailable
 from mlxd.daemon.api.errors import ApiError
@@ -78,9 +79,11 @@ def _expires(pipeline: Pipeline, model: str) -> str:
 
 
 def tags(pipeline: Pipeline) -> wire.Tags:
-    assert pipeline.models is not None
+    """The served models, then their LoRA adapters (``details.parent_model``: the base)."""
+    models = pipeline.models
+    assert models is not None
     listed = []
-    for e in pipeline.models.entries.values():
+    for e in models.entries.values():
         model_dir = e.info.model_dir if e.info else None
         listed.append(
             wire.ListedModel(
@@ -90,6 +93,20 @@ def tags(pipeline: Pipeline) -> wire.Tags:
                 size=e.weights_bytes,
                 digest=_digest(e.id, model_dir),
                 details=_details(model_dir, e.info.backend if e.info else ""),
+            )
+        )
+    for a in models.adapters.values():  # each LoRA adapter, naming its base
+        base = models.entries[a.base]
+        model_dir = base.info.model_dir if base.info else None
+        details = _details(model_dir, base.info.backend if base.info else "")
+        listed.append(
+            wire.ListedModel(
+                name=a.name,
+                model=a.name,
+                modified_at=_modified(Path(a.path)),
+                size=a.nbytes,
+                digest=_digest(a.name, Path(a.path)),
+                details=msgspec.structs.replace(details, parent_model=a.base),
             )
         )
     return wire.Tags(models=listed)
@@ -125,7 +142,7 @@ def _capabilities(kind: str) -> list[str]:
 async def show(pipeline: Pipeline, model: str) -> wire.Show:
     """A model's card; it loads the model if need be (its files say what it is)."""
     assert pipeline.models is not None
-    entry = pipeline.models.entries[model]
+    entry = pipeline.models.entries[pipeline.models.base_of(model)]  # an adapter's: its base's
     if entry.info is None:
         await load(pipeline, model)
     info = entry.info
@@ -138,11 +155,17 @@ async def show(pipeline: Pipeline, model: str) -> wire.Show:
         "general.vocab_size": info.vocab_size,
     }
     template = getattr(info.tokenizer, "chat_template", None)
+    adapter = pipeline.models.adapters.get(model)
+    details = _details(info.model_dir, info.backend)
+    modelfile = f"# served by mlxd\nFROM {info.model_dir}\n"
+    if adapter is not None:  # Ollama's Modelfile names a LoRA adapter with ADAPTER
+        details = msgspec.structs.replace(details, parent_model=adapter.base)
+        modelfile += f"ADAPTER {adapter.path}\n"
     return wire.Show(
-        modelfile=f"# served by mlxd\nFROM {info.model_dir}\n",
+        modelfile=modelfile,
         parameters="",
         template=template if isinstance(template, str) else "",
-        details=_details(info.model_dir, info.backend),
+        details=details,
         model_info=model_info,
         capabilities=_capabilities(info.kind),
         modified_at=_modified(info.model_dir),

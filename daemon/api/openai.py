@@ -16,6 +16,7 @@ import time
 import uuid
 
 import msgspec
+from mlxd.actors.models import ModelRegistry
 from mlxd.daemon.api import sse
 from mlxd.daemon.api.common import (
     SEED_MAX,
@@ -630,19 +631,35 @@ def _routes(
     @app.get("/v1/models")
     async def models() -> Response:
         select(None)
-        assert pipeline.models is not None
-        cards = [
-            wire.ModelCard(id=e.id, created=0, status=e.state)
-            for e in pipeline.models.entries.values()
+        registry = pipeline.models
+        assert registry is not None
+        cards: list[wire.ModelCard | wire.AdapterCard] = [
+            wire.ModelCard(id=e.id, created=0, status=e.state) for e in registry.entries.values()
         ]
+        cards += [model_card(registry, a) for a in registry.adapters]
         return json_response(wire.ModelList(data=cards))
 
     @app.get("/v1/models/<path:model_id>")
     async def model(model_id: str) -> Response:
         served, _ = select(model_id)  # another id (model.accept_other_ids): the served card
         assert pipeline.models is not None
-        status = pipeline.models.entries[served].state
-        return json_response(wire.ModelCard(id=served, created=0, status=status))
+        return json_response(model_card(pipeline.models, served))
+
+
+def model_card(models: ModelRegistry, served: str) -> wire.ModelCard | wire.AdapterCard:
+    """A served model's card; a LoRA adapter's names its base (``parent``) and directory."""
+    adapter = models.adapters.get(served)
+    if adapter is None:
+        return wire.ModelCard(id=served, created=0, status=models.entries[served].state)
+    state = models.adapter_state(adapter)
+    return wire.AdapterCard(
+        id=served,
+        created=0,
+        status=state,
+        parent=adapter.base,
+        root=adapter.path,
+        error=adapter.error if state == "failed" else None,
+    )
 
 
 def _echo(prompt: str | tuple[int, ...], pipeline: Pipeline, model: str) -> str:

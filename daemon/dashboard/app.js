@@ -148,12 +148,22 @@ function modelRow(m) {
   }
   const actions = cell("");
   const busy = m.state === "loading";
-  actions.append(
-    button("Load", "load", m, busy || m.state === "loaded"),
-    button("Unload", "unload", m, m.state !== "loaded"),
-  );
+  if (!m.parent) {  // a LoRA adapter loads with its base (and unloads by its own route)
+    actions.append(
+      button("Load", "load", m, busy || m.state === "loaded"),
+      button("Unload", "unload", m, m.state !== "loaded"),
+    );
+  }
+  const idCell = cell(m.id);
+  if (m.parent) {
+    tr.className = "adapter";
+    const base = document.createElement("div");
+    base.className = "muted";
+    base.textContent = `LoRA adapter on ${m.parent}`;
+    idCell.append(base);
+  }
   tr.append(
-    cell(m.id), stateCell, cell(m.kind || "–"), cell(bytes(m.weights_bytes), true),
+    idCell, stateCell, cell(m.kind || "–"), cell(bytes(m.weights_bytes), true),
     cell(bytes(m.kv_reserved_bytes), true), preemptedCell(m),
     cell(`${m.open_requests} / ${m.finished_requests}`, true),
     cell(`${m.loads} / ${m.unloads}`, true), actions,

@@ -70,6 +70,7 @@ class ModelRow(msgspec.Struct, kw_only=True):
     waiting_for_load: int
     open_requests: int  # requests for it now (queued, waiting or running)
     finished_requests: int  # requests for it that ended since start
+    parent: str = ""  # a LoRA adapter's base model ("" for a model)
 
 
 class View(msgspec.Struct, kw_only=True):
@@ -141,7 +142,7 @@ def view(
         now=wall,
         sample_period_s=d.sample_period_s,
         history_s=d.history_s,
-        models=[_model_row(m, counts, history) for m in status.models],
+        models=_rows(status, counts, history),
         admission=status.admission,
         memory=status.memory,
         cache=status.cache,
@@ -152,6 +153,39 @@ def view(
         next_sample=history.next_sample,
         recent=history.requests_since(recent_since),
         next_recent=history.next_request,
+    )
+
+
+def _rows(status: wire.Status, counts: dict[str, int], history: History) -> list[ModelRow]:
+    """Each served model, followed by the LoRA adapters served over it."""
+    rows = []
+    for m in status.models:
+        rows.append(_model_row(m, counts, history))
+        for a in status.adapters:
+            if a.base == m.id:
+                rows.append(_adapter_row(a, m, counts, history))
+    return rows
+
+
+def _adapter_row(
+    a: wire.ServedAdapter, base: wire.ServedModel, counts: dict[str, int], history: History
+) -> ModelRow:
+    return ModelRow(
+        id=a.id,
+        parent=a.base,
+        state=a.state,
+        error=a.error,
+        kind=base.model.kind if base.model else None,
+        context_length=base.model.context_length if base.model else None,
+        weights_bytes=a.bytes,
+        kv_reserved_bytes=0,
+        loads=0,
+        unloads=0,
+        last_load_s=0.0,
+        last_unload_reason="",
+        waiting_for_load=0,
+        open_requests=counts.get(a.id, 0),
+        finished_requests=history.done_by_model.get(a.id, 0),
     )
 
 
@@ -226,10 +260,11 @@ def _install_model_routes(app: QuartTrio, pipeline: Pipeline, settings: Settings
 
     @app.post("/v1/models/<path:model_id>/unload")
     async def unload(model_id: str) -> Response:
-        _, e = entry(model_id)
+        models, e = entry(model_id)
         if e.state == "loading":
             raise ApiError("invalid_request", f"model {model_id!r} is loading", status=409)
-        busy = sum(s.trace.model == model_id for s in pipeline.sessions.values()) + e.waiting
+        serving = [models.base_of(s.trace.model) for s in pipeline.sessions.values()]
+        busy = serving.count(model_id) + e.waiting  # its adapters' requests too
         if e.state == "loaded" and busy:
             raise ApiError(
                 "invalid_request",
