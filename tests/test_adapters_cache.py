@@ -1,0 +1,163 @@
+"""Caches that know the adapter (issue 44, item 4), and the resident set (item 5).
+
+The prefix cache and its disk tier key an adapter row's snapshots by the adapter: a
+row never reuses a prefix the base or another adapter computed, and reuses its own (a
+hit answers as the miss did). Adapters load on first use, at most ``max_adapters``
+resident; the least recently used idle one is evicted for a new one; a request waits
+while every resident adapter is in use; an unload under a running row waits for it.
+"""
+
+from __future__ import annotations
+
+import pytest
+from mlxd.protocol.messages import AdapterRef, SamplingParams, TokenizedRequest
+
+pytestmark = pytest.mark.mlx
+
+PROMPT = tuple((7 * i) % 4000 + 10 for i in range(40))
+
+
+def ask(rid, prompt=PROMPT, adapter=None, max_tokens=6):
+    return TokenizedRequest(
+        request_id=rid,
+        prompt_tokens=tuple(prompt),
+        sampling=SamplingParams(max_tokens=max_tokens, temperature=0.0),
+        adapter=adapter,
+    )
+
+
+def ref(name, path):
+    from mlxd.actors.engine.adapters.files import fingerprint
+
+    return AdapterRef(name=name, path=str(path), fingerprint=fingerprint(path))
+
+
+@pytest.fixture(scope="module")
+def model(tiny_models, tmp_path_factory):
+    from mlxd.scripts import tiny_models as tm
+
+    model_dir = tiny_models("llama")
+    root = tmp_path_factory.mktemp("cache-adapters")
+    adapters = {
+        f"a{i}": tm.build_lora_adapter(model_dir, root / f"a{i}", rank=4, seed=10 + i)
+        for i in range(4)
+    }
+    return model_dir, adapters
+
+
+def engine(model_dir, tmp_path, *, store=None, max_adapters=8, max_batch=4):
+    from mlxd.actors.engine.loading.load import load_runner
+    from mlxd.actors.engine.scheduler.core import EngineCore
+    from mlxd.actors.engine.scheduler.options import DiskTierOptions, PrefixCacheOptions
+
+    disk = DiskTierOptions(store=store, slug="m") if store is not None else None
+    runner, _ = load_runner(
+        str(model_dir),
+        tmp_path,
+        dequantize_on_cpu=True,
+        max_batch=max_batch,
+        prefix_cache=PrefixCacheOptions(block_size=16, max_bytes=256 << 20),
+        disk_tier=disk,
+        max_adapters=max_adapters,
+    )
+    return runner, EngineCore(runner, max_batch=max_batch, prefill_chunk_tokens=64)
+
+
+def run(core, *requests):
+    """Every request's tokens and cached prompt tokens, run to the end together."""
+    out, cached = {}, {}
+    for r in requests:
+        core.submit(r)
+    while not core.idle:
+        step = core.step()
+        assert not step.failed, step.failed
+        cached |= {s.request_id: s.cached_tokens for s in step.started}
+        for t in step.tokens:
+            out.setdefault(t.request_id, []).extend(t.tokens)
+    return out, cached
+
+
+def test_an_adapter_row_reuses_its_own_prefix_only(model, tmp_path):
+    model_dir, adapters = model
+    a0, a1 = ref("a0", adapters["a0"]), ref("a1", adapters["a1"])
+    runner, core = engine(model_dir, tmp_path)
+    base, cached = run(core, ask("base"))
+    assert cached["base"] == 0
+    miss, cached = run(core, ask("a0", adapter=a0))
+    assert cached["a0"] == 0  # the base's snapshot of the same prompt is not a0's
+    other, cached = run(core, ask("a1", adapter=a1))
+    assert cached["a1"] == 0  # nor is a0's a1's
+    hit, cached = run(core, ask("a0-again", adapter=a0))
+    assert cached["a0-again"] > 16 and hit["a0-again"] == miss["a0"]
+    again, cached = run(core, ask("base-again"))
+    assert cached["base-again"] > 16 and again["base-again"] == base["base"]
+    assert miss["a0"] != base["base"] and other["a1"] != miss["a0"]
+
+
+def test_the_disk_tier_keeps_each_adapter_in_its_own_space(model, tmp_path):
+    """RAM emptied (as after a restart): an adapter row is served from its own space on
+    disk and answers as cold; the base's files are not the adapter's."""
+    from mlxd.actors.engine.runner.disk_tier import DiskStore
+
+    model_dir, adapters = model
+    a0 = ref("a0", adapters["a0"])
+    store = DiskStore(tmp_path / "disk", 1 << 30, ["m"], write_behind_s=600, block_tokens=16,
+                      fsync=False)
+    runner, core = engine(model_dir, tmp_path, store=store)
+    cold, _ = run(core, ask("a0", adapter=a0))
+    run(core, ask("base"))
+    runner.spill_cache(wait=True)
+    spaces = sorted(p.name.rsplit("-", 1)[0] for p in (tmp_path / "disk").iterdir() if p.is_dir())
+    assert spaces == ["m", "m.lora.a0"], spaces
+    runner.clear_cache(tier="ram")
+    warm, cached = run(core, ask("a0-warm", adapter=a0))
+    assert cached["a0-warm"] > 16 and warm["a0-warm"] == cold["a0"]
+    assert runner.prefix_cache.stats.disk_hits == 1
+    runner.clear_cache(tier="ram")
+    other, cached = run(core, ask("a1", adapter=ref("a1", adapters["a1"])))
+    assert cached["a1"] == 0
+    store.close()
+
+
+def test_lru_eviction_and_waiting_for_a_slot(model, tmp_path):
+    """Two resident at most: a third adapter evicts the least recently used idle one;
+    with both in use, a request on a third waits (and then runs) instead of failing."""
+    model_dir, adapters = model
+    refs = [ref(f"a{i}", adapters[f"a{i}"]) for i in range(4)]
+    runner, core = engine(model_dir, tmp_path, max_adapters=2)
+    bank = runner.adapters
+    alone = {}
+    for r in refs:
+        alone[r.name] = run(core, ask(r.name, adapter=r))[0][r.name]
+    assert bank.resident == ["a2", "a3"] and bank.evictions == 2
+    run(core, ask("x", adapter=refs[2]))  # a2 is now the most recent
+    run(core, ask("y", adapter=refs[0]))
+    assert bank.resident == ["a2", "a0"]  # a3, least recently used, went
+    # three adapters at once with room for two: the third waits for a slot
+    together, _ = run(
+        core,
+        ask("w0", adapter=refs[1], max_tokens=6),
+        ask("w1", adapter=refs[2], max_tokens=6),
+        ask("w2", adapter=refs[3], max_tokens=6),
+    )
+    assert together["w0"] == alone["a1"] and together["w1"] == alone["a2"]
+    assert together["w2"] == alone["a3"]
+    assert len(bank.resident) <= 2
+
+
+def test_an_unload_waits_for_the_rows_using_the_adapter(model, tmp_path):
+    model_dir, adapters = model
+    a0 = ref("a0", adapters["a0"])
+    runner, core = engine(model_dir, tmp_path)
+    want, _ = run(core, ask("first", adapter=a0, max_tokens=10))
+    core.submit(ask("long", adapter=a0, max_tokens=10))
+    got = []
+    for _ in range(3):
+        step = core.step()
+        got += [x for t in step.tokens for x in t.tokens]
+    runner.unload_adapter("a0")
+    assert runner.adapters.resident == ["a0"]  # still in use
+    while not core.idle:
+        got += [x for t in core.step().tokens for x in t.tokens]
+    assert got == want["first"]
+    assert runner.adapters.resident == []  # gone once its last row ended
