@@ -161,3 +161,96 @@ def test_an_unload_waits_for_the_rows_using_the_adapter(model, tmp_path):
         got += [x for t in core.step().tokens for x in t.tokens]
     assert got == want["first"]
     assert runner.adapters.resident == []  # gone once its last row ended
+
+
+@pytest.mark.parametrize("model_name", ["llama", "qwen3_5"])
+def test_an_adapter_row_preempted_equals_not_preempted(tiny_models, tmp_path, model_name):
+    """Preempted mid-answer and resumed (from its own snapshot, or recomputed where a
+    hybrid's state cannot be trimmed), an adapter row writes what it writes alone; its
+    slot is held again on the resume and given back at the end."""
+    from mlxd.scripts import tiny_models as tm
+
+    from tests.test_preemption_mlx import greedy, preempted_run
+
+    model_dir = tiny_models(model_name)
+    a0 = ref("a0", tm.build_lora_adapter(model_dir, tmp_path / "a0", rank=4, seed=5))
+    runner, _ = engine(model_dir, tmp_path)
+    first, second = greedy("base", 200), greedy("tuned", 900, adapter=a0)
+    from tests.engine_driver import alone
+
+    expected = alone(runner, [first, second])
+    hits = runner.prefix_cache.stats.hits
+    tokens, _ = preempted_run(runner, first, second, 4)
+    assert tokens == expected
+    if model_name == "llama":
+        assert runner.prefix_cache.stats.hits > hits  # resumed from its own snapshot
+    assert runner.adapters.resident == ["a0"] and not runner._slots
+
+
+def test_a_grammar_holds_on_an_adapter_row(model, tmp_path):
+    """Structured output on adapter rows: a json_schema answer and a forced tool call,
+    in one batch with a free base row, are valid and equal each alone."""
+    import json
+
+    from mlxd.actors.grammar import GrammarCompiler
+    from mlxd.protocol.messages import Constraint, Tool
+
+    from tests.engine_driver import alone, drive
+
+    model_dir, adapters = model
+    a0, a1 = ref("a0", adapters["a0"]), ref("a1", adapters["a1"])
+    from mlxd.actors.engine.loading.load import load_runner
+
+    runner, info = load_runner(str(model_dir), tmp_path, dequantize_on_cpu=True, max_batch=4)
+    schema = {
+        "type": "object",
+        "properties": {"city": {"type": "string", "maxLength": 8}, "days": {"type": "integer"}},
+        "required": ["city", "days"],
+        "additionalProperties": False,
+    }
+    tools = (Tool(name="get_weather", parameters={"type": "object", "properties": {}}),)
+
+    def rows():
+        compiler = GrammarCompiler(info.tokenizer)
+        json_grammar = compiler.compile(Constraint(kind="json_schema", schema=schema), ())
+        call = compiler.compile(Constraint(kind="tool_call", tool_names=("get_weather",)), tools)
+        return [
+            TokenizedRequest(request_id="json", prompt_tokens=PROMPT, adapter=a0,
+                             sampling=SamplingParams(max_tokens=60, temperature=0.0),
+                             grammar=json_grammar),
+            TokenizedRequest(request_id="call", prompt_tokens=PROMPT[5:], adapter=a1,
+                             sampling=SamplingParams(max_tokens=60, temperature=0.0),
+                             grammar=call),
+            ask("base", max_tokens=20),
+        ]
+
+    tokens, failed = drive(runner, {0: rows()})
+    assert not failed
+    assert tokens == alone(runner, rows())
+    text = info.tokenizer.decode([t for t in tokens["json"] if t not in info.tokenizer.eos_token_ids])
+    value = json.loads(text)
+    assert set(value) == {"city", "days"} and isinstance(value["days"], int)
+    assert "get_weather" in info.tokenizer.decode(tokens["call"])
+
+
+def test_speculative_and_a_broken_contract_refuse_adapters_with_the_reason(
+    tiny_models, tmp_path, monkeypatch
+):
+    from mlxd.actors.engine.adapters import multi_lora
+    from mlxd.actors.engine.loading.load import load_runner
+    from mlxd.actors.engine.scheduler.options import SpeculativeOptions
+
+    from tests.engine_driver import drive
+
+    model_dir = tiny_models("llama")
+    spec, info = load_runner(
+        str(model_dir), tmp_path, dequantize_on_cpu=True, max_batch=4,
+        speculative=SpeculativeOptions(drafter="lookup", num_draft_tokens=3),
+    )
+    assert not info.lora_targets and "speculative" in info.adapters_refused
+    a0 = AdapterRef(name="a0", path=str(tmp_path), fingerprint="x")
+    _, failed = drive(spec, {0: [ask("tuned", adapter=a0)]})
+    assert failed["tuned"].reason == "invalid_request" and failed["tuned"].param == "model"
+    monkeypatch.setattr(multi_lora, "TESTED_MLX", ((0, 1), (0, 2)))
+    plain, info = load_runner(str(model_dir), tmp_path, dequantize_on_cpu=True, max_batch=4)
+    assert plain.adapters is None and "outside the tested range" in info.adapters_refused
