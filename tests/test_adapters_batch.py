@@ -134,3 +134,35 @@ def test_a_mismatched_adapter_fails_its_own_request_only(setup, tmp_path):
     assert "lora_parameters" in failed["broken"].message
     assert tokens["good"] == alone(runner, [requests[1]])["good"]
     assert tokens["base"] == alone(runner, [requests[0]])["base"]
+
+
+@pytest.mark.parametrize("kind", ["lora", "dora"])
+def test_a_quantized_base_serves_adapters_as_mlx_lm_applies_them(tiny_models, tmp_path, kind):
+    """A quantized base (``QuantizedLinear``; DoRA's norm over its dequantized weight):
+    an adapter row in a batch with a base row writes what mlx-lm's own adapter layers
+    (``load_adapters``, unfused: fusing would quantize again) write alone."""
+    import mlx.nn as nn
+    from mlx_lm.tuner.utils import load_adapters
+    from mlxd.actors.engine.adapters.bank import AdapterBank
+    from mlxd.actors.engine.runner.base import MlxRunner
+    from mlxd.scripts import tiny_models as tm
+
+    model_dir = tiny_models("llama")
+    adapter = tm.build_lora_adapter(model_dir, tmp_path / kind, kind=kind, rank=4, seed=4)
+
+    def quantized():
+        runner, info = load(model_dir)
+        nn.quantize(runner.model, group_size=32, bits=8)
+        return runner.model, sorted(info.tokenizer.eos_token_ids)
+
+    model, stops = quantized()
+    bank = AdapterBank(model, "q", max_adapters=2, memory_bytes=1 << 30)
+    served = MlxRunner(model, stops, 8, adapters=bank)
+    requests = [ask("tuned", PROMPTS["a"], ref("t", adapter)), ask("base", PROMPTS["base"])]
+    tokens, failed = drive(served, {0: requests})
+    assert not failed
+    reference, _ = quantized()
+    reference = load_adapters(reference, str(adapter))
+    want = alone(MlxRunner(reference, stops, 8), [ask("tuned", PROMPTS["a"])])["tuned"]
+    assert tokens["tuned"] == want
+    assert tokens["base"] == alone(served, [requests[1]])["base"]
