@@ -136,6 +136,7 @@ class ModelRegistry:
     ):
         self.entries = {i: Entry(i, kind=(kinds or {}).get(i, "auto")) for i in ids}
         self.adapters: dict[str, Adapter] = {}
+        self.unloaded: set[str] = set()  # adapters' ids no longer served: a 404, never an alias
         for base, table in (adapters or {}).items():
             for name, path in table.items():
                 if name in self.entries:  # [model]'s id is known only once it has loaded
@@ -165,6 +166,8 @@ class ModelRegistry:
             return self.default
         if requested in self.entries or requested in self.adapters:
             return requested
+        if requested in self.unloaded:
+            return None
         return self.default if self.accept_other_ids else None
 
     def base_of(self, model: str) -> str:
@@ -349,6 +352,7 @@ class ModelRegistry:
         if self.adapter_id_taken(name):  # another load took it meanwhile
             raise ValueError(f"{name!r} is already a served model or adapter id")
         self.adapters[name] = adapter
+        self.unloaded.discard(name)
         self._no_aliases()
         log.info("adapter %r (%s) serves over %r", name, adapter.path, base)
         return adapter
@@ -357,6 +361,7 @@ class ModelRegistry:
         """Stop serving the adapter ``name`` (None: there is none); new requests on it 404."""
         adapter = self.adapters.pop(name, None)
         if adapter is not None:
+            self.unloaded.add(name)
             log.info("adapter %r no longer served", name)
         return adapter
 

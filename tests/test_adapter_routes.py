@@ -316,6 +316,18 @@ async def test_an_adapter_from_the_settings_unloads_too(tmp_path):
         assert (await chat(c, "sql"))[0] == 404
 
 
+async def test_an_unloaded_adapter_is_a_404_even_where_other_ids_are_aliases(tmp_path):
+    sql = mlx_adapter(tmp_path / "sql")
+    s = settings({"id": "base", "adapters": {"sql": str(sql)}}, accept_other_ids=True)
+    async with served(s, {"base": LoraModel()}) as (c, _):
+        assert (await chat(c, "gpt-4o"))[0] == 200  # an alias of the first model
+        assert (await c.post(UNLOAD, json={"lora_name": "sql"})).status_code == 200
+        assert (await chat(c, "sql"))[0] == 404
+        body = {"lora_name": "sql", "lora_path": str(sql)}
+        assert (await c.post(LOAD, json=body)).status_code == 200  # served again
+        assert (await chat(c, "sql"))[0] == 200
+
+
 @pytest.mark.parametrize(
     ("body", "status", "param", "words"),
     [

@@ -33,6 +33,10 @@ BASE = "http://127.0.0.1:8000"
 WAIT_S = 300.0  # a hang, not a slow machine
 # Examples whose answer is an error, and its status (an error shown elsewhere fails).
 STATUS = {"index.md › Errors": 403, "ollama.md › Other paths": 404}
+# Paths the pages show → the ones the test's daemon has (the LoRA adapter made for its
+# tiny chat model, by the daemon fixture).
+ADAPTER = "~/adapters/smollm-sql"
+PATHS: dict[str, str] = {}
 # Routes with no example the test can run, and why (none today).
 NOT_RUN: dict[str, str] = {}
 FENCE = re.compile(r"^```(\w*)\s*$")
@@ -274,7 +278,11 @@ def daemon(tmp_path_factory, tiny_models, smollm_tokenizer, real_tokenizer_model
         coder = real_tokenizer_model("qwen35")
     except pytest.skip.Exception:  # no chat templates here (CI fails instead)
         coder = None
-    config = _config(tmp, tiny_models("llama"), embed, coder)
+    chat = tiny_models("llama")
+    config = _config(tmp, chat, embed, coder)
+    from tests.test_lora import make_adapter  # the LoRA adapter examples' directory
+
+    PATHS[ADAPTER] = str(make_adapter(chat, tmp / "smollm-sql"))
     port, log = free_port(), tmp / "mlxd.log"
     url = f"http://127.0.0.1:{port}"
     with log.open("w") as out:
@@ -308,6 +316,8 @@ def test_every_example_answers_with_the_shape_the_page_shows(daemon):
                 not_run.append(example.title)
                 continue
             method, path, headers, body = request(example.command)
+            for shown_path, real_path in PATHS.items():  # a LoRA adapter's directory
+                body = body.replace(shown_path, real_path) if body else body
             for shown_id, real_id in ids.items():  # a stored response's id, …
                 path = path.replace(shown_id, real_id)
                 body = body.replace(shown_id, real_id) if body else body
