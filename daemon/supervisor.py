@@ -48,7 +48,7 @@ from mlxd.actors.engine.actor import (
     Publish,
     RunnerFactory,
 )
-from mlxd.actors.engine.runner.disk_tier import DiskStore, slug
+from mlxd.actors.engine.runner.disk_tier import DiskStore, adapter_slug, slug
 from mlxd.actors.engine.scheduler.options import (
     DiskTierOptions,
     EmbeddingOptions,
@@ -148,7 +148,11 @@ def disk_store(s: Settings) -> DiskStore | None:
     p = s.prefix_cache
     if not p.enabled or not p.disk_dir:
         return None
-    slugs = [disk_slug(e) for e in s.model_entries()]
+    entries = s.model_entries()
+    slugs = [disk_slug(e) for e in entries]
+    # configured adapters' spaces are kept across restarts too (an adapter loaded through
+    # the API is not configured: its files go at the next start)
+    slugs += [adapter_slug(disk_slug(e), name) for e in entries for name in e.adapters]
     return DiskStore(
         Path(p.disk_dir),
         p.disk_max_bytes,

@@ -36,7 +36,7 @@ from mlxd.actors.engine.loading.gguf.convert import (
 from mlxd.actors.engine.loading.gguf.tensors import Storage
 from mlxd.actors.engine.loading.sources import hub_snapshot, model_source
 from mlxd.actors.engine.runner import disk_codec
-from mlxd.actors.engine.runner.disk_tier import slug
+from mlxd.actors.engine.runner.disk_tier import adapter_slug
 from mlxd.actors.engine.runner.base import MlxRunner
 from mlxd.actors.engine.runner.embedding import (
     ENCODERS,
@@ -532,7 +532,7 @@ def _attach_disk(cache: PrefixCache | None, o: LoadOptions, model_dir: Path, mak
 
     def for_adapter(name: str, fingerprint: str):
         """An adapter's own space: its slug under the base's, its files in the key."""
-        return store.space(slug(f"{base_slug}.lora.{name}"), {**key, "adapter": fingerprint})
+        return store.space(adapter_slug(base_slug, name), {**key, "adapter": fingerprint})
 
     disk_codec.attach(cache, store.space(base_slug, key), for_adapter)
 

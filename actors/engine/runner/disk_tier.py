@@ -93,6 +93,11 @@ def slug(model_id: str) -> str:
     return (cleaned or "default")[:64]
 
 
+def adapter_slug(model_slug: str, adapter: str) -> str:
+    """The directory name of a LoRA adapter's snapshots over the model ``model_slug``."""
+    return slug(f"{model_slug}.lora.{adapter}")
+
+
 def space_name(model_slug: str, key: dict[str, Any]) -> str:
     """The directory of one space: the model's slug and the hash of its key."""
     canonical = json.dumps({**key, "format": FORMAT_VERSION}, sort_keys=True)
