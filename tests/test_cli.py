@@ -155,6 +155,10 @@ FLAG_CASES = {
     "--kind": (["--kind", "vision"], {"model.kind": "vision"}),
     "--served-model-name": (["--served-model-name", "gpt-x"], {"model.served_id": "gpt-x"}),
     "--chat-template": (["--chat-template", "t.jinja"], {"model.chat_template": "t.jinja"}),
+    "--adapter": (
+        ["--adapter", "sql=/a/sql", "--adapter", "chat=/a/chat"],
+        {"model.adapters": {"sql": "/a/sql", "chat": "/a/chat"}},
+    ),
     "--api-key": (["--api-key", "k1", "--api-key", "k2"], {"auth.api_keys": ["k1", "k2"]}),
     "--max-num-seqs": (
         ["--max-num-seqs", "5"],
