@@ -384,3 +384,46 @@ async def test_the_adapter_routes_need_the_api_key(tmp_path):
         auth = {"Authorization": "Bearer k"}
         assert (await c.post(LOAD, json=body, headers=auth)).status_code == 200
         assert (await c.post(UNLOAD, json={"lora_name": "sql"}, headers=auth)).status_code == 200
+
+
+# ---- a real tiny model -------------------------------------------------------------------------
+
+
+@pytest.mark.mlx
+async def test_a_real_model_serves_a_fitting_adapter_and_refuses_a_mismatched_one(
+    tiny_models, tmp_path
+):
+    """The tiny random llama's own linear layers (``ModelInfo.lora_targets`` from its
+    runner) against an mlx-lm adapter trained for it and one made for other shapes."""
+    import trio
+    from mlxd.daemon.app import create_app
+    from mlxd.daemon.supervisor import open_graph, run_actors
+
+    from tests.test_lora import make_adapter
+
+    model_dir = tiny_models("llama")
+    good = make_adapter(model_dir, tmp_path / "good")
+    bad = mlx_adapter(tmp_path / "bad", {"model.layers.0.self_attn.q_proj": (7, 9)})
+    raw = msgspec.to_builtins(load_settings())
+    raw["model"]["cache_dir"] = str(tmp_path)
+    raw["prefix_cache"]["enabled"] = False
+    raw["models"] = [
+        {"id": "base", "path": str(model_dir), "adapters": {"good": str(good), "bad": str(bad)}}
+    ]
+    s = msgspec.convert(raw, type=type(load_settings()))
+    body = {"prompt": [1, 42, 7, 300], "max_tokens": 3, "temperature": 0}
+    graph = open_graph(s)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(run_actors, graph, s, None)
+        c = create_app(graph.pipeline, s).test_client()
+        answers = {}
+        for model in ("bad", "base", "good"):
+            r = await c.post("/v1/completions", json={**body, "model": model})
+            answers[model] = (r.status_code, json.loads(await r.get_data()))
+        nursery.cancel_scope.cancel()
+    status, error = answers["bad"]
+    assert status == 400 and "model.layers.0.self_attn.q_proj" in error["error"]["message"]
+    assert "7 → 9" in error["error"]["message"]
+    assert answers["base"][0] == 200
+    assert answers["good"][0] == 200 and answers["good"][1]["model"] == "good"
+    assert graph.pipeline.models.adapters["good"].state == "ready"
