@@ -49,8 +49,13 @@ def mlx_dir(tmp_path, kind="lora", extra=None, shapes=None):
 def peft_dir(tmp_path, config=None, extra=None, dora=False):
     d = tmp_path / "peft"
     d.mkdir(exist_ok=True)
-    base = {"peft_type": "LORA", "r": 8, "lora_alpha": 16, "use_dora": dora,
-            "target_modules": ["q_proj", "v_proj", "down_proj"]}
+    base = {
+        "peft_type": "LORA",
+        "r": 8,
+        "lora_alpha": 16,
+        "use_dora": dora,
+        "target_modules": ["q_proj", "v_proj", "down_proj"],
+    }
     (d / "adapter_config.json").write_text(json.dumps({**base, **(config or {})}))
     tensors = {}
     for module, (n_in, n_out) in TARGETS.items():
@@ -69,8 +74,9 @@ def test_an_mlx_lm_adapter_is_read_and_matches_its_base(tmp_path, kind):
     found = files.inspect(mlx_dir(tmp_path, kind))
     assert (found.layout, found.kind, found.max_rank) == ("mlx-lm", kind, 4)
     assert {m.module for m in found.modules} == set(TARGETS)
-    assert all(m.scale == 3.0 and (m.magnitude is not None) == (kind == "dora")
-               for m in found.modules)
+    assert all(
+        m.scale == 3.0 and (m.magnitude is not None) == (kind == "dora") for m in found.modules
+    )
     found.check(TARGETS, "base")
 
 
@@ -142,6 +148,7 @@ def test_the_fingerprint_follows_the_files(tmp_path):
     d = mlx_dir(tmp_path)
     before = files.fingerprint(d)
     assert files.fingerprint(d) == before
-    (d / "adapter_config.json").write_text(json.dumps({"fine_tune_type": "lora",
-                                                       "lora_parameters": {"scale": 1.0}}))
+    (d / "adapter_config.json").write_text(
+        json.dumps({"fine_tune_type": "lora", "lora_parameters": {"scale": 1.0}})
+    )
     assert files.fingerprint(d) != before

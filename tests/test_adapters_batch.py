@@ -12,8 +12,9 @@ from __future__ import annotations
 import json
 
 import pytest
-from tests.engine_driver import alone, drive, load
 from mlxd.protocol.messages import AdapterRef, SamplingParams, TokenizedRequest
+
+from tests.engine_driver import alone, drive, load
 
 pytestmark = pytest.mark.mlx
 
@@ -50,8 +51,12 @@ def setup(request, tiny_models, tmp_path_factory):
     a = tm.build_lora_adapter(model_dir, root / "a", kind="lora", rank=4, seed=1)
     b = tm.build_lora_adapter(model_dir, root / "b", kind="dora", rank=8, seed=2)
     c_mlx = tm.build_lora_adapter(
-        model_dir, root / "c-mlx", kind="lora", rank=2, seed=3, keys=("self_attn.k_proj",
-                                                                       "mlp.up_proj")
+        model_dir,
+        root / "c-mlx",
+        kind="lora",
+        rank=2,
+        seed=3,
+        keys=("self_attn.k_proj", "mlp.up_proj"),
     )
     c = tm.peft_from_mlx(c_mlx, root / "c")
     return model_dir, {"a": a, "b": b, "c": c}, {"a": a, "b": b, "c": c_mlx}

@@ -45,7 +45,7 @@ def model(tiny_models, tmp_path_factory):
     return model_dir, adapters
 
 
-def engine(model_dir, tmp_path, *, store=None, max_adapters=8, max_batch=4):
+def engine(model_dir, tmp_path, *, store=None, max_adapters=8, max_batch=4, memory=1 << 30):
     from mlxd.actors.engine.loading.load import load_runner
     from mlxd.actors.engine.scheduler.core import EngineCore
     from mlxd.actors.engine.scheduler.options import DiskTierOptions, PrefixCacheOptions
@@ -59,6 +59,7 @@ def engine(model_dir, tmp_path, *, store=None, max_adapters=8, max_batch=4):
         prefix_cache=PrefixCacheOptions(block_size=16, max_bytes=256 << 20),
         disk_tier=disk,
         max_adapters=max_adapters,
+        adapter_memory_bytes=memory,
     )
     return runner, EngineCore(runner, max_batch=max_batch, prefill_chunk_tokens=64)
 
@@ -101,8 +102,9 @@ def test_the_disk_tier_keeps_each_adapter_in_its_own_space(model, tmp_path):
 
     model_dir, adapters = model
     a0 = ref("a0", adapters["a0"])
-    store = DiskStore(tmp_path / "disk", 1 << 30, ["m"], write_behind_s=600, block_tokens=16,
-                      fsync=False)
+    store = DiskStore(
+        tmp_path / "disk", 1 << 30, ["m"], write_behind_s=600, block_tokens=16, fsync=False
+    )
     runner, core = engine(model_dir, tmp_path, store=store)
     cold, _ = run(core, ask("a0", adapter=a0))
     run(core, ask("base"))
@@ -143,6 +145,26 @@ def test_lru_eviction_and_waiting_for_a_slot(model, tmp_path):
     assert together["w0"] == alone["a1"] and together["w1"] == alone["a2"]
     assert together["w2"] == alone["a3"]
     assert len(bank.resident) <= 2
+
+
+def test_the_memory_budget_evicts_and_refuses(model, tmp_path):
+    """Room for one adapter's tensors: the next evicts it (least recently used, idle);
+    an adapter larger than the whole budget fails its own request with the sizes; the
+    resident adapters count against the requests' memory (``cache_held``)."""
+    from mlxd.actors.engine.adapters import files
+
+    model_dir, adapters = model
+    one = files.inspect(adapters["a0"]).elements * 4  # float32 on the CPU
+    runner, core = engine(model_dir, tmp_path, memory=one + one // 2)
+    run(core, ask("x", adapter=ref("a0", adapters["a0"])))
+    assert runner.adapters.resident == ["a0"] and runner.cache_held >= one
+    run(core, ask("y", adapter=ref("a1", adapters["a1"])))
+    assert runner.adapters.resident == ["a1"] and runner.adapters.evictions == 1
+    small, core = engine(model_dir, tmp_path, memory=one // 2)
+    core.submit(ask("z", adapter=ref("a0", adapters["a0"])))
+    step = core.step()
+    assert step.failed and "adapter_memory_mb" in step.failed[0].message
+    assert step.failed[0].reason == "invalid_request"
 
 
 def test_an_unload_waits_for_the_rows_using_the_adapter(model, tmp_path):
@@ -215,19 +237,29 @@ def test_a_grammar_holds_on_an_adapter_row(model, tmp_path):
         json_grammar = compiler.compile(Constraint(kind="json_schema", schema=schema), ())
         call = compiler.compile(Constraint(kind="tool_call", tool_names=("get_weather",)), tools)
         return [
-            TokenizedRequest(request_id="json", prompt_tokens=PROMPT, adapter=a0,
-                             sampling=SamplingParams(max_tokens=60, temperature=0.0),
-                             grammar=json_grammar),
-            TokenizedRequest(request_id="call", prompt_tokens=PROMPT[5:], adapter=a1,
-                             sampling=SamplingParams(max_tokens=60, temperature=0.0),
-                             grammar=call),
+            TokenizedRequest(
+                request_id="json",
+                prompt_tokens=PROMPT,
+                adapter=a0,
+                sampling=SamplingParams(max_tokens=60, temperature=0.0),
+                grammar=json_grammar,
+            ),
+            TokenizedRequest(
+                request_id="call",
+                prompt_tokens=PROMPT[5:],
+                adapter=a1,
+                sampling=SamplingParams(max_tokens=60, temperature=0.0),
+                grammar=call,
+            ),
             ask("base", max_tokens=20),
         ]
 
     tokens, failed = drive(runner, {0: rows()})
     assert not failed
     assert tokens == alone(runner, rows())
-    text = info.tokenizer.decode([t for t in tokens["json"] if t not in info.tokenizer.eos_token_ids])
+    text = info.tokenizer.decode(
+        [t for t in tokens["json"] if t not in info.tokenizer.eos_token_ids]
+    )
     value = json.loads(text)
     assert set(value) == {"city", "days"} and isinstance(value["days"], int)
     assert "get_weather" in info.tokenizer.decode(tokens["call"])
@@ -244,7 +276,10 @@ def test_speculative_and_a_broken_contract_refuse_adapters_with_the_reason(
 
     model_dir = tiny_models("llama")
     spec, info = load_runner(
-        str(model_dir), tmp_path, dequantize_on_cpu=True, max_batch=4,
+        str(model_dir),
+        tmp_path,
+        dequantize_on_cpu=True,
+        max_batch=4,
         speculative=SpeculativeOptions(drafter="lookup", num_draft_tokens=3),
     )
     assert not info.lora_targets and "speculative" in info.adapters_refused

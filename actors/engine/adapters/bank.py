@@ -37,9 +37,13 @@ Factors = tuple[mx.array, mx.array, mx.array | None]  # A [in, r], scaled B [r, 
 
 @dataclass
 class _Resident:
+    """A resident adapter: its factors live only in the wrapped layers' stacks (its
+    ``ranks`` say where in the padded rank axis, ``dora`` which layers carry a factor)."""
+
     ref: AdapterRef
     files: AdapterFiles
-    factors: dict[str, Factors]
+    ranks: dict[str, int]
+    dora: set[str]
     nbytes: int
     slot: int
 
@@ -82,12 +86,13 @@ class AdapterBank:
                     self._evict(old)
             files = adapter_files.inspect(Path(ref.path))
             files.check(self.targets, self.base_name)
-            if files.nbytes > self.memory_bytes:
+            need = files.elements * self._dtype.size  # held in the model's dtype
+            if need > self.memory_bytes:
                 raise AdapterError(
-                    f"adapter {ref.name!r} needs {files.nbytes / 2**20:.1f} MiB, more than "
-                    f"models.adapter_memory_mb ({self.memory_bytes / 2**20:.0f} MiB)"
+                    f"adapter {ref.name!r} needs {need / 2**20:.1f} MiB, more than "
+                    f"adapter_memory_mb allows ({self.memory_bytes / 2**20:.0f} MiB)"
                 )
-            if not self._make_room(files.nbytes):
+            if not self._make_room(need):
                 return None
             found = self._load(ref, files)
         self._resident.move_to_end(key)
@@ -112,10 +117,6 @@ class AdapterBank:
                 self._gone.add(key)
             else:
                 self._evict(key)
-
-    def fingerprint_of(self, slot: int) -> str:
-        found = self._by_slot.get(slot)
-        return found.ref.fingerprint if found is not None else ""
 
     @property
     def resident(self) -> list[str]:
@@ -169,11 +170,13 @@ class AdapterBank:
             raise AdapterError(f"adapter {ref.name!r}: its tensors hold NaN or infinite values")
         nbytes = sum(x.nbytes for fs in factors.values() for x in fs if x is not None)
         slot = self._free_slot()
-        resident = _Resident(ref, files, factors, nbytes, slot)
+        ranks = {name: fs[0].shape[1] for name, fs in factors.items()}
+        dora = {name for name, fs in factors.items() if fs[2] is not None}
+        resident = _Resident(ref, files, ranks, dora, nbytes, slot)
         self._resident[(ref.name, ref.fingerprint)] = resident
         self._by_slot[slot] = resident
         self._layers = multi_lora.wrap(self.model, sorted(factors), self.rows)
-        self._restack(set(factors))
+        self._restack(set(factors), (slot, factors))
         self.loads += 1
         log.info(
             "adapter %s loaded in slot %d (%s, %s, %.1f MiB)",
@@ -189,23 +192,35 @@ class AdapterBank:
         resident = self._resident.pop(key)
         del self._by_slot[resident.slot]
         self._gone.discard(key)
-        self._restack(set(resident.factors))
+        self._restack(set(resident.ranks))
         self.evictions += 1
         log.info("adapter %s evicted from slot %d", key[0], resident.slot)
 
-    def _restack(self, modules: set[str]) -> None:
+    def _restack(
+        self, modules: set[str], fresh: tuple[int, dict[str, Factors]] | None = None
+    ) -> None:
         """Re-stack the layers ``modules`` name; every wrapped layer when the highest
         slot in use changed (each stack holds slots 0..top: a row's slot is an index
-        into every wrapped layer's stack, and MLX checks no bounds)."""
+        into every wrapped layer's stack, and MLX checks no bounds). A resident slot's
+        factors are sliced back out of the layer's current stack (no second copy is
+        kept); ``fresh``: the slot just loaded, with its factors."""
         top = max(self._by_slot, default=0)
         if top != self._top:
             modules, self._top = set(self._layers), top
         for name in modules:
             layer = self._layers[name]
-            slots = [None] + [
-                self._by_slot[s].factors.get(name) if s in self._by_slot else None
-                for s in range(1, top + 1)
-            ]
+            old = layer.stacks
+            slots: list[Factors | None] = [None]
+            for s in range(1, top + 1):
+                resident = self._by_slot.get(s)
+                if fresh is not None and s == fresh[0]:
+                    slots.append(fresh[1].get(name))
+                elif resident is None or name not in resident.ranks or old.a is None:
+                    slots.append(None)
+                else:
+                    r = resident.ranks[name]
+                    f = old.f[s, 0] if name in resident.dora and old.f is not None else None
+                    slots.append((old.a[s, :, :r], old.b[s, :r, :], f))
             multi_lora.stack(layer, slots, self._dtype)
 
 

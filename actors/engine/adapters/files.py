@@ -73,8 +73,13 @@ class AdapterFiles:
     kind: str  # "lora" or "dora"
     weights: Path
     modules: tuple[ModuleUpdate, ...]
-    nbytes: int  # what its tensors take once loaded (float32 on the CPU: at most 2x)
+    elements: int  # numbers in its factors (and DoRA magnitudes)
     dtypes: frozenset[str] = field(default_factory=frozenset)
+
+    @property
+    def nbytes(self) -> int:
+        """What its factors take held in float32 (the most a base computes in)."""
+        return self.elements * 4
 
     @property
     def max_rank(self) -> int:
@@ -299,7 +304,7 @@ def _leftovers(path: Path, header: Mapping[str, Any], modules: list[ModuleUpdate
 def _files(
     path: Path, layout: str, kind: str, weights: Path, header: Mapping[str, Any], modules
 ) -> AdapterFiles:
-    nbytes = 0
+    elements = 0
     dtypes = set()
     for m in modules:
         for n in (m.a, m.b, m.magnitude):
@@ -307,8 +312,8 @@ def _files(
                 continue
             t = header[n]
             dtypes.add(t.get("dtype", ""))
-            nbytes += math.prod(t["shape"]) * 4  # held as float32 at most (see ``load``)
+            elements += math.prod(t["shape"])
     bad = dtypes - set(_DTYPE_BYTES)
     if bad:
         raise AdapterError(f"adapter {path}: tensor dtypes {sorted(bad)} are not served")
-    return AdapterFiles(path, layout, kind, weights, tuple(modules), nbytes, frozenset(dtypes))
+    return AdapterFiles(path, layout, kind, weights, tuple(modules), elements, frozenset(dtypes))

@@ -36,8 +36,8 @@ from mlxd.actors.engine.loading.gguf.convert import (
 from mlxd.actors.engine.loading.gguf.tensors import Storage
 from mlxd.actors.engine.loading.sources import hub_snapshot, model_source
 from mlxd.actors.engine.runner import disk_codec
-from mlxd.actors.engine.runner.disk_tier import adapter_slug
 from mlxd.actors.engine.runner.base import MlxRunner
+from mlxd.actors.engine.runner.disk_tier import adapter_slug
 from mlxd.actors.engine.runner.embedding import (
     ENCODERS,
     EmbeddingRunner,

@@ -806,8 +806,10 @@ class MlxRunner:
 
     @property
     def cache_held(self) -> int:
-        """Bytes of prefix-cache snapshots (they count against the request memory budget)."""
-        return self.prefix_cache.stats.bytes if self.prefix_cache is not None else 0
+        """Bytes of prefix-cache snapshots and resident adapters (they count against the
+        request memory budget; only snapshots can be evicted for running requests)."""
+        held = self.prefix_cache.stats.bytes if self.prefix_cache is not None else 0
+        return held + (self.adapters.nbytes if self.adapters is not None else 0)
 
     def shrink_cache(self, nbytes: int) -> int:
         """Evict least-recently-used snapshots to free ``nbytes`` for running requests."""
