@@ -32,6 +32,8 @@ from mlxd.protocol.messages import AdapterRef
 
 log = logging.getLogger("mlxd.adapters")
 
+_INSPECTED = 64  # adapters whose checked files are remembered
+
 Factors = tuple[mx.array, mx.array, mx.array | None]  # A [in, r], scaled B [r, out], f [out]
 
 
@@ -67,6 +69,7 @@ class AdapterBank:
         self._dtype = dtype or _model_dtype(model)
         self._layers: dict[str, MultiLoRALinear] = {}
         self._top = 0  # the highest slot the stacks hold
+        self._inspected: OrderedDict[tuple[str, str], AdapterFiles] = OrderedDict()
         self._resident: OrderedDict[tuple[str, str], _Resident] = OrderedDict()  # LRU first
         self._by_slot: dict[int, _Resident] = {}
         self._users: Counter[int] = Counter()
@@ -84,8 +87,7 @@ class AdapterBank:
             for old in [k for k in self._resident if k[0] == ref.name]:  # its files changed
                 if not self._users[self._resident[old].slot]:
                     self._evict(old)
-            files = adapter_files.inspect(Path(ref.path))
-            files.check(self.targets, self.base_name)
+            files = self._inspect(ref)
             need = files.elements * self._dtype.size  # held in the model's dtype
             if need > self.memory_bytes:
                 raise AdapterError(
@@ -99,6 +101,20 @@ class AdapterBank:
         self._gone.discard(key)
         self._users[found.slot] += 1
         return found.slot
+
+    def _inspect(self, ref: AdapterRef) -> AdapterFiles:
+        """The adapter's files, checked against the base (read once per fingerprint: a
+        request waiting for a slot asks again every step)."""
+        key = (ref.path, ref.fingerprint)
+        found = self._inspected.get(key)
+        if found is None:
+            found = adapter_files.inspect(Path(ref.path))
+            found.check(self.targets, self.base_name)
+            self._inspected[key] = found
+            while len(self._inspected) > _INSPECTED:
+                self._inspected.popitem(last=False)
+        self._inspected.move_to_end(key)
+        return found
 
     def release(self, slot: int) -> None:
         if slot <= 0:
