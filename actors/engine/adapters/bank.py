@@ -216,7 +216,7 @@ class AdapterBank:
         self, modules: set[str], fresh: tuple[int, dict[str, Factors]] | None = None
     ) -> None:
         """Re-stack the layers ``modules`` name; every wrapped layer when the highest
-        slot in use changed (each stack holds slots 0..top: a row's slot is an index
+        slot in use changed (each stack holds slots 1..top: a row's slot is an index
         into every wrapped layer's stack, and MLX checks no bounds). A resident slot's
         factors are sliced back out of the layer's current stack (no second copy is
         kept); ``fresh``: the slot just loaded, with its factors."""
@@ -226,7 +226,7 @@ class AdapterBank:
         for name in modules:
             layer = self._layers[name]
             old = layer.stacks
-            slots: list[Factors | None] = [None]
+            slots: list[Factors | None] = []  # slot s at index s - 1
             for s in range(1, top + 1):
                 resident = self._by_slot.get(s)
                 if fresh is not None and s == fresh[0]:
@@ -235,8 +235,9 @@ class AdapterBank:
                     slots.append(None)
                 else:
                     r = resident.ranks[name]
-                    f = old.f[s, 0] if name in resident.dora and old.f is not None else None
-                    slots.append((old.a[s, :, :r], old.b[s, :r, :], f))
+                    i = s - 1
+                    f = old.f[i, 0] if name in resident.dora and old.f is not None else None
+                    slots.append((old.a[i, :, :r], old.b[i, :r, :], f))
             multi_lora.stack(layer, slots, self._dtype)
 
 

@@ -12,9 +12,10 @@ weight's row norms ``f`` [slots, out]. A forward pass reads the rows' slots from
     y_i = f_s ⊙ (base(x_i) + (x_i A_s) B_s) + g_s     (g_s = bias ⊙ (1 − f_s))
 
 with two ``mx.gather_mm`` calls (each row's matrices picked by index, no copy per row).
-Slot 0 is the base: zero factors, ``f`` = 1, ``g`` = 0, so a base row's output is the
-base layer's exactly. Every slot's ``f`` is 1 and ``g`` 0 unless it is DoRA; layers no
-loaded DoRA adapter touches skip the multiply. When no row of the pass has an adapter
+Slot 0 is the base and has no factors (the stacks hold slots 1..top at index s − 1):
+a base row in a batch with adapter rows takes any index and a ``keep`` of 0, so its
+output is the base layer's exactly. Every slot's ``f`` is 1 and ``g`` 0 unless it is DoRA; layers no
+loaded DoRA adapter touches skip that multiply. When no row of the pass has an adapter
 (``RowAdapters.ids`` is None) the layer is the base layer and nothing else runs.
 
 The contract this leans on (``check_contract``): ``mx.gather_mm``; ``nn.Linear``'s
@@ -101,27 +102,36 @@ def base_weight(layer: nn.Module) -> mx.array:
 
 
 class RowAdapters:
-    """The current forward pass's adapter slot per batch row, shared by every wrapped
-    layer of one model (None: every row on the base)."""
+    """The current forward pass's rows, shared by every wrapped layer of one model:
+    ``ids``, each row's index in the stacks (slot − 1; a base row's is 0, any valid
+    one), None when every row is on the base; ``keep``, [rows, 1, 1] of 1 for adapter
+    rows and 0 for base rows, None when every row has an adapter."""
 
     def __init__(self) -> None:
         self.ids: mx.array | None = None
+        self.keep: mx.array | None = None
 
     @contextlib.contextmanager
     def using(self, slots: Sequence[int]) -> Iterator[None]:
         """Rows ``slots`` (one per batch row, 0 = the base) for the passes run inside."""
-        before = self.ids
-        self.ids = mx.array(list(slots), dtype=mx.uint32) if any(slots) else None
+        before = self.ids, self.keep
+        if any(slots):
+            self.ids = mx.array([max(s - 1, 0) for s in slots], dtype=mx.uint32)
+            on_base = not all(slots)
+            self.keep = mx.array([float(s > 0) for s in slots])[:, None, None] if on_base else None
+        else:
+            self.ids = self.keep = None
         try:
             yield
         finally:
-            self.ids = before
+            self.ids, self.keep = before
 
 
 class _Stacks:
     """One wrapped layer's per-slot factors (plain attributes: no model parameters)."""
 
     def __init__(self) -> None:
+        # index s − 1 holds slot s (slot 0, the base, has none)
         self.a: mx.array | None = None  # [slots, in, R]
         self.b: mx.array | None = None  # [slots, R, out], scale folded in
         self.f: mx.array | None = None  # [slots, 1, out] DoRA's factor (None: no DoRA)
@@ -150,7 +160,7 @@ class MultiLoRALinear(nn.Module):
 
     def __call__(self, x: mx.array) -> mx.array:
         y = self.base(x)
-        ids, s = self._rows.ids, self._stacks
+        ids, keep, s = self._rows.ids, self._rows.keep, self._stacks
         if ids is None or s.a is None:
             return y
         squeeze = x.ndim == 2  # [rows, in] (no sequence axis)
@@ -158,16 +168,17 @@ class MultiLoRALinear(nn.Module):
             x = x[:, None]
         z = mx.gather_mm(
             mx.gather_mm(x.astype(s.a.dtype), s.a, rhs_indices=ids), s.b, rhs_indices=ids
-        )
+        ).astype(y.dtype)
         if squeeze:
             z = z[:, 0]
-        out = y + z.astype(y.dtype)
+            keep = keep[:, 0] if keep is not None else None
         if s.f is None:
-            return out
-        f, g = s.f[ids], s.g[ids]
+            return y + (z if keep is None else z * keep.astype(y.dtype))
+        f, g = s.f[ids].astype(y.dtype), s.g[ids].astype(y.dtype)
         if squeeze:
             f, g = f[:, 0], g[:, 0]
-        return out * f.astype(y.dtype) + g.astype(y.dtype)
+        adapted = (y + z) * f + g
+        return adapted if keep is None else y + keep.astype(y.dtype) * (adapted - y)
 
 
 def wrap(model: nn.Module, modules: Sequence[str], rows: RowAdapters) -> dict[str, MultiLoRALinear]:
