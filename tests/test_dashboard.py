@@ -212,6 +212,17 @@ async def test_load_and_unload_a_models_entry():
         assert (await c.post("/v1/models/b/load", headers=AUTH)).status_code == 415  # not JSON
 
 
+async def test_an_embedding_models_entry_loads_by_hand_too():
+    settings = msgspec.to_builtins(keyed())
+    settings["models"].append({"id": "e", "kind": "embedding"})
+    settings = msgspec.convert(settings, type=type(load_settings()))
+    e = FakeModel()
+    async with served(settings, {"a": FakeModel(), "b": FakeModel(), "e": e}) as (c, _):
+        r = await c.post("/v1/models/e/load", json={}, headers=AUTH)
+        assert r.status_code == 200, await r.get_data()
+        assert json.loads(await r.get_data())["state"] == "loaded" and e.loads == 1
+
+
 async def test_a_model_that_fails_to_load_says_why():
     broken = FakeModel(error=RuntimeError("no weights here"))
     async with served(keyed(), {"a": FakeModel(), "b": broken}) as (c, _):

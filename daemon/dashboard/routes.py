@@ -246,10 +246,13 @@ def _install_model_routes(app: QuartTrio, pipeline: Pipeline, settings: Settings
 
     @app.post("/v1/models/<path:model_id>/load")
     async def load(model_id: str) -> Response:
-        models, _ = entry(model_id)
+        models, e = entry(model_id)
         pin = f"dashboard-load-{uuid.uuid4().hex}"  # keeps it loaded until the Abort below
         try:
-            await models.prepare(model_id, pin)
+            if e.kind == "embedding":  # no prompt builder: it embeds and never chats
+                await models.loaded(model_id, pin)
+            else:
+                await models.prepare(model_id, pin)
         except ModelUnavailable as exc:
             f = exc.failed
             raise ApiError(f.reason, f.message, retry_after=f.retry_after) from None
