@@ -71,6 +71,16 @@ class GenerationSettings(msgspec.Struct, kw_only=True):
     model: str
 
 
+class CompletionChunk(msgspec.Struct, kw_only=True):
+    """A streamed chunk before the last: the new text, and no counts yet."""
+
+    content: str
+    stop: bool = False
+    index: int = 0
+    id_slot: int = 0
+    tokens: list[int] = []
+
+
 class Completion(msgspec.Struct, kw_only=True):
     """The whole answer, or a streamed chunk (then only ``content`` and ``stop`` until the last)."""
 

@@ -174,6 +174,34 @@ async def test_infill_streams_llama_cpp_chunks():
     last = chunks[-1]
     assert last["stop"] is True and last["stop_type"] == "eos"
     assert last["timings"]["predicted_n"] > 0
+    # the chunks before the last carry no counts yet, and no nulls in their place
+    assert all(set(ch) == {"content", "stop", "index", "id_slot", "tokens"} for ch in chunks[:-1])
+
+
+async def test_prompt_time_does_not_count_the_models_load():
+    """After an unload, the next /infill waits for the load: llama.cpp's ``prompt_ms`` is
+    the prompt's processing, so the load's second is not in it."""
+    import time
+
+    runner = FimRunner()
+    make = factory(runner, FimCharTokenizer())
+    loads: list[int] = []
+
+    def slow_reload():
+        loads.append(1)
+        if len(loads) > 1:
+            time.sleep(1.0)
+        return make()
+
+    settings = load_settings()
+    async with running_graph(settings, factory=slow_reload) as (pipeline, _):
+        c = create_app(pipeline, settings).test_client()
+        model = pipeline.models.default
+        r = await c.post(f"/v1/models/{model}/unload", json={})
+        assert r.status_code == 200, await r.get_data()
+        status, out = await post(c, "/infill", INFILL)
+    assert status == 200 and len(loads) == 2
+    assert out["timings"]["prompt_ms"] < 500, out["timings"]
 
 
 async def test_response_fields_picks_and_unnests():

@@ -142,6 +142,7 @@ class Progress:
     """What the answer reports: counts from ``Started`` and the deltas, and the times."""
 
     arrival: float = field(default_factory=time.perf_counter)
+    started: float | None = None  # the engine took it (after any wait for the model's load)
     first: float | None = None
     prompt: int = 0
     cached: int = 0
@@ -150,6 +151,7 @@ class Progress:
     def see(self, event: object) -> None:
         if isinstance(event, Started):
             self.prompt, self.cached = event.prompt_tokens, event.cached_tokens
+            self.started = self.started or time.perf_counter()
         elif isinstance(event, TextDelta):
             self.first = self.first or time.perf_counter()
             self.completion += event.tokens
@@ -269,7 +271,8 @@ class Answer:
         p, now = self.progress, time.perf_counter()
         first = p.first or now
         u = Usage.of([event])
-        prompt_ms, predicted_ms = (first - p.arrival) * 1e3, (now - first) * 1e3
+        # llama.cpp's prompt time: its prompt's processing, not a wait for the model's load
+        prompt_ms, predicted_ms = (first - (p.started or p.arrival)) * 1e3, (now - first) * 1e3
         evaluated = u.prompt - u.cached
         return wire.Completion(
             content=content,
@@ -337,7 +340,7 @@ class InfillStream:
         if not event.text:
             return []
         self.new_line = self.new_line or "\n" in event.text
-        return [sse.frame(wire.encoder.encode(wire.Completion(content=event.text, stop=False)))]
+        return [sse.frame(wire.encoder.encode(wire.CompletionChunk(content=event.text)))]
 
     def finished(self, i: int, event: Finished) -> list[bytes]:
         return [sse.frame(self.answer.encode(self.answer.last("", event, self.new_line)))]
