@@ -431,3 +431,14 @@ async def test_tokenize_and_detokenize():
     assert pieces["tokens"] == [{"id": 97, "piece": "a"}, {"id": 98, "piece": "b"}]
     assert text["content"] == "h<fim_pad>i"
     assert status == 400 and bad["error"]["type"] == "invalid_request_error"
+
+
+@pytest.mark.parametrize(("tokenizer", "insert"), [(None, True), (CharTokenizer, False)])
+async def test_ollama_show_says_insert_where_the_model_fills_in_the_middle(tokenizer, insert):
+    """Ollama's ``insert`` capability (what its clients check before sending ``suffix``):
+    a model with FIM tokens has it, one without does not."""
+    async with client(tokenizer=tokenizer() if tokenizer else None) as (c, pipeline, _):
+        status, shown = await post(c, "/api/show", {"model": pipeline.models.default})
+    assert status == 200, shown
+    assert ("insert" in shown["capabilities"]) is insert
+    assert shown["capabilities"][:2] == ["completion", "tools"]

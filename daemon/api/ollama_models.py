@@ -133,10 +133,12 @@ def running(pipeline: Pipeline) -> wire.Running:
     return wire.Running(models=running)
 
 
-def _capabilities(kind: str) -> list[str]:
+def _capabilities(kind: str, fills_middle: bool) -> list[str]:
+    """Ollama's capabilities: "insert" where the model has FIM tokens (``suffix``)."""
     if kind == "embedding":
         return ["embedding"]
-    return ["completion", "tools", *(["vision"] if kind == "vision" else [])]
+    extra = (["insert"] if fills_middle else []) + (["vision"] if kind == "vision" else [])
+    return ["completion", "tools", *extra]
 
 
 async def show(pipeline: Pipeline, model: str) -> wire.Show:
@@ -155,6 +157,9 @@ async def show(pipeline: Pipeline, model: str) -> wire.Show:
         "general.vocab_size": info.vocab_size,
     }
     template = getattr(info.tokenizer, "chat_template", None)
+    fills_middle = False
+    if info.kind != "embedding":  # its FIM layout is the prompt builder's (built once)
+        fills_middle = (await pipeline.models.builder(entry)).fim.format is not None
     adapter = pipeline.models.adapters.get(model)
     details = _details(info.model_dir, info.backend)
     modelfile = f"# served by mlxd\nFROM {info.model_dir}\n"
@@ -167,6 +172,6 @@ async def show(pipeline: Pipeline, model: str) -> wire.Show:
         template=template if isinstance(template, str) else "",
         details=details,
         model_info=model_info,
-        capabilities=_capabilities(info.kind),
+        capabilities=_capabilities(info.kind, fills_middle),
         modified_at=_modified(info.model_dir),
     )
