@@ -289,3 +289,36 @@ def test_speculative_and_a_broken_contract_refuse_adapters_with_the_reason(
     monkeypatch.setattr(multi_lora, "TESTED_MLX", ((0, 1), (0, 2)))
     plain, info = load_runner(str(model_dir), tmp_path, dequantize_on_cpu=True, max_batch=4)
     assert plain.adapters is None and "outside the tested range" in info.adapters_refused
+
+
+def test_configured_adapters_disk_spaces_survive_a_restart(tmp_path):
+    """The store deletes at start every space of a model that is not configured: a
+    configured adapter's space (``<model>.lora.<id>``) is configured, so it stays."""
+    import msgspec
+    from mlxd.actors.engine.runner.disk_tier import adapter_slug
+    from mlxd.daemon.settings import load_settings
+    from mlxd.daemon.supervisor import disk_store
+
+    raw = msgspec.to_builtins(load_settings())
+    raw["prefix_cache"]["disk_dir"] = str(tmp_path / "disk")
+    raw["models"] = [{"id": "qwen", "path": str(tmp_path), "adapters": {"sql": str(tmp_path)}}]
+    store = disk_store(msgspec.convert(raw, type=type(load_settings())))
+    try:
+        assert store.models == {"qwen", adapter_slug("qwen", "sql")}
+        kept = store.space(adapter_slug("qwen", "sql"), {"k": 1})
+        kept.spill((1, 2, 3), True, _encoded())
+        store.flush()
+    finally:
+        store.close()
+    again = disk_store(msgspec.convert(raw, type=type(load_settings())))
+    try:
+        again.scanned.result(30)
+        assert again.counters().entries == 1  # not deleted as another model's
+    finally:
+        again.close()
+
+
+def _encoded():
+    from tests.test_disk_tier import _enc
+
+    return _enc((1, 2, 3))
