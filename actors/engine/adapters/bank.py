@@ -64,9 +64,9 @@ class AdapterBank:
     ):
         self.model, self.base_name = model, base_name
         self.max_adapters, self.memory_bytes = max(1, max_adapters), memory_bytes
-        self.rows = RowAdapters()
         self.targets = multi_lora.targets(model)
         self._dtype = dtype or _model_dtype(model)
+        self.rows = RowAdapters(self._dtype)
         self._layers: dict[str, MultiLoRALinear] = {}
         self._top = 0  # the highest slot the stacks hold
         self._inspected: OrderedDict[tuple[str, str], AdapterFiles] = OrderedDict()

@@ -107,7 +107,8 @@ class RowAdapters:
     one), None when every row is on the base; ``keep``, [rows, 1, 1] of 1 for adapter
     rows and 0 for base rows, None when every row has an adapter."""
 
-    def __init__(self) -> None:
+    def __init__(self, dtype: mx.Dtype = mx.float32) -> None:
+        self.dtype = dtype  # the model's: ``keep`` multiplies its outputs uncast
         self.ids: mx.array | None = None
         self.keep: mx.array | None = None
 
@@ -118,7 +119,8 @@ class RowAdapters:
         if any(slots):
             self.ids = mx.array([max(s - 1, 0) for s in slots], dtype=mx.uint32)
             on_base = not all(slots)
-            self.keep = mx.array([float(s > 0) for s in slots])[:, None, None] if on_base else None
+            keep = [float(s > 0) for s in slots]
+            self.keep = mx.array(keep, dtype=self.dtype)[:, None, None] if on_base else None
         else:
             self.ids = self.keep = None
         try:
@@ -173,12 +175,12 @@ class MultiLoRALinear(nn.Module):
             z = z[:, 0]
             keep = keep[:, 0] if keep is not None else None
         if s.f is None:
-            return y + (z if keep is None else z * keep.astype(y.dtype))
-        f, g = s.f[ids].astype(y.dtype), s.g[ids].astype(y.dtype)
+            return y + (z if keep is None else z * keep)
+        f, g = s.f[ids], s.g[ids]
         if squeeze:
             f, g = f[:, 0], g[:, 0]
         adapted = (y + z) * f + g
-        return adapted if keep is None else y + keep.astype(y.dtype) * (adapted - y)
+        return adapted if keep is None else y + keep * (adapted - y)
 
 
 def wrap(model: nn.Module, modules: Sequence[str], rows: RowAdapters) -> dict[str, MultiLoRALinear]:
@@ -222,8 +224,9 @@ def stack(layer: MultiLoRALinear, slots: Sequence[Any | None], dtype: mx.Dtype) 
     if any(p is not None and p[2] is not None for p in slots):
         ones = mx.ones((layer.out_dims,), mx.float32)
         fs = [p[2] if p is not None and p[2] is not None else ones for p in slots]
-        f = mx.stack(fs)[:, None, :]
+        f32 = mx.stack(fs)[:, None, :]
         bias = getattr(layer.base, "bias", None) if "bias" in layer.base else None
-        g = (bias.astype(mx.float32) * (1 - f)) if bias is not None else mx.zeros_like(f)
+        g32 = (bias.astype(mx.float32) * (1 - f32)) if bias is not None else mx.zeros_like(f32)
+        f, g = f32.astype(dtype), g32.astype(dtype)  # the model's dtype, as mlx-lm's DoRA casts
     layer.set_stacks(mx.stack(a_rows), mx.stack(b_rows), f, g)
     mx.eval([x for x in (layer.stacks.a, layer.stacks.b, f, g) if x is not None])

@@ -442,6 +442,7 @@ def load_served(options: LoadOptions, shard: Shard | None = None) -> tuple[MlxRu
     make_cache = _quantized_kv(model, o, sparse)
     _attach_disk(cache, o, model_dir, make_cache or (lambda: make_prompt_cache(model)))
     on = sparse if sparse is not None and sparse.stats.enabled else None
+    bank, refused = _adapter_bank(model, model_id, o, shard, drafted=draft is not None)
     runner: MlxRunner
     if draft is not None:
         runner = make_speculative_runner(
@@ -456,7 +457,6 @@ def load_served(options: LoadOptions, shard: Shard | None = None) -> tuple[MlxRu
             make_cache=make_cache,
         )
     else:
-        bank, refused = _adapter_bank(model, model_id, o, shard)
         runner = MlxRunner(
             model,
             stops,
@@ -466,13 +466,8 @@ def load_served(options: LoadOptions, shard: Shard | None = None) -> tuple[MlxRu
             make_cache=make_cache,
             adapters=bank,
         )
-        if bank is not None:
-            info = dataclasses.replace(info, lora_targets=dict(bank.targets))
-    if draft is not None:
-        refused = (
-            "speculative decoding is on for it (speculative.enabled): no adapter row is drafted for"
-        )
-    info = dataclasses.replace(info, adapters_refused=refused if not info.lora_targets else "")
+    targets = dict(bank.targets) if bank is not None else {}
+    info = dataclasses.replace(info, lora_targets=targets, adapters_refused=refused)
     runner.spec_stats = runner.spec_stats or off
     runner.spec_prefill_stats = sparse.stats if sparse is not None else None
     _prefill_policy(runner, o)
@@ -483,11 +478,16 @@ _VISION_ADAPTERS = "it is a vision model (adapters per request serve text models
 
 
 def _adapter_bank(
-    model: nn.Module, model_id: str, o: LoadOptions, shard: Shard | None
+    model: nn.Module, model_id: str, o: LoadOptions, shard: Shard | None, *, drafted: bool
 ) -> tuple[AdapterBank | None, str]:
     """The model's per-request LoRA adapters (``actors/engine/adapters``), or None and
-    why not: MLX's layers must hold the wrapper's contract, the model must be on one
-    rank, and an adapter fused at load (``adapter_path``) leaves no plain layer to wrap."""
+    why not: no drafter drafts for an adapter row (``drafted``: speculative decoding is
+    on), MLX's layers must hold the wrapper's contract, the model must be on one rank,
+    and an adapter fused at load (``adapter_path``) leaves no plain layer to wrap."""
+    if drafted:
+        return None, (
+            "speculative decoding is on for it (speculative.enabled): no adapter row is drafted for"
+        )
     if shard is not None:
         return None, "it is served over several ranks (distributed)"
     if o.adapter_path is not None:

@@ -370,17 +370,17 @@ class MlxRunner:
         try:
             slot = self.adapters.acquire(ref)
         except AdapterError as exc:
-            raise InvalidRequest(str(exc), param="model") from None
+            raise InvalidAdapter(str(exc)) from None
         if slot is None:
             if waiting:
                 return False
             raise InvalidAdapter(f"adapter {ref.name!r}: no room (every resident adapter in use)")
         self._slots[request.request_id] = slot
-        ns = namespace(ref.fingerprint or ref.path)
-        self._ns[request.request_id] = ns
+        identity = ref.fingerprint or ref.path
+        ns = self._ns[request.request_id] = namespace(identity)
         spaces = self.prefix_cache.disk_spaces if self.prefix_cache is not None else None
         if spaces is not None:  # its snapshots' own space in the disk tier
-            spaces.register(ns, ref.name, ref.fingerprint or ref.path)
+            spaces.register(ns, ref.name, identity)
         return True
 
     def _drop_adapter(self, request_id: str) -> None:

@@ -89,13 +89,34 @@ def nbytes(cache: Sequence[Any]) -> int:
     return sum(c.nbytes for c in cache)
 
 
-class RowDeltas:
-    """One ``[1, 1]`` array per sequence, kept in step with the batch's rows.
+class _PerRow:
+    """A cache-list entry that carries per-sequence values, not tokens: the cache methods
+    ``BatchGenerator`` calls on every entry that concern tokens (prepare, finalize,
+    trimming, size) are no-ops; subclasses keep their values in step with the batch's
+    rows (merge, filter, extend, extract, state, nbytes)."""
 
-    Implements the cache methods ``BatchGenerator`` calls on every entry of a
-    cache list (merge, filter, extend, extract, state, nbytes); it holds no
-    tokens, so it is empty for trimming and never the model's business.
-    """
+    def prepare(self, **kwargs) -> None:
+        pass
+
+    def finalize(self) -> None:
+        pass
+
+    def is_trimmable(self) -> bool:
+        return True
+
+    def trim(self, n: int) -> int:
+        return n
+
+    def empty(self) -> bool:
+        return False
+
+    def size(self) -> int:
+        return 0
+
+
+class RowDeltas(_PerRow):
+    """One ``[1, 1]`` array per sequence, kept in step with the batch's rows; it holds
+    no tokens, so it is empty for trimming and never the model's business."""
 
     def __init__(self, values: mx.array):
         self.values = values  # [batch, 1]
@@ -113,34 +134,16 @@ class RowDeltas:
     def extract(self, idx: int) -> RowDeltas:
         return RowDeltas(self.values[idx : idx + 1])
 
-    def prepare(self, **kwargs) -> None:
-        pass
-
-    def finalize(self) -> None:
-        pass
-
     @property
     def state(self) -> mx.array:
         return self.values
-
-    def is_trimmable(self) -> bool:
-        return True
-
-    def trim(self, n: int) -> int:
-        return n
-
-    def empty(self) -> bool:
-        return False
-
-    def size(self) -> int:
-        return 0
 
     @property
     def nbytes(self) -> int:
         return self.values.nbytes
 
 
-class RowSlots:
+class RowSlots(_PerRow):
     """Each sequence's adapter slot (``actors/engine/adapters``; 0: the base), kept in
     step with the batch's rows like ``RowDeltas``: BatchGenerator's merge / filter /
     extend / extract order it as they order the cache, so the decode step reads the
@@ -164,27 +167,9 @@ class RowSlots:
     def extract(self, idx: int) -> RowSlots:
         return RowSlots([self.slots[idx]])
 
-    def prepare(self, **kwargs) -> None:
-        pass
-
-    def finalize(self) -> None:
-        pass
-
     @property
     def state(self) -> list[Any]:
         return []
-
-    def is_trimmable(self) -> bool:
-        return True
-
-    def trim(self, n: int) -> int:
-        return n
-
-    def empty(self) -> bool:
-        return False
-
-    def size(self) -> int:
-        return 0
 
     @property
     def nbytes(self) -> int:
