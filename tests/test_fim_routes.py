@@ -199,9 +199,13 @@ async def test_prompt_time_does_not_count_the_models_load():
         model = pipeline.models.default
         r = await c.post(f"/v1/models/{model}/unload", json={})
         assert r.status_code == 200, await r.get_data()
+        sent = time.perf_counter()
         status, out = await post(c, "/infill", INFILL)
+        wall_ms = (time.perf_counter() - sent) * 1e3
     assert status == 200 and len(loads) == 2
-    assert out["timings"]["prompt_ms"] < 500, out["timings"]
+    # the load's second came before the engine took the prompt: whatever the box's speed,
+    # prompt time is at most the rest of the request's time
+    assert out["timings"]["prompt_ms"] <= wall_ms - 1000, (out["timings"], wall_ms)
 
 
 async def test_response_fields_picks_and_unnests():
